@@ -1,0 +1,445 @@
+"""Builders: from a model, a batch and the schedule knobs to the DAG of one training step.
+
+The step streams the model unit by unit: embedding, layers 0..L-1, head (loss forward and backward fused,
+chunk by chunk), then layers L-1..0 backward and the embedding's backward. Each knob changes the graph:
+
+    buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
+                       resident from the forward is reused by its backward instead of being fetched again
+    recompute_block    r: keep the input of every r-th layer; the backward of a block recomputes the inner
+                       layers (RECOMPUTE tasks) and holds the block's r layers resident at once
+    micro_batches      M micro-batches go through a layer per visit; gradients accumulate on the GPU
+    optimizer          after   : every update after the step's backward (and global norm)
+                       arrival : update a unit as soon as its gradients land (no exact clipping possible)
+                       overlap : updates of the previous step's gradients run while this step streams forward;
+                                 each PREFETCH(l) waits only for its own update
+                       gpu     : decoder layers updated on the GPU with streamed master and moments
+                       split   : the first `gpu_optimizer_fraction` of layers on the GPU, the rest on CPU threads
+    weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
+    grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
+    clip               "exact": global-norm clipping over all gradients; "none"
+    offload_checkpoints  send checkpointed activations to the host and back (long context)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+import networkx as nx
+
+from .schedule import Schedule, ScheduleError
+from .spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
+
+OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split")
+WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class ScheduleKnobs:
+    """Everything that shapes the step's DAG (see the module docstring)."""
+
+    buffers: int = 2
+    recompute_block: int = 1
+    micro_batches: int = 1
+    optimizer: str = "overlap"
+    gpu_optimizer_fraction: float = 0.5
+    weight_wire: str = "bf16"
+    grad_wire: str = "fp32"
+    clip: str = "exact"
+    offload_checkpoints: bool = False
+    compute_dtype: str = "bf16"
+    loss_chunk_tokens: int = 2048
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ScheduleError(f"schedule knob {name}={getattr(self, name)!r} is invalid; use {allowed}")
+
+        if not isinstance(self.buffers, int) or self.buffers < 1:
+            bad("buffers", "an integer >= 1")
+        if not isinstance(self.recompute_block, int) or self.recompute_block < 1:
+            bad("recompute_block", "an integer >= 1")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            bad("micro_batches", "an integer >= 1")
+        if self.optimizer not in OPTIMIZER_PLACEMENTS:
+            bad("optimizer", " | ".join(OPTIMIZER_PLACEMENTS))
+        if not 0.0 <= self.gpu_optimizer_fraction <= 1.0:
+            bad("gpu_optimizer_fraction", "a fraction in [0, 1]")
+        for name in ("weight_wire", "grad_wire", "compute_dtype"):
+            if getattr(self, name) not in WIRE_DTYPES:
+                bad(name, " | ".join(WIRE_DTYPES))
+        if self.clip not in ("exact", "none"):
+            bad("clip", "exact | none")
+        if self.optimizer == "arrival" and self.clip == "exact":
+            raise ScheduleError(
+                "optimizer='arrival' updates a layer before the later layers' gradients exist, so the global norm "
+                "that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' (updates overlap "
+                "the next forward and stay exact)"
+            )
+        if self.loss_chunk_tokens < 1:
+            bad("loss_chunk_tokens", "an integer >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ScheduleKnobs:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ScheduleError(f"unknown schedule knob(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    def wire_bytes(self, which: str) -> int:
+        return DTYPE_BYTES[WIRE_DTYPES[getattr(self, which)]]
+
+
+# Named schedules users refer to on the command line and in notebooks.
+NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
+    "serial": ScheduleKnobs(buffers=1, optimizer="after"),
+    "double-buffer": ScheduleKnobs(buffers=2, optimizer="after"),
+    "overlap": ScheduleKnobs(buffers=3, optimizer="overlap"),
+    "arrival": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none"),
+    "gpu-adam": ScheduleKnobs(buffers=3, optimizer="gpu"),
+    "split-adam": ScheduleKnobs(buffers=3, optimizer="split"),
+    "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
+}
+DEFAULT_SCHEDULE = "overlap"
+
+
+def knobs_for(name: str, **overrides) -> ScheduleKnobs:
+    """A named schedule, with knobs overridden (`knobs_for("overlap", buffers=2)`)."""
+    if name not in NAMED_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; named schedules: {', '.join(NAMED_SCHEDULES)}")
+    return replace(NAMED_SCHEDULES[name], **overrides)
+
+
+@dataclass
+class _Visit:
+    """An interval during which a unit's weights (and gradient area) occupy one GPU slot."""
+
+    unit: int
+    backward: bool
+    readers: list[Task]
+    first: int = 0  # position of the first reader in the compute order
+    last: int = 0
+    slot: str = ""
+    fill: Task | None = None  # the PREFETCH that fills the slot (None: reused from the forward visit)
+    previous: "_Visit | None" = None  # the occupant the fill evicts
+
+
+class _Builder:
+    def __init__(self, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs):
+        if batch % knobs.micro_batches:
+            raise ScheduleError(
+                f"batch {batch} does not split into micro_batches={knobs.micro_batches}; "
+                "choose a micro-batch count that divides the batch"
+            )
+        self.spec, self.batch, self.seq, self.k = spec, batch, seq, knobs
+        self.M = knobs.micro_batches
+        self.mb = batch // self.M
+        self.g = nx.DiGraph()
+        self._order = 0
+
+    # -- graph primitives --
+    def add(self, task: Task, **attrs) -> Task:
+        if task in self.g:
+            raise AssertionError(f"duplicate task {task}")
+        self.g.add_node(task, order=self._order, device=attrs.pop("device", "gpu"), **attrs)
+        self._order += 1
+        return task
+
+    def edge(self, a: Task, b: Task, why: str = "data") -> None:
+        self.g.add_edge(a, b, why=why)
+
+    # -- work quantities --
+    def compute_work(self, kind: TaskKind, unit: int) -> dict:
+        s, mb, seq = self.spec, self.mb, self.seq
+        fwd = s.unit_forward_flops(unit, mb, seq)
+        if unit == HEAD:  # FH does the head's forward and backward at once
+            flops = fwd + s.unit_backward_flops(unit, mb, seq)
+        elif kind is TaskKind.BACKWARD:  # recompute once + local backward
+            flops = fwd + s.unit_backward_flops(unit, mb, seq)
+        else:
+            flops = fwd
+        return dict(flops=flops, tokens=mb * seq, bytes=0, params=s.unit_params(unit))
+
+    def act_bytes(self) -> int:
+        return self.mb * self.seq * self.spec.hidden_size * self.k.wire_bytes("compute_dtype")
+
+    # -- the step --
+    def build(self) -> Schedule:
+        s, M, L = self.spec, self.M, self.spec.num_layers
+        r = self.k.recompute_block
+        order: list[Task] = []  # compute tasks in program order
+        visits: list[_Visit] = []
+
+        # Forward: embedding, layers, head (fused forward + backward of the loss).
+        for unit in [EMBED, *range(L), HEAD]:
+            readers = [F(unit, m) for m in range(M)]
+            visits.append(_Visit(unit, unit == HEAD, readers))
+            order += readers
+        # Backward, block by block from the top. A block [l0, l1) recomputes l0..l1-2 from l0's checkpoint.
+        blocks = [(l0, min(l0 + r, L)) for l0 in range(0, L, r)]
+        bwd_readers: dict[int, list[Task]] = {}
+        for l0, l1 in reversed(blocks):
+            for layer in range(l0, l1 - 1):
+                rs = [R(layer, m) for m in range(M)]
+                bwd_readers.setdefault(layer, []).extend(rs)
+                order += rs
+            for layer in reversed(range(l0, l1)):
+                bs = [B(layer, m) for m in range(M)]
+                bwd_readers.setdefault(layer, []).extend(bs)
+                order += bs
+        be = [B(EMBED, m) for m in range(M)]
+        order += be
+        first_pos = {}
+        for layer, rd in bwd_readers.items():
+            visits.append(_Visit(layer, True, rd))
+        visits.append(_Visit(EMBED, True, be))
+        pos = {t: i for i, t in enumerate(order)}
+        for v in visits:
+            v.first = min(pos[t] for t in v.readers)
+            v.last = max(pos[t] for t in v.readers)
+            first_pos[v.unit, v.backward] = v.first
+        visits.sort(key=lambda v: v.first)
+
+        self.assign_slots(visits)
+        self.emit(visits, order, blocks)
+        sched = Schedule(self.g, s, self.batch, self.seq, self.k)
+        return sched
+
+    def assign_slots(self, visits: list[_Visit]) -> None:
+        """Dedicated buffers for embedding and head; a ring of k slots for layers, least recently used first."""
+        ring: list[_Visit | None] = [None] * self.k.buffers
+        fwd_embed = None
+        for v in visits:
+            if v.unit in (EMBED, HEAD):
+                v.slot = "embed" if v.unit == EMBED else "head"
+                if v.unit == EMBED and v.backward:
+                    v.fill = fwd_embed.fill  # the embedding's buffer is never refilled within a step
+                    v.previous = None
+                else:
+                    v.fill = P(v.unit)
+                if v.unit == EMBED and not v.backward:
+                    fwd_embed = v
+                continue
+            # Backward visit of a layer still resident from its forward: reuse, no copy.
+            resident = next((i for i, o in enumerate(ring) if o and o.unit == v.unit and not o.backward), None)
+            if v.backward and resident is not None:
+                v.slot, v.fill, v.previous = f"w{resident}", ring[resident].fill, None
+                ring[resident] = v
+                continue
+            free = [i for i, o in enumerate(ring) if o is None or o.last < v.first]
+            if not free:
+                raise ScheduleError(
+                    f"{self.k.buffers} weight buffer(s) cannot hold the {self.k.recompute_block} layers that a "
+                    f"recompute block keeps resident during its backward; use buffers >= "
+                    f"{self.k.recompute_block + 1} (or a smaller recompute_block)"
+                )
+            i = min(free, key=lambda i: (ring[i] is not None, ring[i].last if ring[i] else 0, i))
+            v.slot, v.fill, v.previous = f"w{i}", P(v.unit, back=v.backward), ring[i]
+            ring[i] = v
+
+    def emit(self, visits: list[_Visit], order: list[Task], blocks) -> None:
+        s, k, M, L = self.spec, self.k, self.M, self.spec.num_layers
+        wire_w, wire_g = k.wire_bytes("weight_wire"), k.wire_bytes("grad_wire")
+        placement = k.optimizer
+        gpu_layers = set()
+        if placement == "gpu":
+            gpu_layers = set(range(L))
+        elif placement == "split":
+            gpu_layers = set(range(round(k.gpu_optimizer_fraction * L)))
+
+        def update_params(unit):
+            # A tied head's lm_head is the embedding: its update is the embedding's.
+            if unit == HEAD and s.tie_word_embeddings:
+                return s.hidden_size
+            return s.unit_params(unit)
+
+        # Updates of the previous step's gradients come first in program order (overlap placement).
+        if placement == "overlap":
+            for unit in s.units():
+                self.add(U(unit), device="cpu", step_offset=-1, params=update_params(unit), flops=0.0,
+                         bytes=0, tokens=0)
+
+        visit_of: dict[Task, _Visit] = {}
+        for v in visits:
+            for t in v.readers:
+                visit_of[t] = v
+        # PREFETCHes are emitted just before the first reader of their visit, compute tasks in order.
+        fills_at = {v.first: v for v in visits if v.fill is not None and v.fill not in self.g}
+        offload_after = {}  # position of a unit's last backward reader -> unit
+        for v in visits:
+            if v.backward:
+                offload_after[v.last] = v.unit
+        act = self.act_bytes()
+        checkpoint_layers = {l0 for l0, _ in blocks}
+        for i, t in enumerate(order):
+            v = visit_of[t]
+            if i in fills_at and fills_at[i].fill not in self.g:
+                fv = fills_at[i]
+                self.add(fv.fill, slot=fv.slot, bytes=s.unit_params(fv.unit) * wire_w, flops=0.0, tokens=0,
+                         params=s.unit_params(fv.unit))
+            work = self.compute_work(t.kind, t.unit)
+            if t.unit == EMBED:
+                work["flops"] = 0.0
+            self.add(t, slot=v.slot, weights=v.fill, **work)
+            # F(l-1) (F(E) for l = 0) produces layer l's input: offload it when l keeps a checkpoint.
+            if k.offload_checkpoints and t.kind is TaskKind.FORWARD and t.unit != HEAD \
+                    and (t.unit + 1) in checkpoint_layers:
+                self.add(X(t.unit + 1, t.micro), bytes=act, flops=0.0, tokens=0, params=0)
+            if i in offload_after:
+                unit = offload_after[i]
+                self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
+                         tokens=0, params=s.unit_params(unit))
+        # Activation prefetches: emitted in program order before the block that needs them.
+        if k.offload_checkpoints:
+            for l0, l1 in reversed(blocks):
+                for m in range(M):
+                    self.add(Y(l0, m), bytes=act, flops=0.0, tokens=0, params=0)
+            # Keep Y's program order next to the backward of their block.
+            for l0, l1 in blocks:
+                first = R(l0, 0) if l1 - l0 > 1 else B(l0, 0)
+                for m in range(M):
+                    self.g.nodes[Y(l0, m)]["order"] = self.g.nodes[first]["order"] - 0.5 + m * 1e-3
+
+        # Clip norm and the updates that use this step's gradients.
+        if k.clip == "exact":
+            self.add(NORM, device="cpu", params=s.num_params, flops=0.0, bytes=0, tokens=0)
+        if placement in ("after", "gpu", "split"):
+            state_ring: list[Task | None] = [None, None]
+            for unit in s.units():
+                if unit in gpu_layers:
+                    n = s.unit_params(unit)
+                    slot = f"s{len([u for u in s.units() if u in gpu_layers and u < unit]) % 2}"
+                    self.add(S(unit), slot=slot, bytes=n * 16, params=n, flops=0.0, tokens=0)
+                    self.add(U(unit), device="gpu", step_offset=0, slot=slot, weights=S(unit), params=n,
+                             flops=0.0, bytes=0, tokens=0)
+                    shadow = 2 if k.weight_wire == "bf16" else 0
+                    self.add(W(unit), slot=slot, weights=S(unit), bytes=n * (12 + shadow), params=n, flops=0.0,
+                             tokens=0)
+                else:
+                    self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0,
+                             bytes=0, tokens=0)
+        elif placement == "arrival":
+            for unit in [HEAD, *reversed(range(L)), EMBED]:
+                self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0, bytes=0,
+                         tokens=0)
+
+        self.connect(visits, order, blocks, gpu_layers)
+
+    def connect(self, visits, order, blocks, gpu_layers) -> None:
+        """Data, slot, accumulation, clipping and optimizer edges."""
+        s, k, M, L = self.spec, self.k, self.M, self.spec.num_layers
+        g = self.g
+        # Weights into readers.
+        for v in visits:
+            for t in v.readers:
+                self.edge(v.fill, t)
+            # Refill only after the previous occupant's readers (and the offload of its gradients) are done.
+            if v.previous is not None:
+                prev = v.previous
+                for reader in prev.readers:
+                    self.edge(reader, v.fill, "slot")
+                if prev.backward:
+                    self.edge(O(prev.unit), v.fill, "slot")
+        # Activations through the forward, loss, and gradients back down.
+        chain = [EMBED, *range(L), HEAD]
+        for m in range(M):
+            for a, b in zip(chain, chain[1:]):
+                self.edge(F(a, m), F(b, m))
+        for l0, l1 in blocks:
+            for m in range(M):
+                # Layer l0's checkpointed input: the output of F(l0-1), via the host when offloaded.
+                src = F(l0 - 1 if l0 else EMBED, m)
+                if k.offload_checkpoints:
+                    self.edge(src, X(l0, m))
+                    self.edge(X(l0, m), Y(l0, m))
+                    src = Y(l0, m)
+                self.edge(src, B(l0, m))
+                if l1 - l0 > 1:
+                    self.edge(src, R(l0, m))
+                for layer in range(l0, l1 - 1):  # recomputed inputs of the block's inner layers
+                    if layer > l0:
+                        self.edge(R(layer - 1, m), R(layer, m))
+                    self.edge(R(layer, m), B(layer + 1, m))
+        for m in range(M):
+            top = HEAD
+            for layer in reversed(range(L)):
+                self.edge(F(top, m) if top == HEAD else B(top, m), B(layer, m))
+                top = layer
+            self.edge(B(0, m) if L else F(HEAD, m), B(EMBED, m))
+        # Long context: bring a block's checkpoints back only once the block above has started its backward.
+        if k.offload_checkpoints:
+            prev_first = F(HEAD, 0)
+            for l0, l1 in reversed(blocks):
+                for m in range(M):
+                    self.edge(prev_first, Y(l0, m), "slot")
+                prev_first = R(l0, 0) if l1 - l0 > 1 else B(l0, 0)
+        # Gradient accumulation over micro-batches into one buffer, then one offload per unit.
+        for unit in s.units():
+            producers = [F(HEAD, m) for m in range(M)] if unit == HEAD else [B(unit, m) for m in range(M)]
+            for a, b in zip(producers, producers[1:]):
+                self.edge(a, b, "accum")
+            self.edge(producers[-1], O(unit))
+        offloads = [O(u) for u in s.units()]
+        if NORM in g:
+            for o in offloads:
+                self.edge(o, NORM, "clip")
+        # Optimizer.
+        for t in [t for t in g.nodes if t.kind is TaskKind.OPTIMIZER]:
+            u = t.unit
+            if g.nodes[t]["step_offset"] == -1:
+                self.edge(t, P(u), "state")  # stream the weights only once they are updated
+                self.edge(t, O(u), "state")  # read the old gradients before this step's land
+            elif u in gpu_layers:
+                self.edge(O(u), S(u))
+                self.edge(S(u), t)
+                self.edge(t, W(u))
+                if NORM in g:
+                    self.edge(NORM, t, "clip")
+            else:
+                self.edge(O(u), t)
+                if NORM in g:
+                    self.edge(NORM, t, "clip")
+        if s.tie_word_embeddings:
+            # The head's lm_head gradient is added into the embedding's before its update, and the head's
+            # streaming copy of the shared matrix is refreshed after it.
+            if g.nodes[U(EMBED)]["step_offset"] == 0:
+                self.edge(O(HEAD), U(EMBED))
+            self.edge(U(EMBED), U(HEAD), "state")
+        # State slot ring for GPU updates: refill a state slot only after its previous W.
+        gpu_units = [u for u in s.units() if u in gpu_layers]
+        for a, b in zip(gpu_units, gpu_units[2:]):
+            self.edge(W(a), S(b), "slot")
+
+
+def build_schedule(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs | str = DEFAULT_SCHEDULE,
+                   validate: bool = True) -> Schedule:
+    """Build and (by default) validate the DAG of one training step."""
+    name = knobs if isinstance(knobs, str) else "custom"
+    if isinstance(knobs, str):
+        knobs = knobs_for(knobs)
+    if batch < 1 or seq < 1:
+        raise ScheduleError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    sched = _Builder(spec, batch, seq, knobs).build()
+    sched.name = name
+    if validate:
+        sched.validate()
+    return sched
+
+
+def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
+    """Bytes of each GPU buffer: weights in the wire dtype plus an fp32 gradient area (fp32 accumulation)."""
+    w = knobs.wire_bytes("weight_wire")
+
+    def unit_bytes(unit):
+        return spec.unit_params(unit) * (w + 4)
+
+    sizes = {f"w{i}": unit_bytes(0) for i in range(knobs.buffers)}
+    sizes["embed"] = unit_bytes(EMBED)
+    sizes["head"] = unit_bytes(HEAD)
+    if knobs.optimizer in ("gpu", "split"):
+        sizes["s0"] = sizes["s1"] = spec.layer_params * 16
+    return sizes
+
+

@@ -1,0 +1,40 @@
+"""The `megatrain` command: one subcommand per module in `megatrain.commands`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+COMMANDS = ("plan",)
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatrain",
+        description="Stream LLM training from host memory to one GPU; simulate schedules before running them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"megatrain.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .schedule import ScheduleError
+    from .spec import SpecError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, SpecError, ScheduleError) as e:
+        print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

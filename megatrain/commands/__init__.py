@@ -1,0 +1,1 @@
+"""Subcommands of the `megatrain` CLI, one module each (see megatrain/cli.py)."""

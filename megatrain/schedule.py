@@ -1,0 +1,172 @@
+"""A training step as a DAG of tasks, and the validator that proves it safe to run.
+
+A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
+
+    order   int    the builder's intended program order (lowering breaks ties with it)
+    device  str    "gpu" or "cpu": where the task runs (OPTIMIZER may be either)
+    slot    str    GPU buffer the task reads or fills ("w0".."w{k-1}" ring, "embed", "head", "s0"/"s1" state)
+    weights Task   for compute tasks: the PREFETCH whose copy of the weights it reads
+    step_offset int  OPTIMIZER only: 0 = updates with this step's gradients, -1 = with the previous step's
+    bytes, flops, tokens, params   the work, for the simulator's cost model
+
+Edge attribute `why`: "data" (a value flows), "slot" (a buffer is refilled only after its readers are done),
+"accum" (gradient accumulation into one buffer), "clip" (the global norm needs every gradient), "state".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import networkx as nx
+
+from .spec import ModelSpec
+from .tasks import COMPUTE_KINDS, Task, TaskKind
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run correctly; the message shows the offending region."""
+
+
+@dataclass
+class Schedule:
+    """The DAG of one training step plus what it was built from."""
+
+    graph: nx.DiGraph
+    spec: ModelSpec
+    batch: int
+    seq: int
+    knobs: "object"  # ScheduleKnobs; typed loosely to keep this module free of the builders
+    name: str = "custom"
+    _ordered: list[Task] | None = field(default=None, repr=False)
+
+    def tasks(self) -> list[Task]:
+        """Tasks in the builder's program order."""
+        if self._ordered is None:
+            self._ordered = sorted(self.graph.nodes, key=lambda t: self.graph.nodes[t]["order"])
+        return self._ordered
+
+    def __len__(self) -> int:
+        return self.graph.number_of_nodes()
+
+    def attrs(self, task: Task) -> dict:
+        return self.graph.nodes[task]
+
+    def count(self, kind: TaskKind) -> int:
+        return sum(1 for t in self.graph.nodes if t.kind is kind)
+
+    def listing(self, tasks: Iterable[Task] | None = None, mark: Iterable[Task] = ()) -> str:
+        """One line per task in program order: `F3.1 <- F2.1 P3`; marked tasks get `>>`. Golden-file format."""
+        marked = set(mark)
+        lines = []
+        for t in tasks if tasks is not None else self.tasks():
+            preds = " ".join(sorted(p.id for p in self.graph.predecessors(t)))
+            prefix = ">> " if t in marked else "   "
+            slot = self.graph.nodes[t].get("slot")
+            where = f" [{slot}]" if slot and t.kind is TaskKind.PREFETCH else ""
+            lines.append(f"{prefix}{t.id}{where}" + (f" <- {preds}" if preds else ""))
+        return "\n".join(lines)
+
+    def region(self, around: Iterable[Task], context: int = 3) -> str:
+        """The listing of the tasks near `around` (in program order), those marked, for error messages."""
+        around = list(around)
+        order = self.tasks()
+        index = {t: i for i, t in enumerate(order)}
+        keep = set()
+        for t in around:
+            if t in index:
+                keep.update(range(max(0, index[t] - context), min(len(order), index[t] + context + 1)))
+        chosen, last, lines = sorted(keep), None, []
+        for i in chosen:
+            if last is not None and i != last + 1:
+                lines.append("   ...")
+            lines.append(self.listing([order[i]], mark=around))
+            last = i
+        return "\n".join(lines)
+
+    def validate(self) -> None:
+        validate(self)
+
+
+# ---- validator --------------------------------------------------------------------------------------------------
+def _fail(schedule: Schedule, message: str, tasks: Iterable[Task]) -> None:
+    tasks = list(tasks)
+    raise ScheduleError(f"{message}\n{schedule.region(tasks)}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Check that the schedule can run correctly under every execution order its edges allow.
+
+    - the graph is acyclic;
+    - every compute task reads weights that a PREFETCH put into its slot before it (an ancestor), and the next
+      PREFETCH into that slot is a descendant of the reader (the slot is not refilled under it);
+    - every OFFLOAD of a gradient buffer finishes before that buffer's slot is refilled;
+    - every optimizer update that uses this step's gradients comes after their OFFLOAD (and after the global norm
+      when clipping is exact); an update of the previous step's gradients comes before this step's OFFLOAD
+      overwrites them and before the PREFETCH that streams the updated weights.
+    """
+    g = schedule.graph
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = [u for u, _ in nx.find_cycle(g)]
+        _fail(schedule, "the schedule has a cycle: " + " -> ".join(t.id for t in cycle + cycle[:1]), cycle)
+
+    topo = {t: i for i, t in enumerate(nx.topological_sort(g))}
+
+    def before(a: Task, b: Task) -> bool:
+        return g.has_edge(a, b) or (topo[a] < topo[b] and nx.has_path(g, a, b))
+
+    # Prefetches into each slot, in topological order.
+    fills: dict[str, list[Task]] = {}
+    for t in g.nodes:
+        if t.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH):
+            fills.setdefault(g.nodes[t]["slot"], []).append(t)
+    for lst in fills.values():
+        lst.sort(key=topo.__getitem__)
+    next_fill = {p: lst[i + 1] if i + 1 < len(lst) else None for lst in fills.values() for i, p in enumerate(lst)}
+
+    for t in g.nodes:
+        a = g.nodes[t]
+        if t.kind in COMPUTE_KINDS or t.kind in (TaskKind.OFFLOAD, TaskKind.STATE_OFFLOAD) or (
+            t.kind is TaskKind.OPTIMIZER and a.get("device") == "gpu"
+        ):
+            src = a.get("weights")
+            if src is None:
+                _fail(schedule, f"{t.id} reads a GPU buffer but no PREFETCH fills it", [t])
+            if src not in g or g.nodes[src].get("slot") != a.get("slot"):
+                _fail(schedule, f"{t.id} reads slot {a.get('slot')} but its weights come from {src}", [t, src])
+            if not before(src, t):
+                _fail(schedule, f"{t.id} may start before {src.id} has filled slot {a['slot']}", [src, t])
+            nxt = next_fill.get(src)
+            if nxt is not None and not before(t, nxt):
+                _fail(
+                    schedule,
+                    f"slot {a['slot']} may be refilled by {nxt.id} while {t.id} still reads it "
+                    f"(add an edge {t.id} -> {nxt.id} or more buffers)",
+                    [t, nxt],
+                )
+
+    norm = next((t for t in g.nodes if t.kind is TaskKind.CLIP_NORM), None)
+    offloads = {t.unit: t for t in g.nodes if t.kind is TaskKind.OFFLOAD}
+    for t in g.nodes:
+        if t.kind is not TaskKind.OPTIMIZER:
+            continue
+        off = offloads.get(t.unit)
+        if off is None:
+            _fail(schedule, f"{t.id} updates unit {t.unit} whose gradients are never offloaded", [t])
+        if g.nodes[t].get("step_offset", 0) == 0:
+            if not before(off, t):
+                _fail(schedule, f"{t.id} may run before {off.id} has brought its gradients to the host", [off, t])
+            if norm is not None and not before(norm, t):
+                _fail(schedule, f"{t.id} may run before the global gradient norm {norm.id} (exact clipping)",
+                      [norm, t])
+        else:
+            if not before(t, off):
+                _fail(schedule, f"{t.id} reads the previous step's gradients but {off.id} may overwrite them first",
+                      [t, off])
+            first = next((p for p in g.successors(t) if p.kind is TaskKind.PREFETCH), None)
+            if first is None and t.unit is not None and schedule.spec is not None:
+                _fail(schedule, f"{t.id} updates weights that no PREFETCH waits for", [t])
+    if norm is not None:
+        missing = [o for o in offloads.values() if not before(o, norm)]
+        if missing:
+            _fail(schedule, f"the global norm {norm.id} may be taken before " + ", ".join(o.id for o in missing),
+                  [norm, *missing])

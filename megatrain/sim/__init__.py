@@ -1,0 +1,1 @@
+"""The discrete-event simulator: predicts the Timeline of a Program from a HardwareProfile."""

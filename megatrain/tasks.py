@@ -1,0 +1,148 @@
+"""Tasks of a training step and their compact text ids.
+
+Every task has an id that round-trips through text, used in logs, traces, golden files and errors:
+
+    P3      PREFETCH       host -> GPU copy of layer 3's weights into a GPU buffer slot for the forward
+    P3b     PREFETCH       the same, again, for the backward (when the forward's copy was evicted)
+    F3.1    FORWARD        layer 3 forward of micro-batch 1 (FH.m: head forward + loss + its backward, fused)
+    R3.1    RECOMPUTE      layer 3 forward again inside a recompute block, to rebuild the next layer's input
+    B3.1    BACKWARD       layer 3 recompute-once + local backward of micro-batch 1, grads into the slot
+    O3      OFFLOAD        GPU -> host copy of layer 3's accumulated gradients
+    N       CLIP_NORM      global gradient norm from the per-unit norms (exact clipping)
+    U3      OPTIMIZER      AdamW on layer 3 (CPU threads, or the GPU when the schedule says so)
+    S3      STATE_PREFETCH host -> GPU copy of master, moments and gradients for a GPU optimizer update
+    W3      STATE_OFFLOAD  GPU -> host copy of the updated master, moments and streaming copy
+    X3.1    ACT_OFFLOAD    GPU -> host copy of layer 3's checkpointed input (long context)
+    Y3.1    ACT_PREFETCH   host -> GPU copy of it back before the backward needs it
+
+Units are `E` (embedding), `H` (head) or a layer number.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from .spec import EMBED, HEAD
+
+
+class TaskKind(str, Enum):
+    PREFETCH = "P"
+    FORWARD = "F"
+    RECOMPUTE = "R"
+    BACKWARD = "B"
+    OFFLOAD = "O"
+    CLIP_NORM = "N"
+    OPTIMIZER = "U"
+    STATE_PREFETCH = "S"
+    STATE_OFFLOAD = "W"
+    ACT_OFFLOAD = "X"
+    ACT_PREFETCH = "Y"
+
+
+# Which kinds carry a micro-batch index and which a unit.
+_HAS_MICRO = {TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD, TaskKind.ACT_OFFLOAD, TaskKind.ACT_PREFETCH}
+_HAS_UNIT = set(TaskKind) - {TaskKind.CLIP_NORM}
+_ID_RE = re.compile(r"^([A-Z])(E|H|\d+)?(b)?(?:\.(\d+))?$")
+
+
+def unit_text(unit: int) -> str:
+    return {EMBED: "E", HEAD: "H"}.get(unit, str(unit))
+
+
+def parse_unit(text: str) -> int:
+    return {"E": EMBED, "H": HEAD}.get(text) if text in ("E", "H") else int(text)
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One node of a schedule: a kind, the unit it works on, and the micro-batch for compute tasks."""
+
+    kind: TaskKind
+    unit: int | None = None
+    micro: int | None = None
+    back: bool = False  # PREFETCH only: the second copy of a unit's weights, for its backward
+
+    def __post_init__(self):
+        if self.back and self.kind is not TaskKind.PREFETCH:
+            raise ValueError("only PREFETCH tasks have a backward variant")
+        if (self.unit is not None) != (self.kind in _HAS_UNIT):
+            raise ValueError(f"task kind {self.kind.name} {'needs' if self.kind in _HAS_UNIT else 'takes no'} unit")
+        if (self.micro is not None) != (self.kind in _HAS_MICRO):
+            raise ValueError(f"task kind {self.kind.name} {'needs' if self.kind in _HAS_MICRO else 'takes no'} micro")
+
+    @property
+    def id(self) -> str:
+        s = self.kind.value
+        if self.unit is not None:
+            s += unit_text(self.unit)
+        if self.back:
+            s += "b"
+        if self.micro is not None:
+            s += f".{self.micro}"
+        return s
+
+    def __str__(self) -> str:
+        return self.id
+
+    @classmethod
+    def parse(cls, text: str) -> Task:
+        """Inverse of `.id`: `Task.parse("B3.1") == Task(TaskKind.BACKWARD, 3, 1)`."""
+        m = _ID_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"{text!r} is not a task id (examples: P3, F3.1, BH.0, O3, U3, N)")
+        try:
+            kind = TaskKind(m.group(1))
+        except ValueError:
+            raise ValueError(f"{text!r}: unknown task kind {m.group(1)!r}") from None
+        unit = parse_unit(m.group(2)) if m.group(2) is not None else None
+        micro = int(m.group(4)) if m.group(4) is not None else None
+        try:
+            return cls(kind, unit, micro, back=m.group(3) is not None)
+        except ValueError as e:
+            raise ValueError(f"{text!r}: {e}") from None
+
+
+def P(u, back=False):
+    return Task(TaskKind.PREFETCH, u, back=back)
+
+
+def F(u, m):
+    return Task(TaskKind.FORWARD, u, m)
+
+
+def R(u, m):
+    return Task(TaskKind.RECOMPUTE, u, m)
+
+
+def B(u, m):
+    return Task(TaskKind.BACKWARD, u, m)
+
+
+def O(u):  # noqa: E743 - the letter is the task kind
+    return Task(TaskKind.OFFLOAD, u)
+
+
+def U(u):
+    return Task(TaskKind.OPTIMIZER, u)
+
+
+def S(u):
+    return Task(TaskKind.STATE_PREFETCH, u)
+
+
+def W(u):
+    return Task(TaskKind.STATE_OFFLOAD, u)
+
+
+def X(u, m):
+    return Task(TaskKind.ACT_OFFLOAD, u, m)
+
+
+def Y(u, m):
+    return Task(TaskKind.ACT_PREFETCH, u, m)
+
+
+NORM = Task(TaskKind.CLIP_NORM)
+
+COMPUTE_KINDS = {TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD}
