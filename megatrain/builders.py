@@ -443,3 +443,57 @@ def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
     return sizes
 
 
+
+
+def parse_knob_value(name: str, text: str):
+    """Convert `text` to the type of ScheduleKnobs field `name` ("3" -> 3, "true" -> True)."""
+    types = {f.name: f.type for f in fields(ScheduleKnobs)}
+    if name not in types:
+        raise ScheduleError(f"unknown schedule knob {name!r}; known: {', '.join(sorted(types))}")
+    kind = types[name] if isinstance(types[name], str) else types[name].__name__
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        raise ScheduleError(f"schedule knob {name} expects a {kind}, got {text!r}") from None
+
+
+def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
+    """Knobs from a named schedule or a TOML file (a [schedule] table of knob fields), then `knob=value` overrides.
+
+    Returns (display name, knobs).
+    """
+    import tomllib
+    from pathlib import Path
+
+    if schedule in NAMED_SCHEDULES:
+        name, knobs = schedule, NAMED_SCHEDULES[schedule]
+    elif schedule.endswith(".toml") or Path(schedule).is_file():
+        path = Path(schedule)
+        if not path.is_file():
+            raise ScheduleError(f"schedule file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ScheduleError(f"{path} is not valid TOML: {e}") from None
+        table = data.get("schedule", data)
+        base = table.pop("base", DEFAULT_SCHEDULE) if isinstance(table, dict) else DEFAULT_SCHEDULE
+        name, knobs = path.stem, ScheduleKnobs.from_dict({**knobs_for(base).to_dict(), **table})
+    else:
+        raise ScheduleError(f"unknown schedule {schedule!r}: give one of {', '.join(NAMED_SCHEDULES)} or a .toml file")
+    if isinstance(overrides, dict):
+        pairs = list(overrides.items())
+    else:
+        pairs = []
+        for item in overrides or []:
+            if "=" not in item:
+                raise ScheduleError(f"override {item!r} is not knob=value (e.g. buffers=3)")
+            k, v = item.split("=", 1)
+            pairs.append((k.strip(), parse_knob_value(k.strip(), v.strip())))
+    if pairs:
+        knobs = replace(knobs, **dict(pairs))
+        name = name + "[" + ",".join(f"{k}={v}" for k, v in pairs) + "]"
+    return name, knobs
