@@ -230,10 +230,11 @@ class _Builder:
                 continue
             free = [i for i, o in enumerate(ring) if o is None or o.last < v.first]
             if not free:
+                r = self.k.recompute_block
                 raise ScheduleError(
-                    f"{self.k.buffers} weight buffer(s) cannot hold the {self.k.recompute_block} layers that a "
-                    f"recompute block keeps resident during its backward; use buffers >= "
-                    f"{self.k.recompute_block + 1} (or a smaller recompute_block)"
+                    f"{self.k.buffers} weight buffer(s) cannot hold the {r} layers that a recompute block keeps "
+                    f"resident during its backward; use buffers >= {r} ({r + 1} to overlap the copies), "
+                    "or a smaller recompute_block"
                 )
             i = min(free, key=lambda i: (ring[i] is not None, ring[i].last if ring[i] else 0, i))
             v.slot, v.fill, v.previous = f"w{i}", P(v.unit, back=v.backward), ring[i]
@@ -458,7 +459,8 @@ def parse_knob_value(name: str, text: str):
             return text.lower() in ("true", "1", "yes")
         return {"int": int, "float": float, "str": str}[kind](text)
     except ValueError:
-        raise ScheduleError(f"schedule knob {name} expects a {kind}, got {text!r}") from None
+        expected = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
+        raise ScheduleError(f"schedule knob {name} expects {expected}, got {text!r}") from None
 
 
 def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:

@@ -1,0 +1,49 @@
+"""`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
+from __future__ import annotations
+
+from ..builders import DEFAULT_SCHEDULE, resolve_knobs
+from ..memory import GiB, fit_report, format_plan, plan_memory
+from ..presets import get_model
+
+
+def machine_memory() -> tuple[int | None, int | None]:
+    """(host bytes, GPU bytes) of this machine; GPU is None without CUDA."""
+    import psutil
+
+    host = psutil.virtual_memory().total
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_properties(0).total_memory
+    except ImportError:
+        pass
+    return host, gpu
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="memory plan of a run: host and GPU bytes, fit, knobs that help")
+    p.add_argument("--model", default="debug", help="preset name or HF model dir / config.json")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="named schedule or TOML file")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+    p.add_argument("--host-gib", type=float, help="host memory to check against (default: this machine's)")
+    p.add_argument("--gpu-gib", type=float, help="GPU memory to check against (default: this machine's GPU)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    spec = get_model(args.model)
+    name, knobs = resolve_knobs(args.schedule, args.set)
+    plan = plan_memory(spec, args.batch, args.seq, knobs)
+    host, gpu = machine_memory()
+    host = int(args.host_gib * GiB) if args.host_gib else host
+    gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
+    print(f"schedule {name}: {knobs}")
+    print(format_plan(plan))
+    ok, lines = fit_report(plan, host, gpu)
+    print()
+    print("\n".join(lines))
+    return 0 if ok else 1
