@@ -1,0 +1,112 @@
+"""The Llama / Mistral / Qwen2 decoder layer as a stateless function of (weights, activations).
+
+No nn.Module owns the weights: `w` maps HF local names (`self_attn.q_proj.weight`, ...) to views of whatever flat
+buffer the runtime bound (a GPU slot, a host tile; see `layout.UnitLayout.views`). Nothing is copied out of that
+buffer; a weight whose dtype differs from the activations (fp32 master streamed, bf16 compute) is cast where it is
+used, and that cast is the only copy.
+
+The math follows transformers' `LlamaDecoderLayer` op for op (pre-norm, RMSNorm in fp32, rotate-half RoPE,
+SDPA causal attention, SwiGLU), so that in fp32 our outputs match HF's to matmul rounding.
+
+`layer_backward` is the local backward of the streaming executor: it recomputes the layer once from its
+checkpointed input with the slot views as autograd leaves, takes `torch.autograd.grad`, and lets the graph die
+before it returns. Forward (1x) + recompute (1x) + backward (2x) = 4 forward-equivalents = 8N FLOPs per token.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..spec import ModelSpec
+from .rope import apply_rope
+
+# SDPA grew `enable_gqa` in torch 2.5: K/V heads are shared by query groups inside the kernel instead of being
+# materialized n_rep times (HF does the same when no mask is passed).
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as HF's LlamaRMSNorm: statistics in fp32, normalized value cast back, then scaled. (..., d)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * h.to(x.dtype)
+
+
+def _linear(x: Tensor, w: Mapping[str, Tensor], name: str, bias: bool = False) -> Tensor:
+    weight = w[f"{name}.weight"].to(x.dtype)  # no-op (same tensor) when the dtypes agree
+    b = w[f"{name}.bias"].to(x.dtype) if bias else None
+    return F.linear(x, weight, b)
+
+
+def attention(w: Mapping[str, Tensor], h: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec) -> Tensor:
+    """Causal grouped-query self-attention of the normalized input h (B, T, d) -> (B, T, d)."""
+    B, T, _ = h.shape
+    hd, n_rep = spec.head_dim, spec.num_heads // spec.num_kv_heads
+    bias = spec.qkv_bias  # Qwen2: q/k/v have biases, o_proj does not
+    q = _linear(h, w, "self_attn.q_proj", bias).view(B, T, spec.num_heads, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k = _linear(h, w, "self_attn.k_proj", bias).view(B, T, spec.num_kv_heads, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    v = _linear(h, w, "self_attn.v_proj", bias).view(B, T, spec.num_kv_heads, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # HF passes scaling=head_dim**-0.5 explicitly; so do we, so that the scale is the same float.
+    if n_rep == 1:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
+    elif _SDPA_HAS_GQA:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=True)
+    else:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
+    y = y.transpose(1, 2).reshape(B, T, spec.q_dim)  # (B, T, nh*hd)
+    return _linear(y, w, "self_attn.o_proj")  # (B, T, d)
+
+
+def mlp(w: Mapping[str, Tensor], h: Tensor) -> Tensor:
+    """SwiGLU: down(silu(gate(h)) * up(h)). (B, T, d) -> (B, T, d) through (B, T, ffn)."""
+    return _linear(F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj"), w, "mlp.down_proj")
+
+
+def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec) -> Tensor:
+    """One pre-norm decoder layer: x (B, T, d) -> (B, T, d) in x.dtype.
+
+    w: HF local names -> weight views (any float dtype; cast to x.dtype at use). cos/sin: (T, head_dim) tables
+    from `rope_cos_sin` in x.dtype (or castable to it).
+    """
+    if x.dim() != 3 or x.shape[-1] != spec.hidden_size:
+        raise ValueError(f"decoder_layer expects x of shape (B, T, {spec.hidden_size}), got {tuple(x.shape)}")
+    if cos.shape != (x.shape[1], spec.head_dim):
+        raise ValueError(f"rope tables have shape {tuple(cos.shape)}; expected (T={x.shape[1]}, "
+                         f"head_dim={spec.head_dim}): build them with rope_cos_sin(spec, T, ...)")
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    h = x + attention(w, rms_norm(x, w["input_layernorm.weight"], spec.rms_norm_eps), cos, sin, spec)
+    return h + mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps))
+
+
+def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
+                   grad_out: Tensor, grad_acc: Mapping[str, Tensor]) -> Tensor:
+    """Local backward of one layer from its checkpointed input; returns grad_x (B, T, d) in x.dtype.
+
+    Recomputes the layer once with leaves `w[name].detach().requires_grad_()` (same storage as the slot, no copy)
+    and adds each weight gradient into `grad_acc[name]` (typically fp32 views of the slot's gradient area), so
+    calling it once per micro-batch accumulates. The autograd graph is local to this call: `torch.autograd.grad`
+    frees it, and no tensor returned or written holds on to it.
+    """
+    missing = [n for n in w if n not in grad_acc]
+    if missing:
+        raise KeyError(f"grad_acc has no accumulator for {missing}; it needs one per weight of the layer")
+    if grad_out.shape != x.shape:
+        raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}, the layer input has {tuple(x.shape)}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("layer_backward cannot run under torch.inference_mode(); use torch.no_grad() instead")
+    names = list(w)
+    with torch.enable_grad():
+        x_leaf = x.detach().requires_grad_()
+        leaves = {n: w[n].detach().requires_grad_() for n in names}  # views of the same storage
+        out = decoder_layer(leaves, x_leaf, cos, sin, spec)
+        grads = torch.autograd.grad(out, [x_leaf, *(leaves[n] for n in names)], grad_out.to(out.dtype))
+    del out, leaves, x_leaf
+    with torch.no_grad():
+        for n, g in zip(names, grads[1:]):
+            grad_acc[n].add_(g)  # fp32 += (fp32 | bf16) in place
+    return grads[0].to(x.dtype)
