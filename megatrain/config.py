@@ -1,0 +1,426 @@
+"""Run configuration: one dataclass, five sections, loaded from TOML and overridden on the command line.
+
+    [model]      which model (a preset or a local Hugging Face directory) and how its weights start
+    [data]       where the tokens come from, sequence length, batch size, held-out split
+    [schedule]   a named schedule and any knob of megatrain.builders.ScheduleKnobs overriding it
+    [optimizer]  AdamW, learning-rate schedule, clipping
+    [run]        steps, evaluation, checkpoints, logging, device
+
+`load_config("run.toml", ["optimizer.lr=3e-4"])` reads the file with stdlib `tomllib`, applies `--set`
+overrides (each value parsed to the type of its field), and checks everything before any memory is allocated:
+an unknown section or key, a value of the wrong type or out of range is a `ConfigError` naming the key. Keys
+left out take the defaults below; in [schedule], keys left out take the values of the named schedule, so
+`name = "serial"` plus `buffers = 2` means "serial, but double-buffered". The resolved config (every key
+explicit) is what `to_json()` / `to_toml()` write next to a run's outputs, and loading it back gives the same run.
+
+Paths are taken relative to the working directory, as on the command line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
+from .presets import PRESETS
+from .schedule import ScheduleError
+
+DATA_FORMATS = ("auto", "text", "bin", "jsonl")
+TOKEN_DTYPES = ("uint16", "uint32")
+LR_DECAYS = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+MODEL_INITS = ("auto", "pretrained", "random")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the key and says what to do."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how its weights start."""
+
+    name: str = "debug"  # a preset (megatrain.PRESETS) or a local Hugging Face directory (config.json + safetensors)
+    init: str = "auto"  # auto: the directory's weights, or random for a preset | pretrained | random
+    init_std: float = 0.02  # std of the normal init of matrices (HF's initializer_range); norms start at 1
+    seed: int = 0  # seed of the random init
+    num_layers: int = 0  # 0: as the model has; n: keep only the first n layers (quick experiments)
+
+    def validate(self) -> None:
+        _one_of("model.init", self.init, MODEL_INITS)
+        if self.name not in PRESETS and not Path(self.name).exists():
+            raise ConfigError(
+                f"model.name={self.name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path; "
+                "give a preset name or a local Hugging Face model directory"
+            )
+        if self.init == "pretrained" and self.name in PRESETS:
+            raise ConfigError(f"model.init='pretrained' needs a Hugging Face directory, but model.name={self.name!r} "
+                              "is a preset (it has no weights); use init='random' or point model.name at a directory")
+        _at_least("model.num_layers", self.num_layers, 0)
+        _positive("model.init_std", self.init_std)
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether the weights come from the Hugging Face directory (else seeded random init)."""
+        return self.init == "pretrained" or (self.init == "auto" and self.name not in PRESETS)
+
+    def spec(self):
+        """The ModelSpec this section describes (with `num_layers` applied)."""
+        from .presets import get_model
+
+        spec = get_model(self.name)
+        if self.num_layers:
+            if self.num_layers > spec.num_layers:
+                raise ConfigError(f"model.num_layers={self.num_layers} is more than the {spec.num_layers} layers "
+                                  f"of {spec.name}")
+            spec = spec.with_layers(self.num_layers)
+        return spec
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how they are cut into (batch_size, seq_len) batches."""
+
+    path: str = ""  # "" = the bundled corpus; a .bin token file, a nanoGPT dir (train.bin/val.bin), .jsonl or .txt
+    format: str = "auto"  # auto (from the suffix) | text (byte-level tokens) | bin | jsonl
+    dtype: str = "uint16"  # element type of .bin token files (nanoGPT writes uint16)
+    tokenizer: str = ""  # local tokenizer.json for jsonl (nothing is downloaded)
+    text_key: str = "text"  # the field of each JSONL record holding its text
+    eos_token: str = ""  # token appended after every JSONL document ("" = none)
+    eval_path: str = ""  # held-out file; "" = the last eval_fraction of the data (val.bin in a nanoGPT dir)
+    eval_fraction: float = 0.05
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per step
+    shuffle: bool = True
+    seed: int = 0  # seed of the shuffling
+
+    def validate(self) -> None:
+        _one_of("data.format", self.format, DATA_FORMATS)
+        _one_of("data.dtype", self.dtype, TOKEN_DTYPES)
+        for key in ("path", "tokenizer", "eval_path"):
+            value = getattr(self, key)
+            if value and not Path(value).exists():
+                raise ConfigError(f"data.{key}={value!r} does not exist")
+        if self.format == "jsonl" and not self.tokenizer:
+            raise ConfigError("data.format='jsonl' needs data.tokenizer, the path of a local tokenizer.json")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.batch_size", self.batch_size)
+
+
+_DEFAULT_KNOBS = NAMED_SCHEDULES[DEFAULT_SCHEDULE]
+
+
+@dataclass
+class ScheduleConfig:
+    """A named schedule (megatrain.NAMED_SCHEDULES) and the knobs that override it; maps onto ScheduleKnobs."""
+
+    name: str = DEFAULT_SCHEDULE
+    buffers: int = _DEFAULT_KNOBS.buffers
+    recompute_block: int = _DEFAULT_KNOBS.recompute_block
+    micro_batches: int = _DEFAULT_KNOBS.micro_batches
+    optimizer: str = _DEFAULT_KNOBS.optimizer
+    gpu_optimizer_fraction: float = _DEFAULT_KNOBS.gpu_optimizer_fraction
+    weight_wire: str = _DEFAULT_KNOBS.weight_wire
+    grad_wire: str = _DEFAULT_KNOBS.grad_wire
+    clip: str = _DEFAULT_KNOBS.clip
+    offload_checkpoints: bool = _DEFAULT_KNOBS.offload_checkpoints
+    compute_dtype: str = _DEFAULT_KNOBS.compute_dtype
+    loss_chunk_tokens: int = _DEFAULT_KNOBS.loss_chunk_tokens
+
+    def knobs(self) -> ScheduleKnobs:
+        """The ScheduleKnobs of this section (the builders' own checks apply)."""
+        d = asdict(self)
+        d.pop("name")
+        try:
+            return ScheduleKnobs(**d)
+        except ScheduleError as e:
+            raise ConfigError(f"[schedule]: {e}") from None
+
+    def validate(self) -> None:
+        _one_of("schedule.name", self.name, tuple(NAMED_SCHEDULES))
+        _one_of("schedule.optimizer", self.optimizer, OPTIMIZER_PLACEMENTS)
+        for key in ("weight_wire", "grad_wire", "compute_dtype"):
+            _one_of(f"schedule.{key}", getattr(self, key), tuple(WIRE_DTYPES))
+        self.knobs()
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW on the fp32 master weights, with linear warmup and a decay to min_lr."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # the learning rate at the end of the decay
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | linear | constant (after warmup)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on matrices only (the decay prefix of every tile)
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    threads: int = 0  # host threads for the CPU optimizer; 0 = all cores
+
+    def validate(self) -> None:
+        _one_of("optimizer.decay", self.decay, LR_DECAYS)
+        _positive("optimizer.lr", self.lr)
+        _at_least("optimizer.min_lr", self.min_lr, 0.0)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} is above optimizer.lr={self.lr}")
+        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"optimizer.{key}={getattr(self, key)} must be in [0, 1)")
+        _positive("optimizer.eps", self.eps)
+        _at_least("optimizer.weight_decay", self.weight_decay, 0.0)
+        _at_least("optimizer.grad_clip", self.grad_clip, 0.0)
+        _at_least("optimizer.threads", self.threads, 0)
+
+
+@dataclass
+class RunSettings:
+    """Length of the run, evaluation, checkpoints, logging and device."""
+
+    name: str = "debug"  # the run directory is <out_dir>/<name>
+    out_dir: str = "runs"
+    steps: int = 200
+    grad_accum: int = 1  # batches whose gradients are summed before one optimizer update
+    eval_every: int = 50  # steps between evaluations of the held-out loss; 0 = never
+    eval_batches: int = 4
+    log_every: int = 1
+    checkpoint_every: int = 100  # steps between checkpoints; 0 = none (except at the end if checkpoint_at_end)
+    checkpoint_at_end: bool = True
+    keep_last: int = 3  # checkpoints kept; 0 = all
+    resume: str = ""  # "" = fresh run | "latest" = newest checkpoint of this run | a checkpoint directory
+    seed: int = 0  # seed of everything else (dropout-free models use it for nothing today but it is saved)
+    device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
+    simulate: bool = True  # print the simulator's prediction of the schedule beside the measured numbers
+    profile: str = ""  # hardware profile JSON for the simulator; "" = the built-in one for the device
+    tensorboard: bool = False
+    progress: bool = True  # tqdm progress bar
+    export_hf: str = ""  # directory to export the final weights to as a Hugging Face model; "" = none
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'")
+        _positive("run.steps", self.steps)
+        _positive("run.grad_accum", self.grad_accum)
+        _positive("run.log_every", self.log_every)
+        _positive("run.eval_batches", self.eval_batches)
+        for key in ("eval_every", "checkpoint_every", "keep_last"):
+            _at_least(f"run.{key}", getattr(self, key), 0)
+        _one_of("run.device", self.device, DEVICES)
+        if self.profile and not Path(self.profile).is_file():
+            raise ConfigError(f"run.profile={self.profile!r} is not a file")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "schedule": ScheduleConfig, "optimizer": OptimizerConfig,
+            "run": RunSettings}
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of a training run (see the module docstring)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    def validate(self) -> RunConfig:
+        """Check every section and the rules that span sections; returns self."""
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        if self.optimizer.grad_clip > 0 and self.schedule.clip == "none":
+            raise ConfigError(
+                f"optimizer.grad_clip={self.optimizer.grad_clip} needs the global gradient norm, but "
+                f"schedule.clip='none' (schedule {self.schedule.name!r}) does not compute it; set "
+                "optimizer.grad_clip=0 or schedule.clip='exact'"
+            )
+        if self.data.batch_size % self.schedule.micro_batches:
+            raise ConfigError(f"data.batch_size={self.data.batch_size} does not split into "
+                              f"schedule.micro_batches={self.schedule.micro_batches}; pick a divisor")
+        return self
+
+    # ---- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> RunConfig:
+        """Build and validate from a nested dict ({section: {key: value}}); unknown keys are errors."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
+        unknown = set(raw) - set(SECTIONS)
+        if unknown:
+            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; sections are {list(SECTIONS)}")
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            values = raw.get(name, {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{name}] must be a table of keys, got {type(values).__name__}")
+            kwargs = {}
+            if name == "schedule":
+                # Keys left out come from the named schedule, not from the default one.
+                sched_name = values.get("name", DEFAULT_SCHEDULE)
+                if isinstance(sched_name, str) and sched_name in NAMED_SCHEDULES:
+                    kwargs.update(NAMED_SCHEDULES[sched_name].to_dict())
+            hints = _field_types(section_cls)
+            for key, value in values.items():
+                if key not in hints:
+                    raise ConfigError(f"{source}: unknown key {name}.{key}; [{name}] has {', '.join(hints)}")
+                kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+            sections[name] = section_cls(**kwargs)
+        return cls(**sections).validate()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML; `load_config` of it gives an equal RunConfig."""
+        lines = []
+        for name, values in self.to_dict().items():
+            lines.append(f"[{name}]")
+            lines += [f"{key} = {_toml_value(v)}" for key, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The resolved config on one line (the first log line of a run)."""
+        return "config " + self.to_json(indent=None)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the resolved config as config.json (and config.toml) into `directory`; returns the JSON path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.toml").write_text(self.to_toml())
+        path = directory / "config.json"
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    def with_overrides(self, overrides: Iterable[str]) -> RunConfig:
+        """A new config with `section.key=value` overrides applied (and validated)."""
+        raw = self.to_dict()
+        if any(o.split("=", 1)[0].strip() == "schedule.name" for o in overrides):
+            # A new schedule name brings its own knobs, except those set explicitly in these overrides.
+            raw["schedule"] = {}
+        return RunConfig.from_dict(_apply_overrides(raw, overrides), source="--set")
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Load a TOML config (or the defaults when `path` is None) and apply `section.key=value` overrides."""
+    raw: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p} is not UTF-8 text: {e}") from None
+    overrides = list(overrides)
+    if overrides:
+        # Validate the file alone first, so an error in it is reported against the file.
+        RunConfig.from_dict(raw, source=source)
+        raw = _apply_overrides(raw, overrides)
+        source = f"{source} with --set"
+    return RunConfig.from_dict(raw, source=source)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _type_name(t: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[t]
+
+
+def _check_type(key: str, value: Any, t: type) -> Any:
+    """`value` as type `t`, or a ConfigError naming the key. Integers are accepted for floats, nothing else."""
+    ok = isinstance(value, t) and not (t is int and isinstance(value, bool))
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"{key} must be {_type_name(t)}, got {value!r} ({type(value).__name__})")
+    if t is float and not math.isfinite(value):
+        raise ConfigError(f"{key} must be finite, got {value}")
+    return value
+
+
+def _parse_override(key: str, text: str, t: type) -> Any:
+    """Parse the text of `--set key=text` to the field's type."""
+    text = text.strip()
+    if t is str:
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            text = text[1:-1]
+        return text
+    if t is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+    else:
+        try:
+            return t(text.replace("_", ""))
+        except ValueError:
+            pass
+    raise ConfigError(f"--set {key}={text}: {key} must be {_type_name(t)}")
+
+
+def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value (e.g. optimizer.lr=3e-4)")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ConfigError(f"--set {item!r}: {key!r} is not section.key; sections are {list(SECTIONS)}")
+        hints = _field_types(SECTIONS[section])
+        if name not in hints:
+            raise ConfigError(f"--set {item!r}: unknown key {key}; [{section}] has {', '.join(hints)}")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raw[section] = {}
+        raw[section][name] = _parse_override(key, text, hints[name])
+    return raw
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)  # a TOML basic string: JSON's escapes are valid TOML escapes
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+
+
+def _at_least(key: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"{key}={value} must be >= {low}")
