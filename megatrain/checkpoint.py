@@ -1,0 +1,334 @@
+"""Training checkpoints: fp32 master weights, AdamW moments and trainer state, written atomically.
+
+A checkpoint is a directory `step_00000100/` under the run's `checkpoints/`:
+
+    master.safetensors     {unit key: flat fp32 tile}   unit keys: "embed", "layers.0", ..., "head"
+    adam_m.safetensors     the same units, AdamW first moments
+    adam_v.safetensors     second moments
+    trainer_state.json     step, RNG states, data cursor, config, whatever else the trainer passes
+
+Atomic: everything is written into a hidden `.tmp-step_...` directory, each file fsynced, then the directory is
+renamed to its final name (one atomic rename on POSIX file systems) and the parent fsynced. A kill or a full disk
+at any moment before the rename leaves the previous checkpoints exactly as they were; a leftover temporary
+directory is ignored by `latest()` and removed by the next save. After a successful save only the newest
+`keep_last` checkpoints are kept.
+
+Tiles are written straight from the buffers they live in (no second copy of the store in memory) and read back
+straight into the destination buffers (`load(..., dest=store_tile)`), so saving and resuming a model that
+fills host memory needs no extra host memory.
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import safetensors_io as stio
+from .exec.hf_io import CheckpointError
+from .spec import EMBED, HEAD
+
+KINDS = ("master", "adam_m", "adam_v")
+STATE_FILE = "trainer_state.json"
+FORMAT = "megatrain-checkpoint"
+VERSION = 1
+_TMP_PREFIX = ".tmp-"
+
+__all__ = ["CheckpointError", "CheckpointManager", "LoadedCheckpoint", "KINDS", "unit_key", "key_unit",
+           "rng_state", "set_rng_state", "check_writable"]
+
+
+def unit_key(unit: int) -> str:
+    """Tensor name of a unit in checkpoint files: "embed", "layers.3", "head"."""
+    return {EMBED: "embed", HEAD: "head"}.get(unit, f"layers.{unit}")
+
+
+def key_unit(key: str) -> int:
+    if key == "embed":
+        return EMBED
+    if key == "head":
+        return HEAD
+    return int(key.removeprefix("layers."))
+
+
+def _step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ---- RNG states ------------------------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """The state of every RNG a run uses (Python, NumPy, torch CPU and CUDA), JSON-serializable."""
+    np_state = np.random.get_state()
+    state = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state()` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# ---- writability -----------------------------------------------------------------------------------------------
+def _explain(e: OSError, path: Path, what: str) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"the disk is full while {what} {path}"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no permission to write {path} while {what} it ({e.strerror})"
+    return f"could not write {path} while {what} it ({e})"
+
+
+def check_writable(directory: str | Path) -> Path:
+    """Create `directory` if needed and prove a file can be written, fsynced and removed in it.
+
+    Call it before training starts, so that a run does not find out at its first checkpoint, hours in.
+    """
+    directory = Path(directory)
+    probe = directory / f"{_TMP_PREFIX}probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"megatrain")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {_explain(e, directory, 'probing')}; "
+                              "choose another run.out_dir or fix its permissions") from None
+    return directory
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- save / load -----------------------------------------------------------------------------------------------
+@dataclass
+class LoadedCheckpoint:
+    """What `load` returns: the step, the trainer state, and the tensors (None when loaded into `dest`)."""
+
+    path: Path
+    step: int
+    state: dict
+    tensors: dict[str, dict[int, torch.Tensor]] | None
+
+
+TileSource = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
+
+
+class CheckpointManager:
+    """Saves, lists, loads and prunes the checkpoints in one directory."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 3):
+        if keep_last < 0:
+            raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps all)")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    # -- listing --
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints, oldest first: [(step, path)]."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            if p.name.startswith("step_") and (p / STATE_FILE).is_file():
+                try:
+                    found.append((int(p.name.removeprefix("step_")), p))
+                except ValueError:
+                    continue
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        ckpts = self.checkpoints()
+        return ckpts[-1][1] if ckpts else None
+
+    def resolve(self, resume: str) -> Path:
+        """The checkpoint a `run.resume` value names: "latest" (of this directory) or a checkpoint path."""
+        if resume == "latest":
+            path = self.latest()
+            if path is None:
+                raise CheckpointError(f"run.resume='latest' but {self.directory} holds no complete checkpoint; "
+                                      "start without resume, or give a checkpoint directory")
+            return path
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(f"run.resume={resume!r} is not a checkpoint directory (no {STATE_FILE} in it)")
+        return path
+
+    # -- save --
+    def save(self, step: int, tiles: Mapping[str, TileSource], state: dict, units: list[int] | None = None) -> Path:
+        """Write checkpoint `step` atomically and prune old ones; returns its directory.
+
+        tiles: {kind: {unit: flat tile}} (or {kind: fn(unit) -> flat tile}) for each of KINDS. Tiles are written
+        from their own memory. state: JSON-serializable trainer state (step, RNG states, data cursor, config...).
+        On any failure the partial checkpoint is removed, every earlier checkpoint is left intact, and a
+        CheckpointError says what happened.
+        """
+        missing = [k for k in KINDS if k not in tiles]
+        if missing:
+            raise ValueError(f"save() needs tiles for {list(KINDS)}; missing {missing}")
+        getters = {k: (src.__getitem__ if isinstance(src, Mapping) else src) for k, src in tiles.items()}
+        if units is None:
+            src = tiles["master"]
+            if not isinstance(src, Mapping):
+                raise ValueError("pass units= when tiles are given as functions")
+            units = list(src)
+        try:
+            state_text = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "units": units,
+                                     "state": state}, indent=1)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"trainer state is not JSON-serializable: {e}") from None
+
+        final = self.directory / _step_dir_name(step)
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        check_writable(self.directory)
+        self._remove_stale_tmp()
+        needed = sum(getters[k](u).numel() * getters[k](u).element_size() for k in KINDS for u in units)
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise CheckpointError(
+                f"checkpoint step {step} needs {needed / 2**30:.2f} GiB but {self.directory} has only "
+                f"{free / 2**30:.2f} GiB free; nothing was written and the earlier checkpoints are intact. Free "
+                "space, lower run.keep_last, or point run.out_dir at a larger disk"
+            )
+        what = "writing"
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            for kind in KINDS:
+                get = getters[kind]
+                entries = [stio.Entry(unit_key(u), (get(u).numel(),), get(u).dtype,
+                                      (lambda g=get, u=u: g(u).reshape(-1))) for u in units]
+                stio.write_safetensors(tmp / f"{kind}.safetensors", entries, {"kind": kind, "step": str(step)})
+            # The state file is written last: a directory with it is complete.
+            with open(tmp / STATE_FILE, "w") as f:
+                stio._write(f, state_text)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            what = "publishing"
+            old = None
+            if final.exists():  # re-saving a step: move the old one aside, then swap
+                old = self.directory / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+                final.rename(old)
+            tmp.rename(final)
+            _fsync_dir(self.directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            prev = self.latest()
+            kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"checkpoint step {step} was not saved: {_explain(e, tmp, what)}. Nothing was lost: {kept}, and "
+                "the training state in memory is unchanged. Free space or fix the directory, then save again"
+            ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.prune()
+        return final
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns what was deleted."""
+        if self.keep_last == 0:
+            return []
+        doomed = [p for _, p in self.checkpoints()[:-self.keep_last]]
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        return doomed
+
+    def _remove_stale_tmp(self) -> None:
+        for p in self.directory.glob(f"{_TMP_PREFIX}step_*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    # -- load --
+    def load(self, path: str | Path | None = None, dest: Callable[[str, int], torch.Tensor] | None = None
+             ) -> LoadedCheckpoint:
+        """Read a checkpoint (default: the latest).
+
+        With `dest(kind, unit) -> tensor`, each tile is read straight into the tensor dest returns (e.g. the
+        host store's own tiles; sizes must match) and `tensors` is None; otherwise new tensors are returned.
+        """
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        return load_checkpoint(path, dest)
+
+
+def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] | None = None) -> LoadedCheckpoint:
+    """Read one checkpoint directory (see `CheckpointManager.load`)."""
+    path = Path(path)
+    state_path = path / STATE_FILE
+    try:
+        meta = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{state_path} is corrupt ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{state_path} is not a {FORMAT} v{VERSION} checkpoint "
+                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    units = [int(u) for u in meta["units"]]
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for kind in KINDS:
+        file = path / f"{kind}.safetensors"
+        try:
+            infos, _ = stio.read_header(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} has no {file.name}") from None
+        except stio.SafetensorsFormatError as e:
+            raise CheckpointError(str(e)) from None
+        out[kind] = {}
+        for u in units:
+            info = infos.get(unit_key(u))
+            if info is None:
+                raise CheckpointError(f"{file} has no tensor {unit_key(u)!r}")
+            target = dest(kind, u) if dest is not None else torch.empty(info.shape, dtype=info.dtype)
+            if not target.is_contiguous() or target.device.type != "cpu":
+                raise CheckpointError(f"the destination of {kind} {unit_key(u)!r} must be a contiguous CPU tensor")
+            if target.numel() * target.element_size() != info.end - info.begin or target.dtype != info.dtype:
+                raise CheckpointError(
+                    f"{file}: tile {unit_key(u)!r} is {info.shape} {info.dtype}, the destination is "
+                    f"{tuple(target.shape)} {target.dtype}; was the checkpoint written for another model or "
+                    "schedule? Resume with the same model config")
+            try:
+                stio.read_into(file, info, target)
+            except stio.SafetensorsFormatError as e:
+                raise CheckpointError(str(e)) from None
+            if dest is None:
+                out[kind][u] = target
+    return LoadedCheckpoint(path, int(meta["step"]), meta["state"], None if dest is not None else out)
