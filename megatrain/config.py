@@ -255,29 +255,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> RunConfig:
         """Build and validate from a nested dict ({section: {key: value}}); unknown keys are errors."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
-        unknown = set(raw) - set(SECTIONS)
-        if unknown:
-            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; sections are {list(SECTIONS)}")
-        sections = {}
-        for name, section_cls in SECTIONS.items():
-            values = raw.get(name, {})
-            if not isinstance(values, dict):
-                raise ConfigError(f"{source}: [{name}] must be a table of keys, got {type(values).__name__}")
-            kwargs = {}
-            if name == "schedule":
-                # Keys left out come from the named schedule, not from the default one.
-                sched_name = values.get("name", DEFAULT_SCHEDULE)
-                if isinstance(sched_name, str) and sched_name in NAMED_SCHEDULES:
-                    kwargs.update(NAMED_SCHEDULES[sched_name].to_dict())
-            hints = _field_types(section_cls)
-            for key, value in values.items():
-                if key not in hints:
-                    raise ConfigError(f"{source}: unknown key {name}.{key}; [{name}] has {', '.join(hints)}")
-                kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
-            sections[name] = section_cls(**kwargs)
-        return cls(**sections).validate()
+        return cls(**_sections(raw, source)).validate()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -333,11 +311,39 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             raise ConfigError(f"{p} is not UTF-8 text: {e}") from None
     overrides = list(overrides)
     if overrides:
-        # Validate the file alone first, so an error in it is reported against the file.
-        RunConfig.from_dict(raw, source=source)
+        # Check the file's keys and types alone first, so a mistake in it is reported against the file (the
+        # rules that span keys are checked after the overrides, which may be what satisfies them).
+        _sections(raw, source)
         raw = _apply_overrides(raw, overrides)
         source = f"{source} with --set"
     return RunConfig.from_dict(raw, source=source)
+
+
+def _sections(raw: dict, source: str) -> dict:
+    """{section name: section dataclass} from a nested dict; unknown sections/keys and wrong types are errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; sections are {list(SECTIONS)}")
+    sections = {}
+    for name, section_cls in SECTIONS.items():
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys, got {type(values).__name__}")
+        kwargs = {}
+        if name == "schedule":
+            # Keys left out come from the named schedule, not from the default one.
+            sched_name = values.get("name", DEFAULT_SCHEDULE)
+            if isinstance(sched_name, str) and sched_name in NAMED_SCHEDULES:
+                kwargs.update(NAMED_SCHEDULES[sched_name].to_dict())
+        hints = _field_types(section_cls)
+        for key, value in values.items():
+            if key not in hints:
+                raise ConfigError(f"{source}: unknown key {name}.{key}; [{name}] has {', '.join(hints)}")
+            kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+        sections[name] = section_cls(**kwargs)
+    return sections
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------

@@ -159,3 +159,12 @@ def test_model_section_gives_the_spec():
     assert load_config().model.pretrained is False  # a preset has no weights
     with pytest.raises(ConfigError, match="needs a Hugging Face directory"):
         load_config(None, ["model.init=pretrained"])
+
+
+def test_override_may_complete_a_file_and_file_mistakes_name_the_file(tmp_path):
+    path = write(tmp_path, '[schedule]\nname = "arrival"\n')
+    with pytest.raises(ConfigError, match="grad_clip"):
+        load_config(path)
+    assert load_config(path, ["optimizer.grad_clip=0"]).schedule.clip == "none"
+    with pytest.raises(ConfigError, match=r"run\.toml: unknown key run\.stepz"):
+        load_config(write(tmp_path, "[run]\nstepz = 3\n"), ["run.steps=4"])
