@@ -1,0 +1,90 @@
+"""AdamW on flat fp32 master tiles, exact global-norm clipping, and skipping of non-finite steps.
+
+The update is torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`,
+on CPU tensors since torch 2.4 and on CUDA), called on views of one unit's tile: weight decay on the matrix prefix
+(`UnitLayout.decay_numel`), none on norms and biases. The same function runs on a host tile (CPU placement) and on
+a GPU state slot (GPU placement), so every placement gives the same numbers.
+
+Clipping follows `torch.nn.utils.clip_grad_norm_`: total = ||(||g_u||)_u||_2, coef = min(1, max_norm / (total +
+1e-6)), every gradient multiplied by coef. A step whose total norm is not finite is skipped: no unit is updated and
+no step count advances (as a plain loop that does not call `optimizer.step()`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """Hyper-parameters of the update; `lr` is a float or a function of the step index (0-based)."""
+
+    lr: float | Callable[[int], float] = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"AdamW betas must be in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"AdamW needs eps > 0 and weight_decay >= 0, got eps={self.eps}, "
+                             f"weight_decay={self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {self.max_grad_norm}")
+
+    def lr_at(self, step: int) -> float:
+        return float(self.lr(step) if callable(self.lr) else self.lr)
+
+
+@dataclass
+class UpdatePlan:
+    """How the updates with one step's gradients run: learning rate, clip coefficient, or skip."""
+
+    step: int  # index of the training step whose gradients are applied
+    lr: float
+    grad_norm: float | None = None  # None until known (clip="none": never for the whole model)
+    clip_coef: float = 1.0
+    skip: bool = False  # non-finite global norm: nothing is applied
+    skipped_units: list[int] = field(default_factory=list)  # clip="none": units whose own gradients were not finite
+    applied_units: list[int] = field(default_factory=list)
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)); 1 without clipping."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def global_norm(unit_norms: list[float]) -> float:
+    """The 2-norm of the per-unit gradient norms (== the norm of all gradients), in float64."""
+    return math.sqrt(math.fsum(n * n for n in unit_norms))
+
+
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: int, decay_numel: int, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
+    """One AdamW step on a flat fp32 tile, in place. `step` is the step count including this one (1-based).
+
+    param, grad, exp_avg, exp_avg_sq: (n,) fp32 on one device; weight decay applies to param[:decay_numel].
+    `grad` is scaled in place by `clip_coef` when it is below 1.
+    """
+    if grad.dtype != torch.float32 or param.dtype != torch.float32:
+        raise TypeError(f"AdamW runs on fp32 tiles; got param {param.dtype}, grad {grad.dtype}")
+    if clip_coef < 1.0:
+        grad.mul_(clip_coef)
+    n = param.numel()
+    b1, b2 = cfg.betas
+    for lo, hi, wd in ((0, decay_numel, cfg.weight_decay), (decay_numel, n, 0.0)):
+        if hi <= lo:
+            continue
+        # The fused kernel reads the step count from a tensor on the params' device and does not increment it.
+        steps = [torch.full((), float(step), dtype=torch.float32, device=param.device)]
+        torch._fused_adamw_([param[lo:hi]], [grad[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps,
+                            lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=cfg.eps, amsgrad=False,
+                            maximize=False)

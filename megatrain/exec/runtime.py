@@ -1,0 +1,151 @@
+"""The runtime: interprets a Program, one issuing thread per stream, on a `Backend`.
+
+Each thread walks its stream's queue in Program order. For each task it
+
+1. waits, with a timeout, until every task in `waits` has been ISSUED (its work enqueued and its done event
+   recorded);
+2. makes the work wait for those producers: a device stream waits on the producer's device event
+   (`Stream.wait_event`, no host blocking); a host stream ("cpu") blocks on it (polling with a timeout); a producer
+   on a host stream is complete once issued, because host work runs synchronously;
+3. records a start event, enqueues the task's work (`work(task)`), records the done event, marks it issued.
+
+On the CPU backend "enqueue" is "run", so issued means done and the same code is a plain threaded interpreter.
+Every wait has a timeout; a timeout or a failing task aborts all streams and raises `ExecError` naming the task,
+its stream, what it waited for and what every stream was doing. The start/done events give the measured Timeline,
+with the simulator's columns (`megatrain.timeline`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+
+from ..program import STREAMS, Program, ProgramTask
+from ..timeline import make_timeline
+from .backend import Backend, ExecError, HostEvent
+
+POLL_S = 0.02  # how often a waiting thread checks for an abort
+
+
+class Runtime:
+    """Runs one step of `program` per `run()` call; `work(task)` enqueues a task's body on the current stream."""
+
+    def __init__(self, program: Program, backend: Backend, work: Callable[[ProgramTask], None],
+                 timeout_s: float = 300.0):
+        self.program, self.backend, self.work, self.timeout_s = program, backend, work, timeout_s
+        for t in program.tasks.values():
+            for w in t.waits:
+                if w not in program.tasks:
+                    raise ExecError(f"task {t.id} waits for {w}, which is not a task of the Program")
+                if program.tasks[w].stream == t.stream:
+                    raise ExecError(f"task {t.id} waits for {w} on its own stream {t.stream}; "
+                                    "same-stream order is the queue order")
+
+    def run(self, step: int = 0) -> pd.DataFrame:
+        """Execute every task of the Program once; returns the measured Timeline of the step."""
+        p, be = self.program, self.backend
+        self._issued = {t: threading.Event() for t in p.tasks}
+        self._start: dict[str, object] = {}
+        self._done: dict[str, object] = {}
+        self._abort = threading.Event()
+        self._errors: list[BaseException] = []
+        self._status = {s: "idle" for s in STREAMS}
+
+        be.synchronize()
+        ref_stream = be.stream("compute")
+        t0 = be.record(ref_stream)  # the step's time origin on the device
+        be.host_wait(t0, self.timeout_s)
+        host_t0 = time.perf_counter() if not isinstance(t0, HostEvent) else t0.t
+
+        threads = [threading.Thread(target=self._walk, args=(s,), name=f"megatrain-{s}", daemon=True)
+                   for s in STREAMS if p.streams.get(s)]
+        for th in threads:
+            th.start()
+        try:
+            for th in threads:
+                while th.is_alive():
+                    th.join(POLL_S * 5)
+        except BaseException:  # KeyboardInterrupt: stop the streams before leaving
+            self._abort.set()
+            for th in threads:
+                th.join(self.timeout_s)
+            raise
+        if self._errors:
+            raise self._errors[0]
+        be.synchronize()
+
+        def at(ev) -> float:
+            return ev.t - host_t0 if isinstance(ev, HostEvent) else be.elapsed_s(t0, ev)
+
+        rows = []
+        for tid, t in p.tasks.items():
+            rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,
+                             start_s=at(self._start[tid]), end_s=at(self._done[tid]), bytes=t.bytes,
+                             flops=t.flops, step=step))
+        return make_timeline(rows, "measured")
+
+    # ---- one stream ----------------------------------------------------------------------------------------------
+    def _walk(self, name: str) -> None:
+        be, p = self.backend, self.program
+        stream = be.stream(name)
+        current = None
+        try:
+            be.enter_thread()
+            with torch.no_grad():  # grad mode is per thread; layer backward enables it locally
+                for tid in p.streams[name]:
+                    current = p.tasks[tid]
+                    if not self._await_inputs(current, stream):
+                        return  # aborted by another stream's failure
+                    self._status[name] = f"running {tid}"
+                    with be.use(stream):
+                        start = be.record(stream)
+                        self.work(current)
+                        done = be.record(stream)
+                    self._start[tid], self._done[tid] = start, done
+                    self._issued[tid].set()
+            self._status[name] = "finished"
+        except ExecError as e:
+            self._fail(e)
+        except Exception as e:  # a task body failed: say which one, keep the cause
+            err = ExecError(f"task {current.id if current else '?'} on stream {name} failed: "
+                            f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        self._errors.append(err)
+        self._abort.set()
+
+    def _await_inputs(self, task: ProgramTask, stream) -> bool:
+        """Wait for every producer of `task`; False when the step is being aborted."""
+        be = self.backend
+        for w in task.waits:
+            self._status[task.stream] = f"waiting for {w} before {task.id}"
+            if not self._await_issued(task, w):
+                return False
+            ev = self._done[w]
+            if isinstance(ev, HostEvent) and ev.query():
+                continue  # host work is complete once it is issued
+            if stream is None:  # a host task needs the device producer finished
+                if not be.host_wait(ev, self.timeout_s):
+                    raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for "
+                                    f"{w} (stream {self.program.tasks[w].stream}) to finish on the device")
+            else:
+                be.stream_wait(stream, ev)
+        return True
+
+    def _await_issued(self, task: ProgramTask, w: str) -> bool:
+        deadline = time.perf_counter() + self.timeout_s
+        flag = self._issued[w]
+        while not flag.wait(POLL_S):
+            if self._abort.is_set():
+                return False
+            if time.perf_counter() > deadline:
+                ws = self.program.tasks[w].stream
+                doing = "; ".join(f"{s}: {st}" for s, st in self._status.items() if self.program.streams.get(s))
+                raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for {w} "
+                                f"(stream {ws}), which was never issued. Streams: {doing}")
+        return True

@@ -1,0 +1,268 @@
+"""Host store: the model's parameters, optimizer state and gradient landing space, in host memory.
+
+Per unit (embedding, each layer, head) one contiguous tile of each kind, in `unit_layout` order, so every copy
+between host and GPU is one memcpy per unit:
+
+    fp32 master     the weights the optimizer updates              4 B/param
+    adam m, adam v  AdamW moments (fp32)                           8 B/param
+    streaming copy  bf16 copy of the master, what PREFETCH sends   2 B/streamed param (weight_wire="bf16" only;
+                    with "fp32" the master itself is streamed)
+    gradients       landing space of OFFLOAD, in the grad wire dtype   4 | 2 B/streamed param
+
+Each kind is ONE host allocation carved into page-aligned tiles, so pinning does not go through torch's caching
+host allocator (which rounds every block up to a power of two, up to 2x the memory). Only what DMA touches is
+pinned (CUDA: cudaHostRegister of the tile range): the streaming copy (or the master for fp32 wire), the gradients,
+and master + moments of the layers a GPU optimizer updates. The CPU backend pins nothing.
+
+Tied embeddings: the embedding owns the one master and moments of the shared matrix. The head's optimizer state
+covers only its norm; its lm_head exists as streaming copy (refreshed from the embedding's master after the
+embedding's update) and as landing gradient, which is added into the embedding's before its update.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from ..builders import ScheduleKnobs
+from ..spec import EMBED, HEAD, ModelSpec
+from .backend import PAGE, Backend, CpuBackend
+from .layout import UnitLayout, unit_layout
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def gpu_optimizer_units(spec: ModelSpec, knobs: ScheduleKnobs) -> set[int]:
+    """Layers whose update the schedule runs on the GPU (placement "gpu": all, "split": the first fraction)."""
+    if knobs.optimizer == "gpu":
+        return set(range(spec.num_layers))
+    if knobs.optimizer == "split":
+        return set(range(round(knobs.gpu_optimizer_fraction * spec.num_layers)))
+    return set()
+
+
+def optimizer_offset(spec: ModelSpec, unit: int) -> int:
+    """Where the unit's own parameters start in its tile: 0, except the tied head (its lm_head is the embedding)."""
+    if unit == HEAD and spec.tie_word_embeddings:
+        return unit_layout(spec, HEAD).decay_numel
+    return 0
+
+
+def store_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
+    """Exact payload bytes of the host store by component (the memory planner's names), without allocating."""
+    own = sum(spec.unit_params(u) - optimizer_offset(spec, u) for u in spec.units())  # == spec.num_params
+    streamed = sum(spec.unit_params(u) for u in spec.units())
+    grad = TORCH_DTYPES[knobs.grad_wire].itemsize
+    return {
+        "fp32 master": 4 * own,
+        "adam m (fp32)": 4 * own,
+        "adam v (fp32)": 4 * own,
+        "bf16 streaming copy": 2 * streamed if knobs.weight_wire == "bf16" else 0,
+        f"gradients ({knobs.grad_wire})": grad * streamed,
+    }
+
+
+class HostRegion:
+    """One host allocation of a dtype, carved into page-aligned tiles by unit; optionally pinned by tile range."""
+
+    def __init__(self, backend: Backend, dtype: torch.dtype, sizes: Mapping[int, int]):
+        self.backend, self.dtype = backend, dtype
+        item = dtype.itemsize
+        self.order = list(sizes)
+        self.offsets: dict[int, int] = {}  # byte offsets, page aligned
+        off = 0
+        for u in self.order:
+            self.offsets[u] = off
+            off += -(-sizes[u] * item // PAGE) * PAGE
+        self.nbytes = off
+        self.payload_bytes = sum(sizes.values()) * item
+        self.raw = backend.host_region(self.nbytes)  # (nbytes,) uint8
+        self.tiles = {u: self.raw[self.offsets[u]:self.offsets[u] + sizes[u] * item].view(dtype) for u in self.order}
+        self.pinned_bytes = 0
+        self._pinned: list[torch.Tensor] = []
+        self._finalizer = weakref.finalize(self, _unpin_all, backend, self._pinned)
+
+    def pin(self, units) -> None:
+        """Pin the tiles of `units` (runs of consecutive tiles become one registration)."""
+        if not self.backend.pins_host_memory:
+            return
+        want = [u in set(units) for u in self.order]
+        i = 0
+        while i < len(self.order):
+            if not want[i]:
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(self.order) and want[j + 1]:
+                j += 1
+            lo = self.offsets[self.order[i]]
+            hi = self.offsets[self.order[j + 1]] if j + 1 < len(self.order) else self.nbytes
+            view = self.raw[lo:hi]
+            self.backend.pin(view)
+            self._pinned.append(view)
+            self.pinned_bytes += hi - lo
+            i = j + 1
+
+
+def _unpin_all(backend: Backend, views: list[torch.Tensor]) -> None:
+    for v in views:
+        backend.unpin(v)
+    views.clear()
+
+
+class HostStore:
+    """Master weights, AdamW moments, streaming copies and gradient landing space of every unit."""
+
+    def __init__(self, spec: ModelSpec, knobs: ScheduleKnobs, backend: Backend | None = None,
+                 tiles: Mapping[int, torch.Tensor] | None = None):
+        self.spec, self.knobs = spec, knobs
+        self.backend = backend or CpuBackend()
+        self.units = spec.units()  # EMBED, 0..L-1, HEAD: layers are consecutive tiles in every region
+        self.layouts: dict[int, UnitLayout] = {u: unit_layout(spec, u) for u in self.units}
+        self.opt_lo = {u: optimizer_offset(spec, u) for u in self.units}
+        self.gpu_units = gpu_optimizer_units(spec, knobs)
+        self.grad_dtype = TORCH_DTYPES[knobs.grad_wire]
+        self.wire_dtype = TORCH_DTYPES[knobs.weight_wire]
+        own = {u: self.layouts[u].numel - self.opt_lo[u] for u in self.units}
+        full = {u: self.layouts[u].numel for u in self.units}
+
+        self._master = HostRegion(self.backend, torch.float32, own)
+        self._m = HostRegion(self.backend, torch.float32, own)
+        self._v = HostRegion(self.backend, torch.float32, own)
+        self._grad = HostRegion(self.backend, self.grad_dtype, full)
+        self._stream = HostRegion(self.backend, torch.bfloat16, full) if knobs.weight_wire == "bf16" else None
+        # Pin only what DMA touches.
+        self._grad.pin(self.units)
+        if self._stream is not None:
+            self._stream.pin(self.units)
+            self._master.pin(self.gpu_units)
+        else:
+            self._master.pin(self.units)
+        self._m.pin(self.gpu_units)
+        self._v.pin(self.gpu_units)
+
+        self.steps = {u: 0 for u in self.units}  # AdamW step count per unit (skipped steps do not count)
+        self._tied_merged = False
+        for r in (self._m, self._v, self._grad):
+            r.raw.zero_()
+        if tiles is not None:
+            self.load(tiles)
+
+    # ---- tiles ---------------------------------------------------------------------------------------------------
+    def master(self, unit: int) -> torch.Tensor:
+        """fp32 master of the unit's own parameters (the tied head: its norm only)."""
+        return self._master.tiles[unit]
+
+    def exp_avg(self, unit: int) -> torch.Tensor:
+        return self._m.tiles[unit]
+
+    def exp_avg_sq(self, unit: int) -> torch.Tensor:
+        return self._v.tiles[unit]
+
+    def grad(self, unit: int) -> torch.Tensor:
+        """Landing space of the unit's gradients (full tile, grad wire dtype)."""
+        return self._grad.tiles[unit]
+
+    def decay_numel(self, unit: int) -> int:
+        """Length of the weight-decayed prefix of `master(unit)`."""
+        return max(0, self.layouts[unit].decay_numel - self.opt_lo[unit])
+
+    def stream_segments(self, unit: int) -> list[tuple[int, torch.Tensor]]:
+        """What PREFETCH copies into a GPU slot: (element offset in the slot, host source) pairs."""
+        if self._stream is not None:
+            return [(0, self._stream.tiles[unit])]
+        if self.opt_lo[unit]:  # tied head on fp32 wire: lm_head from the embedding's master, then the norm
+            return [(0, self.master(EMBED)), (self.opt_lo[unit], self.master(unit))]
+        return [(0, self.master(unit))]
+
+    def refresh_stream(self, unit: int) -> None:
+        """Bring the streaming copy up to date after the unit's master changed."""
+        if self._stream is None:
+            return
+        lo = self.opt_lo[unit]
+        self._stream.tiles[unit][lo:].copy_(self.master(unit))
+        if unit == EMBED and self.spec.tie_word_embeddings:
+            self._stream.tiles[HEAD][:self.opt_lo[HEAD]].copy_(self.master(EMBED))
+
+    def stream_tile(self, unit: int) -> torch.Tensor | None:
+        return None if self._stream is None else self._stream.tiles[unit]
+
+    # ---- gradients -----------------------------------------------------------------------------------------------
+    def gradients_landing(self, unit: int) -> None:
+        """Called when OFFLOAD(unit) (re)fills the landing space: a tied merge from before is void."""
+        if unit == EMBED:
+            self._tied_merged = False
+
+    def optimizer_grad(self, unit: int) -> torch.Tensor:
+        """fp32 gradient of `master(unit)`; may be a view of the landing space that the caller scales in place.
+
+        Tied embeddings: the embedding's gradient is its own plus the head's lm_head gradient (what autograd
+        gives the shared parameter); with an fp32 wire the sum is formed in place, once per step.
+        """
+        g = self.grad(unit)[self.opt_lo[unit]:]
+        tied_embed = unit == EMBED and self.spec.tie_word_embeddings
+        head_lm = self.grad(HEAD)[:self.opt_lo[HEAD]] if tied_embed else None
+        if self.grad_dtype == torch.float32:
+            if tied_embed and not self._tied_merged:
+                g.add_(head_lm)
+                self._tied_merged = True
+            return g
+        g = g.float()
+        if tied_embed:
+            g.add_(head_lm.float())
+        return g
+
+    # ---- whole-model access --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, tiles: Mapping[int, torch.Tensor]) -> None:
+        """Set the master weights from full per-unit tiles ({unit: (numel,) tensor}); zero the optimizer state."""
+        for u in self.units:
+            if u not in tiles:
+                raise KeyError(f"no tile for unit {u} (EMBED={EMBED}, HEAD={HEAD}); expected units {self.units}")
+            t = tiles[u].reshape(-1)
+            if t.numel() != self.layouts[u].numel:
+                raise ValueError(f"tile of unit {u} has {t.numel()} elements, the layout has {self.layouts[u].numel}")
+            self.master(u).copy_(t[self.opt_lo[u]:])
+        for r in (self._m, self._v):
+            r.raw.zero_()
+        self.steps = {u: 0 for u in self.units}
+        for u in self.units:
+            self.refresh_stream(u)
+
+    def full_tile(self, unit: int) -> torch.Tensor:
+        """A copy of the unit's full fp32 tile (the tied head's lm_head taken from the embedding)."""
+        if self.opt_lo[unit]:
+            return torch.cat([self.master(EMBED), self.master(unit)])
+        return self.master(unit).clone()
+
+    def tiles(self) -> dict[int, torch.Tensor]:
+        """Copies of every unit's full fp32 tile, the input of `hf_io.state_dict_from_tiles`."""
+        return {u: self.full_tile(u) for u in self.units}
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
+    def _regions(self) -> dict[str, HostRegion | None]:
+        return {
+            "fp32 master": self._master,
+            "adam m (fp32)": self._m,
+            "adam v (fp32)": self._v,
+            "bf16 streaming copy": self._stream,
+            f"gradients ({self.knobs.grad_wire})": self._grad,
+        }
+
+    def bytes_by_component(self) -> dict[str, int]:
+        """Payload bytes by component; equals `store_bytes(spec, knobs)` and the memory planner's figures."""
+        return {k: (r.payload_bytes if r else 0) for k, r in self._regions().items()}
+
+    def allocated_bytes(self) -> int:
+        """Bytes actually allocated: the payload plus page alignment of each tile (< 4 KiB per tile and kind)."""
+        return sum(r.nbytes + PAGE for r in self._regions().values() if r)
+
+    def pinned_bytes(self) -> int:
+        return sum(r.pinned_bytes for r in self._regions().values() if r)
+
+    def __repr__(self) -> str:
+        total = sum(self.bytes_by_component().values())
+        return (f"HostStore({self.spec.name}, {len(self.units)} units, {total / 2**30:.3f} GiB, "
+                f"pinned {self.pinned_bytes() / 2**30:.3f} GiB)")
+

@@ -1,0 +1,148 @@
+"""The streamed trainer: a host store, a Program for the batch shape, and the runtime that runs it, step by step.
+
+    trainer = StreamedTrainer(PRESETS["debug"], "overlap", optim=AdamWConfig(lr=1e-3), backend="cpu")
+    result = trainer.step(ids, targets)      # (B, T) int64 each; targets already shifted, -100 = no loss
+    trainer.flush()                          # "overlap": apply the last step's update (runs in the next step)
+    state = trainer.state_dict()             # HF names, fp32
+
+Every schedule gives the same numbers as a plain PyTorch loop (AdamW, decay on matrices only, global-norm
+clipping); the schedule changes speed, never results. With "overlap", the update of step n's gradients runs at the
+start of step n+1, each layer's update just before its prefetch, so the parameters after N steps are those of a
+plain loop once `flush()` has applied the last one (`tiles()` and `state_dict()` flush first).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from ..builders import ScheduleKnobs, build_schedule, knobs_for
+from ..program import Program, lower
+from ..spec import EMBED, HEAD, ModelSpec
+from .backend import Backend, get_backend
+from .hf_io import state_dict_from_tiles
+from .layout import unit_layout
+from .optim import AdamWConfig, UpdatePlan
+from .runtime import Runtime
+from .store import HostStore
+from .work import StepWork
+
+
+@dataclass
+class StepResult:
+    """What one training step did. `update` is the plan of this step's gradients: with "overlap" it is applied
+    during the next step (or `flush()`), so its `applied_units` fill in then."""
+
+    step: int
+    loss: float
+    tokens: int  # valid target tokens
+    grad_norm: float | None  # global norm before clipping (None with clip="none")
+    skipped: bool  # non-finite gradients: this step's update is not applied
+    time_s: float
+    timeline: pd.DataFrame
+    update: UpdatePlan
+
+
+def init_tiles(spec: ModelSpec, seed: int = 0, std: float = 0.02) -> dict[int, torch.Tensor]:
+    """Random initial weights as HF initializes Llama: matrices ~ N(0, std), norms 1, biases 0. {unit: fp32 tile}."""
+    gen = torch.Generator().manual_seed(seed)
+    tiles = {}
+    for unit in spec.units():
+        layout = unit_layout(spec, unit)
+        tile = torch.empty(layout.numel, dtype=torch.float32)
+        for name, view in layout.views(tile).items():
+            if view.dim() == 2:
+                view.normal_(0.0, std, generator=gen)
+            elif name.endswith("norm.weight"):
+                view.fill_(1.0)
+            else:
+                view.zero_()
+        tiles[unit] = tile
+    if spec.tie_word_embeddings:  # one matrix: the head's lm_head is the embedding
+        tiles[HEAD][:spec.vocab_size * spec.hidden_size] = tiles[EMBED]
+    return tiles
+
+
+class StreamedTrainer:
+    """Train `spec` from host memory with a schedule (a name from NAMED_SCHEDULES or ScheduleKnobs)."""
+
+    def __init__(self, spec: ModelSpec, schedule: str | ScheduleKnobs = "overlap",
+                 tiles: dict[int, torch.Tensor] | None = None, *, optim: AdamWConfig | None = None,
+                 backend: str | Backend = "auto", timeout_s: float = 300.0, seed: int = 0):
+        self.spec = spec
+        self.schedule_name = schedule if isinstance(schedule, str) else "custom"
+        self.knobs = knobs_for(schedule) if isinstance(schedule, str) else schedule
+        self.optim = optim or AdamWConfig()
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.timeout_s = timeout_s
+        self.store = HostStore(spec, self.knobs, self.backend, tiles if tiles is not None else init_tiles(spec, seed))
+        self.step_count = 0
+        self._shape: tuple[int, int] | None = None
+        self._program: Program | None = None
+        self._work: StepWork | None = None
+        self._runtime: Runtime | None = None
+        self._pending: UpdatePlan | None = None
+
+    # ---- programs ------------------------------------------------------------------------------------------------
+    def program(self, batch: int, seq: int) -> Program:
+        """The Program for a batch shape (built once per shape; a new shape replaces the GPU buffers)."""
+        if self._shape != (batch, seq):
+            sched = build_schedule(self.spec, batch, seq, self.knobs)
+            sched.name = self.schedule_name
+            self._program = lower(sched)
+            self._work = None  # free the old slots before allocating new ones
+            self._work = StepWork(self._program, self.store, self.backend, self.optim)
+            self._runtime = Runtime(self._program, self.backend, self._work, self.timeout_s)
+            self._shape = (batch, seq)
+        return self._program
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on a batch: ids and targets (B, T) int64 (targets[b, t] = ids[b, t+1], -100 = none)."""
+        if ids.dim() != 2 or ids.shape != targets.shape:
+            raise ValueError(f"ids and targets must both be (batch, seq); got {tuple(ids.shape)} and "
+                             f"{tuple(targets.shape)}")
+        program = self.program(*ids.shape)
+        index = self.step_count
+        current = UpdatePlan(step=index, lr=self.optim.lr_at(index))
+        self._work.begin_step(ids, targets, current, self._pending)
+        t0 = time.perf_counter()
+        timeline = self._runtime.run(step=index)
+        dt = time.perf_counter() - t0
+        overlapped = any(t.step_offset == -1 for t in program.tasks.values())
+        self._pending = current if overlapped else None
+        self.step_count += 1
+        self.last_timeline = timeline
+        return StepResult(step=index, loss=self._work.loss(), tokens=self._work.n_valid, grad_norm=current.grad_norm,
+                          skipped=current.skip, time_s=dt, timeline=timeline, update=current)
+
+    def flush(self) -> UpdatePlan | None:
+        """Apply a pending update (placement "overlap": the last step's); a no-op when there is none."""
+        plan, self._pending = self._pending, None
+        if plan is not None:
+            self._work.flush_update(plan)
+        return plan
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    def tiles(self) -> dict[int, torch.Tensor]:
+        """Copies of the fp32 master tiles ({unit: (numel,)}), after applying any pending update."""
+        self.flush()
+        return self.store.tiles()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 tensors of the current weights (tied: no lm_head.weight), after any pending update."""
+        return state_dict_from_tiles(self.spec, self.tiles())
+
+    def host_bytes_by_component(self) -> dict[str, int]:
+        """Host bytes of the store by component (planner names), plus offloaded checkpoints when the schedule has
+        them (known once a batch shape is set)."""
+        out = self.store.bytes_by_component()
+        if self._work is not None and self._work.act_host_bytes():
+            out["offloaded checkpoints"] = self._work.act_host_bytes()
+        return out
+
+    def gpu_buffer_bytes(self) -> int:
+        """Bytes of the GPU slot buffers of the current Program (0 before the first step)."""
+        return self._work.gpu_bytes() if self._work is not None else 0

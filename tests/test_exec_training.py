@@ -1,0 +1,220 @@
+"""Training with the streaming executor (CPU backend) against a plain PyTorch loop nobody here wrote:
+transformers' LlamaForCausalLM / Qwen2ForCausalLM + torch.optim.AdamW (decay on matrices only) + clip_grad_norm_.
+
+20 steps on the debug model, fp32 compute: the per-step losses and the final parameters must agree, for every named
+schedule and for knob variants (buffers, recompute blocks, micro-batches, optimizer placement, wire dtypes, tied
+embeddings, Qwen2 biases). The schedule changes speed, never results.
+
+How parameters are compared: Adam divides each gradient by its own running RMS, so an element whose gradient is
+nearly cancelled (|g| ~ 1e-7 while fp32 rounding of the sum is ~1e-8) can move by up to lr per step in a different
+direction in two correct implementations. So we bound the error relative to how far training moved the
+model, ||p - p_ref|| / ||p_ref - p_0|| over all parameters, and bound every element by a few learning rates (Qwen2's
+k_proj biases, whose gradients nearly cancel under softmax, are such elements). Run with `-s` to see the errors.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.exec import work as work_module
+from megatrain.exec.hf_io import state_dict_from_tiles
+from megatrain.exec.layout import unit_layout
+from megatrain.exec.optim import AdamWConfig
+from megatrain.exec.trainer import StreamedTrainer, init_tiles
+from megatrain.presets import PRESETS
+from megatrain.spec import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, BATCH, SEQ = 20, 4, 16
+LR, WD, MAX_NORM = 2e-3, 0.1, 1.0
+LOSS_TOL = 1e-5  # relative, per step
+MOVE_TOL = 1e-3  # ||p - p_ref|| / ||p_ref - p_0||, whole model
+BF16_LOSS_TOL = 1e-4  # bf16 weights: a master 1 ulp (fp32) away can round to a neighbouring bf16 value
+ELEM_TOL = 3 * LR  # max |p - p_ref|, any element
+
+DEBUG = PRESETS["debug"]
+SPECS = {
+    "llama": DEBUG,
+    "llama-tied": ModelSpec(**{**DEBUG.to_dict(), "name": "debug-tied", "tie_word_embeddings": True,
+                               "rope_scaling": DEBUG.rope_scaling}),
+    "qwen2": ModelSpec(**{**DEBUG.to_dict(), "name": "debug-qwen2", "model_type": "qwen2", "qkv_bias": True,
+                          "rope_theta": 1e6, "rope_scaling": DEBUG.rope_scaling}),
+}
+
+
+def batches(spec: ModelSpec, steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable synthetic text: arithmetic progressions mod V with random start and stride, some targets -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, spec.vocab_size, (BATCH, 1), generator=g)
+        stride = torch.randint(1, 5, (BATCH, 1), generator=g)
+        seq = (start + stride * torch.arange(SEQ + 1)) % spec.vocab_size  # (B, T+1)
+        targets = seq[:, 1:].clone()
+        targets[0, :3] = -100  # ignored positions count in neither the loss nor its normalization
+        out.append((seq[:, :-1].contiguous(), targets))
+    return out
+
+
+def initial_tiles(spec: ModelSpec) -> dict[int, torch.Tensor]:
+    tiles = init_tiles(spec, seed=0, std=0.05)
+    g = torch.Generator().manual_seed(7)
+    for unit, tile in tiles.items():  # randomize norms and biases too, so no gradient is trivially matched
+        for view in unit_layout(spec, unit).views(tile).values():
+            if view.dim() == 1:
+                view.add_(0.05 * torch.randn(view.shape, generator=g))
+    return tiles
+
+
+@functools.lru_cache(maxsize=None)
+def reference(spec_key: str, clip: bool = True, weight_wire: str = "fp32", grad_wire: str = "fp32",
+              skip_step: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain loop: HF model, fp32 AdamW on fp32 master parameters, decay on matrices only, clipping.
+
+    weight_wire="bf16": the model computes (in fp32) with the master rounded to bf16 each step, gradients go to
+    the fp32 master (what streaming a bf16 copy means). grad_wire="bf16": gradients are rounded to bf16 before
+    clipping and the update. skip_step: that step's update is not applied (non-finite gradients).
+    """
+    spec = SPECS[spec_key]
+    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    sd = state_dict_from_tiles(spec, initial_tiles(spec))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    params = dict(model.named_parameters())  # tied: lm_head.weight is not listed separately
+    master = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    groups = [{"params": [p for p in master.values() if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in master.values() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR)
+    losses = []
+    for i, (ids, targets) in enumerate(batches(spec)):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(master[n].to(torch.bfloat16) if weight_wire == "bf16" else master[n])
+        logits = model(ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        model.zero_grad()
+        loss.backward()
+        losses.append(loss.item())
+        for n, p in params.items():
+            g = p.grad
+            master[n].grad = g.to(torch.bfloat16).float() if grad_wire == "bf16" else g.clone()
+        if i == skip_step:
+            continue
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(master.values()), MAX_NORM)
+        opt.step()
+    return losses, {n: p.detach() for n, p in master.items()}
+
+
+def train(spec_key: str, knobs: ScheduleKnobs, steps: int = STEPS) -> tuple[list, dict[str, torch.Tensor]]:
+    spec = SPECS[spec_key]
+    optim = AdamWConfig(lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM if knobs.clip == "exact" else None)
+    trainer = StreamedTrainer(spec, knobs, initial_tiles(spec), optim=optim, backend="cpu", timeout_s=30)
+    results = [trainer.step(ids, targets) for ids, targets in batches(spec, steps)]
+    return results, trainer.state_dict()
+
+
+def assert_same_training(results, state, ref, spec_key: str, label: str, loss_tol: float = LOSS_TOL) -> None:
+    """Losses step by step (relative) and parameters: the error of the whole model relative to how far training
+    moved it, and every element within a few learning rates (see the module docstring)."""
+    ref_losses, ref_state = ref
+    losses = [r.loss for r in results]
+    errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
+    assert set(state) == set(ref_state), set(state) ^ set(ref_state)
+    init = state_dict_from_tiles(SPECS[spec_key], initial_tiles(SPECS[spec_key]))
+    diff2 = moved2 = worst_elem = 0.0
+    for name, ref_p in ref_state.items():
+        diff = state[name].double() - ref_p.double()
+        diff2 += diff.square().sum().item()
+        moved2 += (ref_p.double() - init[name].double()).square().sum().item()
+        worst_elem = max(worst_elem, diff.abs().max().item())
+    move_err = (diff2 / moved2) ** 0.5
+    print(f"\n{spec_key}/{label}: loss rel err step 0 {errs[0]:.1e}, max {max(errs):.1e}; "
+          f"param err / movement {move_err:.1e}, max elem err {worst_elem:.1e}; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert errs[0] <= LOSS_TOL, f"{label}: the first step's loss differs from the plain loop by {errs[0]:.2e}"
+    assert max(errs) <= loss_tol, f"{label}: losses differ from the plain loop by up to {max(errs):.2e} (relative)"
+    assert move_err <= MOVE_TOL, f"{label}: parameters differ from the plain loop by {move_err:.2e} of their movement"
+    assert worst_elem <= ELEM_TOL, f"{label}: a parameter element differs by {worst_elem:.2e}"
+
+
+FP32 = dict(compute_dtype="fp32", weight_wire="fp32")
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SCHEDULES))
+def test_every_named_schedule_trains_like_a_plain_adamw_loop(name):
+    knobs = knobs_for(name, **FP32)
+    results, state = train("llama", knobs)
+    assert results[-1].loss < results[0].loss - 0.3, "the model did not learn the synthetic sequences"
+    assert_same_training(results, state, reference("llama", clip=knobs.clip == "exact"), "llama", name)
+
+
+VARIANTS = {
+    "serial-mb2": ("llama", knobs_for("serial", micro_batches=2, **FP32)),
+    "double-buffer-recompute2": ("llama", knobs_for("double-buffer", recompute_block=2, **FP32)),
+    "overlap-buffers1": ("llama", knobs_for("overlap", buffers=1, **FP32)),
+    "overlap-buffers2": ("llama", knobs_for("overlap", buffers=2, **FP32)),
+    "overlap-recompute2-mb2": ("llama", knobs_for("overlap", recompute_block=2, micro_batches=2, **FP32)),
+    "long-context-recompute2-mb2": ("llama", knobs_for("long-context", recompute_block=2, micro_batches=2,
+                                                       **FP32)),
+    "gpu-adam-mb2": ("llama", knobs_for("gpu-adam", micro_batches=2, **FP32)),
+    "split-adam-quarter": ("llama", knobs_for("split-adam", gpu_optimizer_fraction=0.25, **FP32)),
+    "overlap-chunked-loss": ("llama", knobs_for("overlap", loss_chunk_tokens=5, **FP32)),
+    "tied/overlap": ("llama-tied", knobs_for("overlap", **FP32)),
+    "tied/after-mb2": ("llama-tied", knobs_for("double-buffer", micro_batches=2, **FP32)),
+    "tied/arrival": ("llama-tied", knobs_for("arrival", **FP32)),
+    "tied/gpu-adam": ("llama-tied", knobs_for("gpu-adam", **FP32)),
+    "qwen2/overlap-recompute2": ("qwen2", knobs_for("overlap", recompute_block=2, **FP32)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_schedule_knobs_change_speed_not_results(variant):
+    spec_key, knobs = VARIANTS[variant]
+    results, state = train(spec_key, knobs)
+    assert_same_training(results, state, reference(spec_key, clip=knobs.clip == "exact"), spec_key, variant)
+
+
+@pytest.mark.parametrize("spec_key,schedule", [("llama", "overlap"), ("llama-tied", "gpu-adam"),
+                                               ("llama-tied", "overlap")])
+def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weights(spec_key, schedule):
+    knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="bf16")
+    results, state = train(spec_key, knobs)
+    assert_same_training(results, state, reference(spec_key, weight_wire="bf16"), spec_key, f"bf16-wire-{schedule}",
+                         loss_tol=BF16_LOSS_TOL)
+
+
+@pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam"])
+def test_bf16_grad_wire_equals_a_loop_on_bf16_rounded_gradients(schedule):
+    knobs = knobs_for(schedule, grad_wire="bf16", **FP32)
+    results, state = train("llama", knobs)
+    assert_same_training(results, state, reference("llama", grad_wire="bf16"), "llama", f"bf16-grads-{schedule}")
+
+
+@pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam"])
+def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monkeypatch):
+    """Step 5's gradients of layer 1 are poisoned with NaN: that update is skipped (no unit changes, no Adam step
+    count advances) and training goes on exactly as a plain loop that skipped it."""
+    bad_step = 5
+    calls = {"n": 0}
+    real = work_module.layer_backward
+    spec = SPECS["llama"]
+    per_step = spec.num_layers  # one layer_backward per layer per step (1 micro-batch)
+
+    def poisoned(w, x, cos, sin, spec_, grad_out, grad_acc):
+        out = real(w, x, cos, sin, spec_, grad_out, grad_acc)
+        if calls["n"] == bad_step * per_step + 1:
+            grad_acc["mlp.up_proj.weight"][0, 0] = float("nan")
+        calls["n"] += 1
+        return out
+
+    monkeypatch.setattr(work_module, "layer_backward", poisoned)
+    results, state = train("llama", knobs_for(schedule, **FP32))
+    assert [r.skipped for r in results] == [i == bad_step for i in range(STEPS)]
+    assert results[bad_step].update.applied_units == [] and results[bad_step - 1].update.applied_units
+    assert_same_training(results, state, reference("llama", skip_step=bad_step), "llama", f"nan-{schedule}")
