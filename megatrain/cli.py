@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
-COMMANDS = ("plan",)
+COMMANDS = ("plan", "train")
 
 
 class UserError(Exception):
@@ -25,13 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import DataError
+    from .safetensors_io import SafetensorsFormatError
     from .schedule import ScheduleError
     from .spec import SpecError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, SpecError, ScheduleError) as e:
+    except (UserError, SpecError, ScheduleError, ConfigError, DataError, CheckpointError, SafetensorsFormatError) as e:
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
         return 2
 
