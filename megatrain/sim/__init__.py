@@ -1,1 +1,15 @@
-"""The discrete-event simulator: predicts the Timeline of a Program from a HardwareProfile."""
+"""The discrete-event simulator: predicts the Timeline of a Program from a HardwareProfile.
+
+    from megatrain import simulate, load_profile
+    result = simulate(lower(build_schedule(spec, 8, 2048, "overlap")), "h200")
+    result.timeline, result.summary
+
+See docs/simulator.md.
+"""
+from .costs import CostModel
+from .engine import SimResult, SimulationError, simulate
+from .profile import (ComputeTable, CopyCurve, HardwareProfile, ProfileError, load_profile, model_signature,
+                      shipped_profiles)
+
+__all__ = ["CostModel", "SimResult", "SimulationError", "simulate", "ComputeTable", "CopyCurve", "HardwareProfile",
+           "ProfileError", "load_profile", "model_signature", "shipped_profiles"]

@@ -1,0 +1,94 @@
+"""Cost model: how long each task of a Program takes on a HardwareProfile.
+
+Compute tasks (F, R, B on the compute stream) take a measured table's time where the profile has one for the
+model's signature, kind, unit class and compute dtype, otherwise `flops / (matmul rate x efficiency)`; tasks of
+no FLOPs (the embedding's gather and scatter-add) are memory bound: `tokens x hidden x 8 bytes / GPU memory rate`.
+Optimizer tasks take `params / AdamW rate` (CPU threads or GPU), the global norm `params / clip-norm rate`.
+Every task pays its stream's launch overhead. Copies are not given a duration here: their bytes flow through the
+engine's fluid link model, which shares the PCIe bandwidth between directions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..program import Program, ProgramTask
+from .profile import HardwareProfile, ProfileError, model_signature, unit_class
+
+COPY_STREAMS = ("h2d", "d2h")
+
+
+@dataclass(frozen=True)
+class CopyCost:
+    """A copy: a fixed delay (launch overhead + latency), then `nbytes` at `rate_Bps` when alone on the link."""
+
+    direction: str
+    delay_s: float
+    nbytes: int
+    rate_Bps: float
+
+
+class CostModel:
+    """Durations of a Program's tasks under a profile (memoised: every layer of a model costs the same)."""
+
+    def __init__(self, program: Program, profile: HardwareProfile):
+        self.program, self.profile = program, profile
+        self.spec = program.model
+        self.signature = model_signature(self.spec)
+        self.dtype = program.knobs.compute_dtype
+        self._memo: dict[tuple, float] = {}
+
+    # ---- compute ---------------------------------------------------------------------------------------------
+    def compute_s(self, task: ProgramTask) -> float:
+        """Seconds of an F / R / B task, without launch overhead."""
+        key = (task.kind, unit_class(task.unit), task.tokens, task.flops)
+        if key not in self._memo:
+            self._memo[key] = self._compute_s(task)
+        return self._memo[key]
+
+    def _compute_s(self, task: ProgramTask) -> float:
+        p, uclass = self.profile, unit_class(task.unit)
+        tables = p.tables_for(self.signature, task.kind, uclass, self.dtype)
+        seq = self.program.seq
+        if tables:
+            exact = [t for t in tables if t.seq == seq]
+            if exact:
+                return exact[0].at(task.tokens)
+            # Nearest measured sequence length, rescaled by the analytic FLOPs at the two lengths (attention
+            # grows with seq, the matmuls do not).
+            t = min(tables, key=lambda t: (abs(t.seq - seq), t.seq))
+            here = self.spec.unit_forward_flops(task.unit, task.tokens / seq, seq)
+            there = self.spec.unit_forward_flops(task.unit, task.tokens / t.seq, t.seq)
+            return t.at(task.tokens) * (here / there if there else 1.0)
+        if task.flops > 0:
+            return task.flops / (p.matmul_rate(self.dtype) * p.efficiency[uclass])
+        # Embedding gather (forward) / scatter-add (backward): activations read and written, fp32 gradient.
+        return task.tokens * self.spec.hidden_size * 8 / p.gpu_memory_Bps
+
+    # ---- all tasks -------------------------------------------------------------------------------------------
+    def duration_s(self, task: ProgramTask) -> float:
+        """Seconds of a non-copy task, launch overhead included."""
+        p = self.profile
+        over = p.overhead(task.stream)
+        if task.kind in ("F", "R", "B"):
+            return over + self.compute_s(task)
+        if task.kind == "U":
+            rate = p.gpu_adam_params_per_s if task.stream == "compute" else p.cpu_adam_rate()
+            return over + task.params / rate
+        if task.kind == "N":
+            return over + task.params / p.clip_norm_params_per_s
+        if task.stream in COPY_STREAMS:
+            raise ProfileError(f"{task.id} is a copy; use copy_cost()")
+        return over
+
+    def copy_cost(self, task: ProgramTask) -> CopyCost:
+        """The copy a task on the h2d / d2h stream performs."""
+        curve = self.profile.h2d if task.stream == "h2d" else self.profile.d2h
+        return CopyCost(task.stream, self.profile.overhead(task.stream) + curve.latency_s, task.bytes,
+                        curve.rate(task.bytes))
+
+    def is_copy(self, task: ProgramTask) -> bool:
+        return task.stream in COPY_STREAMS
+
+    def is_cpu_optimizer(self, task: ProgramTask) -> bool:
+        """CPU AdamW work contends with DMA for host memory bandwidth."""
+        return task.kind == "U" and task.stream == "cpu"

@@ -1,0 +1,234 @@
+"""The discrete-event engine: interprets a Program on a HardwareProfile with simpy and returns its Timeline.
+
+One simpy process per stream walks that stream's queue in Program order. A task starts when the previous task
+of its stream is done and every task in its `waits` is done; it then holds its stream for the duration the cost
+model gives, except copies, whose bytes flow through a fluid model of the PCIe link:
+
+- each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream);
+- a copy alone moves at its curve's rate for its size; when both directions carry bytes and their rates add up
+  to more than `duplex_Bps`, both are scaled down to share it; while a CPU optimizer update runs, every copy is
+  slowed by `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth);
+- whenever one of these conditions changes, the bytes still in flight are re-rated, so a copy that overlapped
+  the other direction for only part of its life is slowed for only that part.
+
+The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
+a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck
+tasks and what they wait for.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+import pandas as pd
+import simpy
+
+from ..analysis import StepSummary, summarize
+from ..program import STREAMS, Program
+from ..timeline import make_timeline
+from .costs import CostModel
+from .profile import HardwareProfile, load_profile
+
+
+class SimulationError(RuntimeError):
+    """A Program the simulator cannot run: a deadlock, or a wait on a task that does not exist."""
+
+
+@dataclass
+class SimResult:
+    """What `simulate` returns: the predicted Timeline and its summary (plus what they were computed from)."""
+
+    timeline: pd.DataFrame
+    summary: StepSummary
+    program: Program
+    profile: HardwareProfile
+
+    @property
+    def step_s(self) -> float:
+        return self.summary.step_s
+
+
+class _Flow:
+    __slots__ = ("nbytes", "remaining", "alone_Bps", "rate", "done")
+
+    def __init__(self, nbytes: int, alone_Bps: float, done: simpy.Event):
+        self.nbytes, self.remaining, self.alone_Bps, self.rate, self.done = nbytes, float(nbytes), alone_Bps, 0.0, done
+
+
+class _Link:
+    """PCIe as a fluid: the bytes in flight in each direction, re-rated whenever the sharing changes."""
+
+    def __init__(self, env: simpy.Environment, profile: HardwareProfile):
+        self.env = env
+        self.duplex_Bps = profile.duplex_Bps
+        self.dma_factor = profile.dma_factor_cpu_optimizer
+        self.flows: dict[str, _Flow] = {}
+        self.cpu_optimizers = 0  # CPU updates running now
+        self._t = 0.0  # time up to which `remaining` is accounted
+        self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
+
+    def transfer(self, direction: str, nbytes: int, alone_Bps: float) -> simpy.Event:
+        """Start moving `nbytes`; the returned event fires when the last byte has arrived."""
+        done = self.env.event()
+        if nbytes <= 0 or math.isinf(alone_Bps):
+            done.succeed()
+            return done
+        self._advance()
+        self.flows[direction] = _Flow(nbytes, alone_Bps, done)
+        self._replan()
+        return done
+
+    def contention(self, delta: int) -> None:
+        """A CPU optimizer update starts (+1) or ends (-1)."""
+        self._advance()
+        self.cpu_optimizers += delta
+        self._replan()
+
+    def _advance(self) -> None:
+        dt = self.env.now - self._t
+        if dt > 0:
+            for f in self.flows.values():
+                f.remaining -= f.rate * dt
+        self._t = self.env.now
+
+    def _replan(self) -> None:
+        self._gen += 1
+        if not self.flows:
+            return
+        scale = 1.0
+        total = sum(f.alone_Bps for f in self.flows.values())
+        if len(self.flows) > 1 and total > self.duplex_Bps:
+            scale = self.duplex_Bps / total
+        if self.cpu_optimizers:
+            scale *= self.dma_factor
+        for f in self.flows.values():
+            f.rate = f.alone_Bps * scale
+        dt = min(max(f.remaining, 0.0) / f.rate for f in self.flows.values())
+        gen = self._gen
+        self.env.timeout(dt).callbacks.append(lambda _e: self._wake(gen))
+
+    def _wake(self, gen: int) -> None:
+        if gen != self._gen:
+            return
+        self._advance()
+        for direction in sorted(self.flows):
+            f = self.flows[direction]
+            if f.remaining <= 1e-9 * f.nbytes:  # rounding of the re-rated progress, not real bytes
+                del self.flows[direction]
+                f.done.succeed()
+        self._replan()
+
+
+class _Engine:
+    def __init__(self, program: Program, profile: HardwareProfile):
+        self.program, self.profile = program, profile
+        self.cost = CostModel(program, profile)
+        self.env = simpy.Environment()
+        self.link = _Link(self.env, profile)
+        self.done = {t: self.env.event() for t in program.tasks}
+        self.rows: list[dict] = []
+
+    def run(self) -> list[dict]:
+        for s in STREAMS:
+            if self.program.streams.get(s):
+                self.env.process(self._stream(self.program.streams[s]))
+        self.env.run()
+        if len(self.rows) < len(self.program.tasks):
+            raise SimulationError(deadlock_message(self.program, {r["task"] for r in self.rows}, self.env.now))
+        return self.rows
+
+    def _stream(self, queue: list[str]):
+        env, tasks, cost = self.env, self.program.tasks, self.cost
+        for tid in queue:
+            t = tasks[tid]
+            for w in t.waits:
+                if not self.done[w].processed:
+                    yield self.done[w]
+            start = env.now
+            if cost.is_copy(t):
+                c = cost.copy_cost(t)
+                if c.delay_s:
+                    yield env.timeout(c.delay_s)
+                yield self.link.transfer(c.direction, c.nbytes, c.rate_Bps)
+            else:
+                contends = cost.is_cpu_optimizer(t)
+                if contends:
+                    self.link.contention(+1)
+                yield env.timeout(cost.duration_s(t))
+                if contends:
+                    self.link.contention(-1)
+            self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,
+                                  start_s=start, end_s=env.now, bytes=t.bytes, flops=t.flops, step=0))
+            self.done[tid].succeed()
+
+
+def check_program(program: Program) -> None:
+    """Every queued task is known, every task queued once on its own stream, every wait names a task."""
+    queued = [t for s in STREAMS for t in program.streams.get(s, [])]
+    extra = set(program.streams) - set(STREAMS)
+    if extra:
+        raise SimulationError(f"program has unknown streams {sorted(extra)}; streams are {STREAMS}")
+    if len(queued) != len(set(queued)) or set(queued) != set(program.tasks):
+        dup = sorted({t for t in queued if queued.count(t) > 1})
+        lost = sorted(set(program.tasks) - set(queued))
+        ghost = sorted(set(queued) - set(program.tasks))
+        raise SimulationError(f"program streams and tasks disagree: queued twice {dup}, never queued {lost}, "
+                              f"queued but undefined {ghost}")
+    for s in STREAMS:
+        for tid in program.streams.get(s, []):
+            t = program.tasks[tid]
+            if t.stream != s:
+                raise SimulationError(f"{tid} is queued on stream {s} but says stream={t.stream!r}")
+            missing = [w for w in t.waits if w not in program.tasks]
+            if missing:
+                raise SimulationError(f"{tid} ({s}) waits for {missing}, which are not tasks of this program")
+
+
+def deadlock_message(program: Program, finished: set[str], now: float) -> str:
+    """Which stream is stuck at which task, what each waits for, and the cycle of waits."""
+    heads = {}
+    for s in STREAMS:
+        for tid in program.streams.get(s, []):
+            if tid not in finished:
+                heads[s] = tid
+                break
+    lines, edges = [], {}
+    for s, tid in heads.items():
+        pending = [w for w in program.tasks[tid].waits if w not in finished]
+        parts = []
+        for w in pending:
+            ws = program.tasks[w].stream
+            blocker = heads.get(ws)
+            parts.append(f"{w} ({ws}, queued behind {blocker})" if blocker != w else f"{w} ({ws}, itself stuck)")
+            edges.setdefault(tid, []).append(blocker)
+        lines.append(f"  {s}: {tid} waits for " + ", ".join(parts))
+    cycle = _find_cycle(edges)
+    never = len(program.tasks) - len(finished)
+    msg = (f"simulation of {program.name!r} deadlocked at t={now:.6g} s: {never} task(s) never ran; the stuck "
+           "streams:\n" + "\n".join(lines))
+    if cycle:
+        msg += "\nwait cycle: " + " -> ".join(f"{t} ({program.tasks[t].stream})" for t in cycle + cycle[:1])
+    return msg + ("\nA task may only wait for tasks that can finish before it; fix the Program's waits or stream "
+                  "order (or rebuild it with lower(build_schedule(...))).")
+
+
+def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
+    g = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
+    try:
+        return [a for a, _ in nx.find_cycle(g)]
+    except nx.NetworkXNoCycle:
+        return []
+
+
+def simulate(program: Program, profile: HardwareProfile | str = "h200") -> SimResult:
+    """Predict one training step of `program` on `profile` (a HardwareProfile, a shipped name or a JSON path).
+
+    Returns SimResult(timeline, summary, program, profile); the Timeline has source="predicted".
+    Raises SimulationError when the Program cannot run to the end.
+    """
+    profile = load_profile(profile)
+    check_program(program)
+    rows = _Engine(program, profile).run()
+    timeline = make_timeline(rows, source="predicted")
+    return SimResult(timeline, summarize(timeline, program), program, profile)

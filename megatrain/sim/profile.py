@@ -1,0 +1,293 @@
+"""HardwareProfile: what the simulator knows about a machine, as a dataclass that round-trips through JSON.
+
+A profile holds
+    h2d, d2h             copy bandwidth of each direction by transfer size, plus a fixed latency per copy
+    duplex_Bps           the summed bandwidth cap when both directions move bytes at once
+    matmul_flops_per_s   peak matmul rate by compute dtype, and `efficiency` by unit class (layer/embed/head):
+                         the analytic fallback for a compute task is flops / (rate x efficiency)
+    compute_tables       measured compute times keyed by (model signature, task kind, unit class, seq, dtype),
+                         as a function of tokens; a table, where one matches, overrides the analytic fallback
+    cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
+    gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
+    dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
+    task_overhead_s      fixed launch / dispatch cost of every task, by stream
+
+Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
+megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+
+from ..spec import EMBED, HEAD, ModelSpec
+
+FORMAT = "megatrain.profile/1"
+UNIT_CLASSES = ("layer", "embed", "head")
+COMPUTE_KINDS = ("F", "R", "B")
+STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
+
+
+class ProfileError(ValueError):
+    """A profile the simulator cannot use; the message says which field and what to do."""
+
+
+def unit_class(unit: int) -> str:
+    """"embed", "head" or "layer": compute tables are kept per class of unit."""
+    return {EMBED: "embed", HEAD: "head"}.get(unit, "layer")
+
+
+def model_signature(spec: ModelSpec) -> str:
+    """The shape of a model's units, independent of its name and depth: compute tables are keyed by it.
+
+    Two models that share it have the same per-layer (and embedding / head) compute times.
+    """
+    bias = "-qkvbias" if spec.qkv_bias else ""
+    return (f"{spec.model_type}-d{spec.hidden_size}-f{spec.intermediate_size}-h{spec.num_heads}x{spec.head_dim}"
+            f"-kv{spec.num_kv_heads}-v{spec.vocab_size}{bias}")
+
+
+def _interp(xs, ys, x: float) -> float:
+    """Piecewise-linear y(x) through sorted points; clamped to the end values outside them."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class CopyCurve:
+    """One copy direction: a copy of n bytes takes `latency_s + n / rate(n)` when it has the link to itself.
+
+    `rate(n)` interpolates the table linearly in log2(n) and is clamped to its end values. A measured profile
+    stores rate = n / (time - latency), so the latency is not counted twice. `inf` bandwidth means free copies.
+    """
+
+    sizes_bytes: tuple[int, ...]
+    Bps: tuple[float, ...]
+    latency_s: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "sizes_bytes", tuple(int(s) for s in self.sizes_bytes))
+        object.__setattr__(self, "Bps", tuple(float(b) for b in self.Bps))
+        if not self.sizes_bytes or len(self.sizes_bytes) != len(self.Bps):
+            raise ProfileError("a copy curve needs as many sizes_bytes as Bps values, at least one")
+        if list(self.sizes_bytes) != sorted(set(self.sizes_bytes)) or self.sizes_bytes[0] <= 0:
+            raise ProfileError(f"copy curve sizes_bytes must be positive and increasing, got {self.sizes_bytes}")
+        if any(not b > 0 for b in self.Bps) or self.latency_s < 0:
+            raise ProfileError(f"copy curve bandwidths must be > 0 and latency >= 0 (Bps={self.Bps})")
+
+    @classmethod
+    def constant(cls, Bps: float, latency_s: float = 0.0) -> CopyCurve:
+        """The same bandwidth at every size."""
+        return cls((1,), (Bps,), latency_s)
+
+    def rate(self, nbytes: int) -> float:
+        """Bytes/s of a copy of `nbytes` when it runs alone."""
+        if len(self.Bps) == 1 or nbytes <= 0:
+            return self.Bps[0]
+        return _interp([math.log2(s) for s in self.sizes_bytes], self.Bps, math.log2(nbytes))
+
+    def duration(self, nbytes: int) -> float:
+        """Seconds of a copy of `nbytes` alone on the link."""
+        return self.latency_s + (nbytes / self.rate(nbytes) if nbytes else 0.0)
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    """Measured seconds of one compute task kind on one unit class, as a function of tokens per task.
+
+    `kind` is the task kind letter: "F" forward (for the head: forward + loss + backward, fused), "R" recompute,
+    "B" recompute-once + backward. Between points time is interpolated linearly in tokens; outside them it scales
+    in proportion to tokens from the nearest point.
+    """
+
+    model: str  # model_signature()
+    kind: str
+    unit: str  # unit class
+    seq: int
+    tokens: tuple[int, ...]
+    dur_s: tuple[float, ...]
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "dur_s", tuple(float(t) for t in self.dur_s))
+        where = f"compute table ({self.model}, {self.kind}, {self.unit}, seq={self.seq})"
+        if self.kind not in COMPUTE_KINDS:
+            raise ProfileError(f"{where}: kind must be one of {COMPUTE_KINDS}")
+        if self.unit not in UNIT_CLASSES:
+            raise ProfileError(f"{where}: unit must be one of {UNIT_CLASSES}")
+        if not self.tokens or len(self.tokens) != len(self.dur_s):
+            raise ProfileError(f"{where}: needs as many tokens as dur_s values, at least one")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] <= 0:
+            raise ProfileError(f"{where}: tokens must be positive and increasing")
+        if any(d < 0 for d in self.dur_s):
+            raise ProfileError(f"{where}: durations must be >= 0")
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.kind, self.unit, self.dtype)
+
+    def at(self, tokens: int) -> float:
+        xs, ys = self.tokens, self.dur_s
+        if tokens < xs[0]:
+            return ys[0] * tokens / xs[0]
+        if tokens > xs[-1]:
+            return ys[-1] * tokens / xs[-1]
+        return _interp(xs, ys, tokens)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A machine as the simulator sees it (see the module docstring for each field)."""
+
+    name: str
+    h2d: CopyCurve
+    d2h: CopyCurve
+    duplex_Bps: float = math.inf
+    matmul_flops_per_s: dict[str, float] = field(default_factory=lambda: {"bf16": 1e12, "fp32": 1e12})
+    efficiency: dict[str, float] = field(default_factory=lambda: {"layer": 1.0, "embed": 1.0, "head": 1.0})
+    gpu_memory_Bps: float = math.inf
+    compute_tables: tuple[ComputeTable, ...] = ()
+    cpu_adam_params_per_s: dict[int, float] = field(default_factory=lambda: {1: 1e9})
+    cpu_threads: int = 1
+    gpu_adam_params_per_s: float = math.inf
+    clip_norm_params_per_s: float = math.inf
+    dma_factor_cpu_optimizer: float = 1.0
+    task_overhead_s: dict[str, float] = field(default_factory=dict)
+    description: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
+        object.__setattr__(self, "cpu_adam_params_per_s",
+                           {int(k): float(v) for k, v in self.cpu_adam_params_per_s.items()})
+        bad = set(self.task_overhead_s) - set(STREAM_NAMES)
+        if bad:
+            raise ProfileError(f"profile {self.name}: task_overhead_s has unknown streams {sorted(bad)}; "
+                               f"use {STREAM_NAMES}")
+        if not self.cpu_adam_params_per_s or any(v <= 0 for v in self.cpu_adam_params_per_s.values()):
+            raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
+        if not 0 < self.dma_factor_cpu_optimizer <= 1:
+            raise ProfileError(f"profile {self.name}: dma_factor_cpu_optimizer must be in (0, 1]")
+        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s"):
+            if not getattr(self, name) > 0:
+                raise ProfileError(f"profile {self.name}: {name} must be > 0")
+        missing = set(UNIT_CLASSES) - set(self.efficiency)
+        if missing or any(not 0 < e <= 1 for e in self.efficiency.values()):
+            raise ProfileError(f"profile {self.name}: efficiency needs a value in (0, 1] for each of {UNIT_CLASSES}")
+        seen = set()
+        for t in self.compute_tables:
+            if (t.key, t.seq) in seen:
+                raise ProfileError(f"profile {self.name}: two compute tables for {t.key} at seq={t.seq}")
+            seen.add((t.key, t.seq))
+        index: dict[tuple, list[ComputeTable]] = {}
+        for t in self.compute_tables:
+            index.setdefault(t.key, []).append(t)
+        object.__setattr__(self, "_tables", index)
+
+    # ---- rates -----------------------------------------------------------------------------------------------
+    def cpu_adam_rate(self, threads: int | None = None) -> float:
+        """CPU AdamW params/s at `threads` (default cpu_threads): linear between measured thread counts,
+        proportional to threads below the smallest, flat above the largest (memory-bandwidth bound)."""
+        threads = threads or self.cpu_threads
+        ts = sorted(self.cpu_adam_params_per_s)
+        if threads < ts[0]:
+            return self.cpu_adam_params_per_s[ts[0]] * threads / ts[0]
+        return _interp(ts, [self.cpu_adam_params_per_s[t] for t in ts], threads)
+
+    def matmul_rate(self, dtype: str) -> float:
+        if dtype not in self.matmul_flops_per_s:
+            raise ProfileError(f"profile {self.name} has no matmul rate for compute dtype {dtype!r}; "
+                               f"it has {sorted(self.matmul_flops_per_s)}")
+        return self.matmul_flops_per_s[dtype]
+
+    def tables_for(self, model: str, kind: str, unit: str, dtype: str) -> list[ComputeTable]:
+        """Measured tables that match, any seq."""
+        return self._tables.get((model, kind, unit, dtype), [])
+
+    def overhead(self, stream: str) -> float:
+        return self.task_overhead_s.get(stream, 0.0)
+
+    def with_(self, **changes) -> HardwareProfile:
+        """A copy with some fields replaced (`profile.with_(dma_factor_cpu_optimizer=1.0)`)."""
+        return replace(self, **changes)
+
+    # ---- JSON ------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {"format": FORMAT}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, CopyCurve):
+                v = asdict(v)
+            elif f.name == "compute_tables":
+                v = [asdict(t) for t in v]
+            elif f.name == "cpu_adam_params_per_s":
+                v = {str(k): r for k, r in sorted(v.items())}
+            d[f.name] = v
+        return d
+
+    def to_json(self) -> str:
+        # inf is written as the JSON extension `Infinity`, which json.loads reads back.
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "profile") -> HardwareProfile:
+        d = dict(d)
+        if d.pop("format", None) != FORMAT:
+            raise ProfileError(f"{where} is not a megatrain hardware profile (expected \"format\": \"{FORMAT}\")")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ProfileError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        for required in ("name", "h2d", "d2h"):
+            if required not in d:
+                raise ProfileError(f"{where}: missing field {required!r}")
+        try:
+            for direction in ("h2d", "d2h"):
+                d[direction] = CopyCurve(**d[direction])
+            d["compute_tables"] = tuple(ComputeTable(**t) for t in d.get("compute_tables", ()))
+            return cls(**d)
+        except TypeError as e:
+            raise ProfileError(f"{where}: {e}") from None
+        except ProfileError as e:
+            raise ProfileError(f"{where}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "profile") -> HardwareProfile:
+        try:
+            return cls.from_dict(json.loads(text), where)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{where} is not valid JSON: {e}") from None
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles that ship with megatrain ("h200", "cpu")."""
+    root = resources.files("megatrain") / "profiles"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path | HardwareProfile) -> HardwareProfile:
+    """A shipped profile by name ("h200", "cpu"), or a profile JSON file."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    text = str(name_or_path)
+    if text in shipped_profiles():
+        res = resources.files("megatrain") / "profiles" / f"{text}.json"
+        return HardwareProfile.from_json(res.read_text(), where=f"shipped profile {text}")
+    p = Path(text)
+    if p.is_file():
+        return HardwareProfile.from_json(p.read_text(), where=str(p))
+    raise ProfileError(f"no hardware profile {text!r}: give a shipped profile ({', '.join(shipped_profiles())}) "
+                       "or the path of a profile JSON (as `megatrain profile` writes)")
