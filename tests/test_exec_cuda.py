@@ -1,0 +1,61 @@
+"""The executor on the CUDA backend (skipped without a GPU): the same numbers as the CPU backend for several
+schedules, pinned host memory as planned, and a measured timeline. Run on the GPU machine with
+`python -m pytest -m gpu tests/test_exec_cuda.py -s`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.builders import knobs_for
+from megatrain.exec.optim import AdamWConfig
+from megatrain.exec.store import store_bytes
+from megatrain.exec.trainer import StreamedTrainer, init_tiles
+from megatrain.memory import plan_host_memory
+from megatrain.presets import PRESETS
+from megatrain.timeline import TIMELINE_COLUMNS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEBUG = PRESETS["debug"]
+STEPS, B, T = 5, 4, 32
+
+
+def run(backend: str, knobs):
+    tiles = init_tiles(DEBUG, seed=0, std=0.05)
+    trainer = StreamedTrainer(DEBUG, knobs, tiles, optim=AdamWConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=
+                              1.0 if knobs.clip == "exact" else None), backend=backend, timeout_s=60)
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, DEBUG.vocab_size, (B, T + 1), generator=g)
+        results.append(trainer.step(tokens[:, :-1], tokens[:, 1:]))
+    return trainer, results
+
+
+@pytest.mark.parametrize("name", ["serial", "overlap", "gpu-adam", "split-adam", "long-context", "arrival"])
+def test_cuda_backend_gives_the_cpu_backends_numbers(name):
+    knobs = knobs_for(name, compute_dtype="fp32", weight_wire="fp32", micro_batches=2)
+    cpu_tr, cpu = run("cpu", knobs)
+    gpu_trainer, gpu = run("cuda", knobs)
+    for a, b in zip(cpu, gpu):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4), (name, a.step)
+    ref = cpu_tr.state_dict()
+    for k, v in gpu_trainer.state_dict().items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=3 * 2e-3)
+    tl = gpu[-1].timeline
+    assert list(tl.columns) == TIMELINE_COLUMNS and (tl.end_s >= tl.start_s).all()
+    print(f"\n{name}: step time {gpu[-1].time_s * 1e3:.1f} ms, losses cpu {cpu[-1].loss:.5f} cuda {gpu[-1].loss:.5f}")
+
+
+@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "split-adam"])
+def test_cuda_store_pins_what_dma_touches(name):
+    knobs = knobs_for(name)
+    trainer, _ = run("cuda", knobs)
+    store = trainer.store
+    assert store.bytes_by_component() == store_bytes(DEBUG, knobs)
+    planned = plan_host_memory(DEBUG, B, T, knobs).pinned_bytes
+    pinned = store.pinned_bytes()
+    pages = 4096 * 5 * len(DEBUG.units())
+    print(f"\n{name}: pinned {pinned} B, planned {planned} B")
+    assert planned <= pinned <= planned + pages
+    assert store.grad(0).is_pinned() and store.stream_tile(0).is_pinned()

@@ -1,0 +1,262 @@
+"""The executor's machinery on the CPU backend: waits that time out with a clear error, failing tasks, the measured
+timeline, slot checks, the host store's bytes against the memory planner, the optimizer against torch, overlap's
+flush, user errors, and `megatrain train`. (Training equality is in test_exec_training.py.)"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from megatrain.builders import ScheduleKnobs, build_schedule, knobs_for
+from megatrain.cli import main
+from megatrain.exec.backend import CpuBackend, ExecError
+from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
+from megatrain.exec.runtime import Runtime
+from megatrain.exec.store import HostStore, store_bytes
+from megatrain.exec.trainer import StreamedTrainer, init_tiles
+from megatrain.exec.work import StepWork
+from megatrain.memory import plan_host_memory
+from megatrain.presets import PRESETS
+from megatrain.program import lower
+from megatrain.spec import EMBED, HEAD, ModelSpec
+from megatrain.timeline import TIMELINE_COLUMNS
+
+DEBUG = PRESETS["debug"]
+TIED = ModelSpec(**{**DEBUG.to_dict(), "name": "debug-tied", "tie_word_embeddings": True,
+                    "rope_scaling": DEBUG.rope_scaling})
+FP32 = dict(compute_dtype="fp32", weight_wire="fp32")
+B, T = 4, 16
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, DEBUG.vocab_size, (B, T + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def prepared(knobs, timeout_s=5.0, program=None):
+    """A runtime over a StepWork with one batch bound, as the trainer sets it up."""
+    program = program or lower(build_schedule(DEBUG, B, T, knobs))
+    store = HostStore(DEBUG, knobs, CpuBackend(), init_tiles(DEBUG))
+    work = StepWork(program, store, CpuBackend(), AdamWConfig(lr=1e-3))
+    work.begin_step(*batch(), UpdatePlan(step=0, lr=1e-3), None)
+    return Runtime(program, CpuBackend(), work, timeout_s=timeout_s), program
+
+
+# ---- waits and failures --------------------------------------------------------------------------------------------
+def test_a_wait_that_cannot_be_satisfied_times_out_with_an_error_naming_task_stream_and_producer():
+    knobs = knobs_for("serial", **FP32)
+    program = lower(build_schedule(DEBUG, B, T, knobs))
+    # PE (h2d) now also waits for FE.0 (compute), which itself waits for PE: a deadlock.
+    program.tasks["PE"] = dataclasses.replace(program.tasks["PE"], waits=("FE.0",))
+    rt, _ = prepared(knobs, timeout_s=0.5, program=program)
+    t0 = time.perf_counter()
+    with pytest.raises(ExecError) as e:
+        rt.run()
+    assert time.perf_counter() - t0 < 5, "the runtime must give up soon after the timeout"
+    msg = str(e.value)
+    assert "PE" in msg and "h2d" in msg and "FE.0" in msg and "compute" in msg, msg
+    assert "0.5 s" in msg
+
+
+def test_a_failing_task_stops_every_stream_and_names_the_task():
+    knobs = knobs_for("overlap", **FP32)
+    rt, _ = prepared(knobs)
+    real = rt.work
+
+    def work(task):
+        if task.id == "B2.0":
+            raise RuntimeError("boom")
+        real(task)
+
+    rt.work = work
+    with pytest.raises(ExecError, match=r"task B2\.0 on stream compute failed: RuntimeError: boom") as e:
+        rt.run()
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_a_program_whose_slots_do_not_match_is_caught():
+    knobs = knobs_for("double-buffer", **FP32)
+    program = lower(build_schedule(DEBUG, B, T, knobs))
+    f1 = program.tasks["F1.0"]
+    program.tasks["F1.0"] = dataclasses.replace(f1, slot="w0")  # P1 fills w1; F1 would read layer 0's weights
+    rt, _ = prepared(knobs, program=program)
+    with pytest.raises(ExecError, match="F1.0 reads slot w0, which holds unit 0, not 1"):
+        rt.run()
+
+
+def test_waits_on_unknown_tasks_are_rejected_before_running():
+    knobs = knobs_for("serial", **FP32)
+    program = lower(build_schedule(DEBUG, B, T, knobs))
+    program.tasks["P0"] = dataclasses.replace(program.tasks["P0"], waits=("F9.0",))
+    with pytest.raises(ExecError, match="P0 waits for F9.0, which is not a task"):
+        Runtime(program, CpuBackend(), lambda t: None)
+
+
+# ---- timeline ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "long-context"])
+def test_measured_timeline_has_the_simulator_columns_and_respects_order_and_waits(name):
+    knobs = knobs_for(name, micro_batches=2, **FP32)
+    rt, program = prepared(knobs)
+    tl = rt.run(step=3)
+    assert list(tl.columns) == TIMELINE_COLUMNS
+    assert set(tl.task) == set(program.tasks) and len(tl) == len(program.tasks)
+    assert (tl.source == "measured").all() and (tl.step == 3).all()
+    assert (tl.end_s >= tl.start_s).all() and (tl.start_s >= 0).all()
+    row = tl.set_index("task")
+    for stream, queue in program.streams.items():
+        for a, b in zip(queue, queue[1:]):  # in-order streams: b starts after a ends
+            assert row.end_s[a] <= row.start_s[b], (stream, a, b)
+    for t in program.tasks.values():
+        for w in t.waits:
+            assert row.end_s[w] <= row.start_s[t.id], (w, t.id)
+        assert row.stream[t.id] == t.stream and row.bytes[t.id] == t.bytes
+
+
+# ---- host store ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [DEBUG, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("knobs", [ScheduleKnobs(), ScheduleKnobs(weight_wire="fp32", grad_wire="bf16"),
+                                   ScheduleKnobs(optimizer="split", grad_wire="bf16")], ids=["bf16", "fp32", "split"])
+def test_store_bytes_match_the_memory_planner(spec, knobs):
+    store = HostStore(spec, knobs, CpuBackend(), init_tiles(spec))
+    have = store.bytes_by_component()
+    assert have == store_bytes(spec, knobs)
+    planned = plan_host_memory(spec, B, T, knobs, backend="cpu").components
+    assert have == {k: v for k, v in planned.items() if k in have}
+    assert sum(have.values()) <= store.allocated_bytes() <= sum(have.values()) + 4096 * 6 * len(spec.units())
+    assert store.pinned_bytes() == 0  # the CPU backend pins nothing
+    per_param = sum(have[k] for k in ("fp32 master", "adam m (fp32)", "adam v (fp32)")) / spec.num_params
+    assert per_param == 12
+
+
+def test_store_round_trips_tiles_and_ties_the_head_to_the_embedding():
+    tiles = init_tiles(TIED, seed=3)
+    store = HostStore(TIED, ScheduleKnobs(), CpuBackend(), tiles)
+    out = store.tiles()
+    for u in TIED.units():
+        assert torch.equal(out[u], tiles[u])
+    vd = TIED.vocab_size * TIED.hidden_size
+    assert store.master(HEAD).numel() == TIED.hidden_size  # the head owns only its norm
+    # The bf16 streaming copy of the head's lm_head is the embedding's master, rounded.
+    assert torch.equal(store.stream_tile(HEAD)[:vd], store.master(EMBED).to(torch.bfloat16))
+    store.master(EMBED).add_(1.0)
+    store.refresh_stream(EMBED)
+    assert torch.equal(store.stream_tile(HEAD)[:vd], store.master(EMBED).to(torch.bfloat16))
+
+
+def test_tied_gradients_merge_once_per_landing():
+    store = HostStore(TIED, ScheduleKnobs(), CpuBackend(), init_tiles(TIED))
+    vd = TIED.vocab_size * TIED.hidden_size
+    store.grad(EMBED).fill_(1.0)
+    store.grad(HEAD).fill_(2.0)
+    assert store.optimizer_grad(EMBED).eq(3.0).all()
+    assert store.optimizer_grad(EMBED).eq(3.0).all()  # idempotent until gradients land again
+    assert store.optimizer_grad(HEAD).numel() == TIED.hidden_size and store.optimizer_grad(HEAD).eq(2.0).all()
+    store.gradients_landing(EMBED)
+    store.grad(EMBED)[:vd].fill_(1.0)
+    assert store.optimizer_grad(EMBED).eq(3.0).all()
+
+
+# ---- optimizer -----------------------------------------------------------------------------------------------------
+def test_adamw_on_a_tile_equals_torch_adamw_with_decay_on_the_matrix_prefix_only():
+    g = torch.Generator().manual_seed(0)
+    mat, vec = torch.randn(6, 5, generator=g), torch.randn(5, generator=g)
+    flat = torch.cat([mat.flatten(), vec])
+    m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    ref_mat, ref_vec = mat.clone().requires_grad_(), vec.clone().requires_grad_()
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW([{"params": [ref_mat], "weight_decay": 0.1}, {"params": [ref_vec], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(1, 4):
+        grad = torch.randn(flat.shape, generator=g)
+        ref_mat.grad, ref_vec.grad = grad[:30].view(6, 5).clone(), grad[30:].clone()
+        opt.step()
+        adamw_update(flat, grad.clone(), m, v, step, 30, 1e-2, cfg)
+        torch.testing.assert_close(flat, torch.cat([ref_mat.detach().flatten(), ref_vec.detach()]),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_follows_clip_grad_norm():
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(7, generator=g) * 3, torch.randn(4, generator=g)]
+    total = global_norm([x.norm().item() for x in grads])
+    params = [torch.zeros_like(x, requires_grad=True) for x in grads]
+    for p, x in zip(params, grads):
+        p.grad = x.clone()
+    ref = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert total == pytest.approx(ref.item(), rel=1e-6)
+    coef = clip_coefficient(total, 1.0)
+    for p, x in zip(params, grads):
+        torch.testing.assert_close(p.grad, x * coef)
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(5.0, None) == 1.0
+
+
+# ---- trainer -------------------------------------------------------------------------------------------------------
+def test_overlap_defers_the_last_update_until_flush():
+    ids, targets = batch()
+    optim = AdamWConfig(lr=1e-2)
+    overlap = StreamedTrainer(DEBUG, knobs_for("overlap", **FP32), optim=optim, backend="cpu")
+    after = StreamedTrainer(DEBUG, knobs_for("double-buffer", **FP32), optim=optim, backend="cpu")
+    for _ in range(2):
+        assert overlap.step(ids, targets).loss == pytest.approx(after.step(ids, targets).loss, rel=1e-6)
+    pending = overlap.store.master(0).clone()
+    assert not torch.allclose(pending, after.store.master(0))  # the second update has not run yet
+    plan = overlap.flush()
+    assert plan is not None and plan.step == 1 and sorted(plan.applied_units) == sorted(DEBUG.units())
+    assert overlap.flush() is None  # nothing left
+    torch.testing.assert_close(overlap.store.master(0), after.store.master(0), rtol=1e-6, atol=1e-7)
+    assert overlap.store.steps == after.store.steps == {u: 2 for u in DEBUG.units()}
+
+
+def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skipped(monkeypatch):
+    """clip="none" ("arrival" updates a unit as soon as its gradients land): nothing can wait for a global norm,
+    so a unit whose own gradients are not finite is skipped and reported; the others are updated."""
+    from megatrain.exec import work as work_module
+
+    real = work_module.layer_backward
+    tr = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=AdamWConfig(lr=1e-2, max_grad_norm=None),
+                         backend="cpu")
+    ids, targets = batch()
+    tr.step(ids, targets)
+    before = {u: tr.store.master(u).clone() for u in DEBUG.units()}
+    calls = {"n": 0}
+
+    def poison_layer_2(w, x, cos, sin, spec, grad_out, grad_acc):
+        out = real(w, x, cos, sin, spec, grad_out, grad_acc)
+        if calls["n"] == 1:  # backward runs layers 3, 2, 1, 0: the second call is layer 2
+            grad_acc["self_attn.q_proj.weight"][0, 0] = float("inf")
+        calls["n"] += 1
+        return out
+
+    monkeypatch.setattr(work_module, "layer_backward", poison_layer_2)
+    r = tr.step(ids, targets)
+    assert not r.skipped and r.update.skipped_units == [2]
+    assert sorted(r.update.applied_units) == sorted(u for u in DEBUG.units() if u != 2)
+    assert torch.equal(tr.store.master(2), before[2]) and tr.store.steps[2] == 1
+    assert not torch.equal(tr.store.master(1), before[1]) and tr.store.steps[1] == 2
+
+
+def test_user_mistakes_get_clear_errors():
+    tr = StreamedTrainer(DEBUG, knobs_for("serial", **FP32), backend="cpu")
+    ids, targets = batch()
+    with pytest.raises(ValueError, match="every target of the batch is -100"):
+        tr.step(ids, torch.full_like(targets, -100))
+    with pytest.raises(ValueError, match=r"must both be \(batch, seq\)"):
+        tr.step(ids, targets[:, :-1])
+    arrival = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=AdamWConfig(max_grad_norm=1.0),
+                              backend="cpu")
+    with pytest.raises(ValueError, match="needs a schedule with clip='exact'"):
+        arrival.step(ids, targets)
+
+
+def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
+    csv = tmp_path / "timeline.csv"
+    assert main(["train", "--model", "debug", "--steps", "3", "--seq", "16", "--schedule", "long-context",
+                 "--device", "cpu", "--set", "compute_dtype=fp32", "--timeline", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("loss") >= 3 and "done: 3 steps" in out
+    assert csv.read_text().splitlines()[0].split(",") == TIMELINE_COLUMNS
+    assert main(["train", "--schedule", "arrival", "--device", "cpu", "--steps", "1"]) == 2
+    assert "--max-grad-norm 0" in capsys.readouterr().err
