@@ -10,6 +10,9 @@ from .schedule import Schedule, ScheduleError
 from .spec import EMBED, HEAD, ModelSpec, SpecError, load_hf_config, spec_from_hf_config
 from .tasks import Task, TaskKind
 from .timeline import TIMELINE_COLUMNS, make_timeline
+from .analysis import StepSummary, summarize
+from .sim import HardwareProfile, SimResult, SimulationError, load_profile, simulate
+from .viz import chrome_trace, gantt, write_chrome_trace
 
 __version__ = "0.1.0"
 
@@ -17,4 +20,6 @@ __all__ = [
     "DEFAULT_SCHEDULE", "NAMED_SCHEDULES", "ScheduleKnobs", "build_schedule", "knobs_for", "PRESETS", "get_model",
     "GpuMemoryPlan", "Program", "ProgramTask", "lower", "Schedule", "ScheduleError", "EMBED", "HEAD", "ModelSpec",
     "SpecError", "load_hf_config", "spec_from_hf_config", "Task", "TaskKind", "TIMELINE_COLUMNS", "make_timeline",
+    "StepSummary", "summarize", "HardwareProfile", "SimResult", "SimulationError", "load_profile", "simulate",
+    "chrome_trace", "gantt", "write_chrome_trace",
 ]

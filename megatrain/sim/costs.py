@@ -68,7 +68,7 @@ class CostModel:
     def duration_s(self, task: ProgramTask) -> float:
         """Seconds of a non-copy task, launch overhead included."""
         p = self.profile
-        over = p.overhead(task.stream)
+        over = p.overhead(task.stream, task.kind)
         if task.kind in ("F", "R", "B"):
             return over + self.compute_s(task)
         if task.kind == "U":
@@ -83,7 +83,7 @@ class CostModel:
     def copy_cost(self, task: ProgramTask) -> CopyCost:
         """The copy a task on the h2d / d2h stream performs."""
         curve = self.profile.h2d if task.stream == "h2d" else self.profile.d2h
-        return CopyCost(task.stream, self.profile.overhead(task.stream) + curve.latency_s, task.bytes,
+        return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
 
     def is_copy(self, task: ProgramTask) -> bool:

@@ -10,7 +10,7 @@ A profile holds
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
     dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
-    task_overhead_s      fixed launch / dispatch cost of every task, by stream
+    task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -30,6 +30,7 @@ FORMAT = "megatrain.profile/1"
 UNIT_CLASSES = ("layer", "embed", "head")
 COMPUTE_KINDS = ("F", "R", "B")
 STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
+TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "S", "W", "X", "Y")
 
 
 class ProfileError(ValueError):
@@ -170,10 +171,10 @@ class HardwareProfile:
         object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
         object.__setattr__(self, "cpu_adam_params_per_s",
                            {int(k): float(v) for k, v in self.cpu_adam_params_per_s.items()})
-        bad = set(self.task_overhead_s) - set(STREAM_NAMES)
+        bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
         if bad:
-            raise ProfileError(f"profile {self.name}: task_overhead_s has unknown streams {sorted(bad)}; "
-                               f"use {STREAM_NAMES}")
+            raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
+                               f"names {STREAM_NAMES} or task kinds {TASK_KINDS}")
         if not self.cpu_adam_params_per_s or any(v <= 0 for v in self.cpu_adam_params_per_s.values()):
             raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
         if not 0 < self.dma_factor_cpu_optimizer <= 1:
@@ -214,7 +215,10 @@ class HardwareProfile:
         """Measured tables that match, any seq."""
         return self._tables.get((model, kind, unit, dtype), [])
 
-    def overhead(self, stream: str) -> float:
+    def overhead(self, stream: str, kind: str | None = None) -> float:
+        """Launch / dispatch seconds of a task: its kind's entry if there is one, else its stream's, else 0."""
+        if kind in self.task_overhead_s:
+            return self.task_overhead_s[kind]
         return self.task_overhead_s.get(stream, 0.0)
 
     def with_(self, **changes) -> HardwareProfile:

@@ -1,0 +1,166 @@
+"""`megatrain simulate`: predict step time and GPU idle time of one schedule or a sweep of variants.
+
+    megatrain simulate --model bench-3b --batch 8 --seq 2048 --schedule overlap \\
+        --sweep buffers=1,2,3 --sweep optimizer=after,overlap [--set micro_batches=2] [--profile h200] [--out DIR]
+
+Prints a comparison table (one row per variant) and writes, per variant, the predicted timeline (CSV and JSON),
+a Chrome trace, a Gantt chart, the summary and the resolved configuration; `comparison.csv` holds the table.
+`--sweep` takes knob=v1,v2,... (any ScheduleKnobs field, or `schedule` to compare named schedules / TOML files);
+several sweeps multiply.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ..builders import DEFAULT_SCHEDULE, build_schedule, parse_knob_value, resolve_knobs
+from ..cli import UserError
+from ..presets import get_model
+from ..program import lower
+from ..schedule import ScheduleError
+from ..sim import ProfileError, SimResult, SimulationError, load_profile, simulate
+from ..viz import gantt, write_chrome_trace
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="predict step time and GPU idle time of schedules (no GPU needed)")
+    p.add_argument("--model", default="bench-3b", help="preset name or HF model dir / config.json")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="named schedule or TOML file ([schedule] table)")
+    p.add_argument("--profile", default="h200", help="hardware profile: h200, cpu, or a profile JSON path")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+    p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
+                   help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
+    p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
+    p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Variant:
+    label: str  # what differs: "buffers=2,optimizer=after" (the schedule name without a sweep)
+    schedule: str
+    overrides: list[str]
+
+
+def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
+    """`knob=v1,v2` strings -> [(knob, [v1, v2])], values checked against the knob's type."""
+    sweeps = []
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[1].strip():
+            raise UserError(f"--sweep {item!r} is not knob=v1,v2,... (e.g. --sweep buffers=1,2,3)")
+        key, values = (s.strip() for s in item.split("=", 1))
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if key != "schedule":
+            for v in vals:
+                parse_knob_value(key, v)  # raises ScheduleError naming the knob and the expected type
+        if any(key == k for k, _ in sweeps):
+            raise UserError(f"--sweep {key} is given twice; list all its values in one --sweep")
+        sweeps.append((key, vals))
+    return sweeps
+
+
+def variants(schedule: str, sets: list[str], sweeps: list[tuple[str, list[str]]]) -> list[Variant]:
+    """The cartesian product of the sweeps, each on top of the schedule and the --set overrides."""
+    if not sweeps:
+        return [Variant(Path(schedule).stem if schedule.endswith(".toml") else schedule, schedule, list(sets))]
+    out = []
+    for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in sweeps]):
+        sched = next((v for k, v in combo if k == "schedule"), schedule)
+        knobs = [f"{k}={v}" for k, v in combo if k != "schedule"]
+        label = ",".join(f"{k}={Path(v).stem if k == 'schedule' else v}" for k, v in combo)
+        out.append(Variant(label, sched, list(sets) + knobs))
+    return out
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", label.replace(",", "_").replace("=", "-")).strip("_") or "variant"
+
+
+COLUMNS = {"step_s": "{:.4f}", "tokens/s": "{:,.0f}", "TFLOP/s": "{:.1f}", "GPU idle %": "{:.1f}",
+           "wait weights s": "{:.4f}", "wait optimizer s": "{:.4f}", "wait gradients s": "{:.4f}",
+           "GPU peak GiB": "{:.2f}"}
+
+
+def table(rows: list[dict]) -> str:
+    """Aligned text table of the comparison rows (a failed variant shows its error instead of numbers)."""
+    cells = [[r["variant"]] + [COLUMNS[c].format(r[c]) for c in COLUMNS] for r in rows if "error" not in r]
+    header = ["variant", *COLUMNS]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
+    widths[0] = max([widths[0]] + [len(r["variant"]) for r in rows])
+
+    def line(xs):
+        return "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+
+    out = [line(header)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['variant'].ljust(widths[0])}  {r['error']}")
+        else:
+            out.append(line([r["variant"]] + [COLUMNS[c].format(r[c]) for c in COLUMNS]))
+    return "\n".join(out)
+
+
+def row_of(label: str, result: SimResult) -> dict:
+    s = result.summary
+    return {"variant": label, "step_s": s.step_s, "tokens/s": s.tokens_per_s, "TFLOP/s": s.model_tflops,
+            "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
+            "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
+            "GPU peak GiB": s.gpu_peak_bytes / 2**30}
+
+
+def write_artefacts(directory: Path, result: SimResult, config: dict, plots: bool = True) -> None:
+    """timeline_sim.csv / .json, trace.json, gantt.png, summary.json, config.json of one variant."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tl = result.timeline
+    tl.to_csv(directory / "timeline_sim.csv", index=False)
+    tl.astype(object).where(tl.notna(), None).to_json(directory / "timeline_sim.json", orient="records", indent=1)
+    write_chrome_trace(directory / "trace.json", tl, result.program)
+    (directory / "summary.json").write_text(json.dumps(result.summary.to_dict(), indent=1) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if plots:
+        s = result.summary
+        gantt(tl, directory / "gantt.png", title=f"{config['variant']}: step {s.step_s * 1e3:.1f} ms, "
+                                                 f"GPU idle {100 * s.gpu_idle_frac:.1f}%")
+
+
+def run(args) -> int:
+    spec = get_model(args.model)
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as e:
+        raise UserError(str(e)) from None
+    runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
+    out = Path(args.out or f"runs/simulate-{spec.name}")
+    rows = []
+    for v in runs:
+        try:
+            name, knobs = resolve_knobs(v.schedule, v.overrides)
+            program = lower(build_schedule(spec, args.batch, args.seq, knobs))
+            program.name = name
+            result = simulate(program, profile)
+        except (ScheduleError, SimulationError) as e:
+            if len(runs) == 1:
+                raise UserError(str(e)) from None
+            rows.append({"variant": v.label, "error": "skipped: " + str(e).splitlines()[0]})
+            continue
+        config = {"variant": v.label, "schedule": name, "model": spec.name, "batch": args.batch, "seq": args.seq,
+                  "knobs": knobs.to_dict(), "profile": profile.name}
+        write_artefacts(out / slug(v.label), result, config, plots=not args.no_plots)
+        rows.append(row_of(v.label, result))
+    print(f"{spec.name}, batch {args.batch} x seq {args.seq}, profile {profile.name}")
+    print(table(rows))
+    good = [r for r in rows if "error" not in r]
+    if good:
+        pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)
+        if len(good) > 1:
+            best = min(good, key=lambda r: r["step_s"])
+            print(f"fastest: {best['variant']} ({best['step_s'] * 1e3:.1f} ms)")
+        print(f"artefacts (timeline_sim.csv/.json, trace.json, gantt.png per variant) in {out}/")
+    return 0 if good else 1
