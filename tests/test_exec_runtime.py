@@ -260,3 +260,21 @@ def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
     assert csv.read_text().splitlines()[0].split(",") == TIMELINE_COLUMNS
     assert main(["train", "--schedule", "arrival", "--device", "cpu", "--steps", "1"]) == 2
     assert "--max-grad-norm 0" in capsys.readouterr().err
+
+
+def test_host_rss_grows_by_the_planned_store_bytes():
+    """No hidden copies or rounding: building the store raises the process RSS by its planned size (within 5%)."""
+    psutil = pytest.importorskip("psutil")
+    spec = ModelSpec(**{**DEBUG.to_dict(), "name": "rss", "hidden_size": 256, "intermediate_size": 704,
+                        "vocab_size": 4096, "num_layers": 6, "head_dim": 64, "rope_scaling": DEBUG.rope_scaling})
+    knobs = ScheduleKnobs()
+    tiles = init_tiles(spec)
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    store = HostStore(spec, knobs, CpuBackend(), tiles)
+    grown = proc.memory_info().rss - before
+    planned = plan_host_memory(spec, B, T, knobs, backend="cpu").store_bytes
+    print(f"\nstore of {spec.num_params / 1e6:.1f} M params: RSS +{grown / 2**20:.1f} MiB, "
+          f"planned {planned / 2**20:.1f} MiB")
+    assert abs(grown - planned) <= 0.05 * planned
+    del store

@@ -130,9 +130,13 @@ class Runtime:
             if isinstance(ev, HostEvent) and ev.query():
                 continue  # host work is complete once it is issued
             if stream is None:  # a host task needs the device producer finished
-                if not be.host_wait(ev, self.timeout_s):
-                    raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for "
-                                    f"{w} (stream {self.program.tasks[w].stream}) to finish on the device")
+                deadline = time.perf_counter() + self.timeout_s
+                while not be.host_wait(ev, POLL_S):
+                    if self._abort.is_set():
+                        return False
+                    if time.perf_counter() > deadline:
+                        raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for "
+                                        f"{w} (stream {self.program.tasks[w].stream}) to finish on the device")
             else:
                 be.stream_wait(stream, ev)
         return True

@@ -190,10 +190,13 @@ class StepWork:
         n = self.store.layouts[t.unit].numel
         g = self._slot(t).g[:n]
         i = self.unit_index[t.unit]
-        self.unit_norms[i:i + 1].copy_(torch.linalg.vector_norm(g).reshape(1), non_blocking=True)
         self.store.gradients_landing(t.unit)
         landing = self.store.grad(t.unit)
-        landing.copy_(g if landing.dtype == g.dtype else g.to(landing.dtype), non_blocking=True)
+        wire = g if landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device: half the bytes
+        # The norm of what lands (and is applied), computed where the gradients are, in fp32.
+        norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
+        self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
+        landing.copy_(wire, non_blocking=True)
 
     def act_offload(self, t: ProgramTask) -> None:
         key = (t.unit, t.micro)
