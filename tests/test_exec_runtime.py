@@ -97,9 +97,10 @@ def test_waits_on_unknown_tasks_are_rejected_before_running():
 
 # ---- timeline ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["overlap", "gpu-adam", "long-context"])
-def test_measured_timeline_has_the_simulator_columns_and_respects_order_and_waits(name):
+def test_measured_timeline_has_the_simulator_columns_and_respects_order_and_waits_and_slot_bytes(name):
     knobs = knobs_for(name, micro_batches=2, **FP32)
     rt, program = prepared(knobs)
+    assert rt.work.gpu_bytes() == program.memory.buffers_bytes  # the slots are what the planner counts
     tl = rt.run(step=3)
     assert list(tl.columns) == TIMELINE_COLUMNS
     assert set(tl.task) == set(program.tasks) and len(tl) == len(program.tasks)
@@ -278,3 +279,18 @@ def test_host_rss_grows_by_the_planned_store_bytes():
           f"planned {planned / 2**20:.1f} MiB")
     assert abs(grown - planned) <= 0.05 * planned
     del store
+
+
+def test_measured_and_predicted_timelines_of_one_program_match_task_by_task():
+    from megatrain.sim.engine import simulate
+
+    knobs = knobs_for("overlap", micro_batches=2, **FP32)
+    rt, program = prepared(knobs)
+    measured = rt.run()
+    predicted = simulate(program, "cpu").timeline
+    assert list(measured.columns) == list(predicted.columns)
+    assert dict(measured.dtypes) == dict(predicted.dtypes)
+    keys = ["task", "kind", "layer", "micro", "stream", "bytes", "flops"]
+    m = measured[keys].sort_values("task").reset_index(drop=True)
+    p = predicted[keys].sort_values("task").reset_index(drop=True)
+    assert m.equals(p)

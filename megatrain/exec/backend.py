@@ -210,7 +210,7 @@ class CudaBackend(Backend):
         if region.numel() == 0:
             return
         ptr, nbytes = region.data_ptr(), region.numel() * region.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)  # 1: cudaHostRegisterPortable
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (cudaError {int(err)}); the "
                                "limit on locked memory (ulimit -l) or host memory may be too small")
