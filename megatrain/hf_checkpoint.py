@@ -107,8 +107,9 @@ def _source_name(spec: ModelSpec, unit: int, local: str, tensors: Mapping) -> st
     return name
 
 
-def _check(spec: ModelSpec, path: Path, tensors: Mapping[str, tuple[Path, stio.TensorInfo]], units) -> None:
-    """Every needed tensor present with its shape and a float dtype; no unknown tensors."""
+def _check(spec: ModelSpec, path: Path, tensors: Mapping[str, tuple[Path, stio.TensorInfo]], units,
+           strict: bool = True) -> None:
+    """Every needed tensor present with its shape and a float dtype; no unknown tensors (when `strict`)."""
     needed = set()
     for unit in units:
         for local, shape in spec.unit_tensors(unit):
@@ -124,7 +125,7 @@ def _check(spec: ModelSpec, path: Path, tensors: Mapping[str, tuple[Path, stio.T
             if info.dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"tensor {name!r} in {file.name} is {info.dtype}; megatrain trains from "
                                       "float32/bfloat16/float16 weights (quantized checkpoints are not supported)")
-    if set(units) == set(spec.units()):
+    if strict and set(units) == set(spec.units()):
         allowed = needed | ({"lm_head.weight"} if spec.tie_word_embeddings else set())
         unknown = sorted(n for n in tensors if n not in allowed and not _IGNORED.search(n))
         if unknown:
@@ -137,17 +138,18 @@ def _check(spec: ModelSpec, path: Path, tensors: Mapping[str, tuple[Path, stio.T
 
 @torch.no_grad()
 def load_hf_into(path: str | Path, spec: ModelSpec, dest: Callable[[int], torch.Tensor],
-                 units: list[int] | None = None) -> None:
+                 units: list[int] | None = None, strict: bool = True) -> None:
     """Fill `dest(unit)` (a flat fp32 tile in `unit_layout` order) with the weights of a HF directory.
 
     Units are loaded in `units` order (default: all, forward order), each tensor read when its unit's turn
     comes. A tied head's tile may omit its lm_head part (see the module docstring). A caller that streams a bf16
-    copy of the master must refresh it afterwards.
+    copy of the master must refresh it afterwards. `strict=False` ignores tensors the model does not have (the
+    later layers, when `spec` keeps only the first layers of the checkpoint's model).
     """
     path = Path(path)
     units = spec.units() if units is None else list(units)
     tensors = weight_files(path)
-    _check(spec, path, tensors, units)
+    _check(spec, path, tensors, units, strict)
     for unit in units:
         layout = unit_layout(spec, unit)
         tile = dest(unit)
