@@ -138,7 +138,7 @@ def gantt(timelines: Timelines, path: str | Path | None = None, layout: str = "s
     """Gantt chart of one or several Timelines; returns the matplotlib Figure (saved to `path` when given).
 
     layout="stacked": all timelines on one time axis, one block of stream rows each (compare a predicted and a
-    measured step task by task); layout="side": one panel per timeline, side by side, each on its own axis.
+    measured step task by task); layout="side": one panel per timeline, side by side, on a shared time axis.
     """
     from matplotlib.figure import Figure
 
@@ -152,7 +152,8 @@ def gantt(timelines: Timelines, path: str | Path | None = None, layout: str = "s
         _draw(axes[0], rows, scale)
     else:
         fig = Figure(figsize=(width, 0.45 * len(STREAMS) + 1.8))
-        axes = [fig.add_subplot(1, len(rows), i + 1) for i in range(len(rows))]
+        axes = [fig.add_subplot(1, len(rows), 1)]
+        axes += [fig.add_subplot(1, len(rows), i + 1, sharex=axes[0]) for i in range(1, len(rows))]
         for ax, row in zip(axes, rows):
             _draw(ax, [row], scale)
             ax.set_title(row[0], fontsize=9)
@@ -165,7 +166,8 @@ def gantt(timelines: Timelines, path: str | Path | None = None, layout: str = "s
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.95 if title else 1))
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, min(0.4, 0.55 / height), 1, 1 - min(0.1, 0.35 / height) if title else 1))
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
