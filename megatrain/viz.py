@@ -164,10 +164,13 @@ def gantt(timelines: Timelines, path: str | Path | None = None, layout: str = "s
                 handles.append(h)
                 labels.append(lab)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
-    if title:
+    if title and len(axes) == 1:
+        axes[0].set_title(title, fontsize=10)
+    elif title:
         fig.suptitle(title, fontsize=10)
     height = fig.get_figheight()
-    fig.tight_layout(rect=(0, min(0.4, 0.55 / height), 1, 1 - min(0.1, 0.35 / height) if title else 1))
+    top = 1 - min(0.1, 0.3 / height) if title and len(axes) > 1 else 1
+    fig.tight_layout(rect=(0, min(0.4, 0.5 / height), 1, top))
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
