@@ -132,7 +132,7 @@ class RunSummary:
     elapsed_s: float = 0.0
     measured_step_s: float | None = None  # median step time (the first step of the session left out)
     measured_idle_pct: float | None = None  # median GPU idle %
-    predicted: object | None = None  # megatrain.sim.SimResult of the same Program (run.simulate)
+    predicted: object | None = field(default=None, repr=False)  # megatrain.sim.SimResult (run.simulate)
     checkpoint: Path | None = None  # the newest checkpoint
     export_dir: Path | None = None
     stopped_early: bool = False  # stop_at_step ended the session before run.steps
@@ -518,7 +518,7 @@ class _Training:
                  f"{s.losses[-1]:.4f}" + (f"; eval loss {list(s.eval_losses.values())[-1]:.4f}"
                                           if s.eval_losses else ""))
         tokens = s.tokens / done
-        rows = [("step time", "s", s.measured_step_s), ("tokens/s", "", tokens / s.measured_step_s),
+        rows = [("time/step", "s", s.measured_step_s), ("tokens/s", "", tokens / s.measured_step_s),
                 ("GPU idle", "%", s.measured_idle_pct)]
         pred = None
         if s.predicted is not None:
