@@ -94,10 +94,11 @@ def test_optimizer_wait_includes_copies_it_held_back():
 
 
 # ---- the fluid PCIe model ------------------------------------------------------------------------------------
-def copy_program(h2d_bytes, d2h_bytes, cpu_params=0, d2h_waits_cpu=False) -> Program:
-    """A hand-made Program: one h2d copy, one d2h copy, optionally a CPU update the d2h copy waits for."""
+def copy_program(h2d_bytes, d2h_bytes, cpu_params=0, d2h_waits_cpu=False, h2d_waits_cpu=False) -> Program:
+    """A hand-made Program: one h2d copy, one d2h copy, optionally a CPU update the copies wait for."""
     base = program(knobs_for("serial"))
-    tasks = {"P0": ProgramTask("P0", "P", 0, None, "h2d", (), "w0", h2d_bytes, 0.0, 0, 0),
+    tasks = {"P0": ProgramTask("P0", "P", 0, None, "h2d", ("U0",) if h2d_waits_cpu else (), "w0", h2d_bytes, 0.0,
+                               0, 0),
              "O0": ProgramTask("O0", "O", 0, None, "d2h", ("U0",) if d2h_waits_cpu else (), "w0", d2h_bytes, 0.0,
                                0, 0)}
     streams = {"h2d": ["P0"], "compute": [], "d2h": ["O0"], "cpu": []}
@@ -134,6 +135,18 @@ def test_cpu_optimizer_slows_dma_while_it_runs():
     prog = copy_program(100, 0, cpu_params=4)
     res = simulate(prog, make_profile(h2d=10, d2h=10, cpu_adam=1.0, dma=0.5))
     assert ends(res)["P0"] == pytest.approx(12.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("start_s", [4999.37, 77777.7])
+def test_small_copies_late_in_a_long_run_finish(start_s):
+    """Regression: a re-rated copy must not be left a residue of bytes too small to advance the clock (a hang)."""
+    prog = copy_program(1234, 618, cpu_params=1, d2h_waits_cpu=True, h2d_waits_cpu=True)
+    res = simulate(prog, make_profile(h2d=5e10, d2h=3e10, duplex=5.5e10, cpu_adam=1 / start_s))
+    # Shared 5.5e10 B/s in proportion 5:3 until d2h's 618 bytes are done, then h2d alone at 5e10.
+    d2h_end = 618 / (3e10 * 5.5 / 8)
+    h2d_end = d2h_end + (1234 - d2h_end * 5e10 * 5.5 / 8) / 5e10
+    assert ends(res) == pytest.approx({"U0": start_s, "O0": start_s + d2h_end, "P0": start_s + h2d_end},
+                                      rel=1e-12, abs=1e-11)
 
 
 def test_copy_latency_and_launch_overhead_delay_the_bytes():

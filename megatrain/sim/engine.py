@@ -104,17 +104,21 @@ class _Link:
             scale *= self.dma_factor
         for f in self.flows.values():
             f.rate = f.alone_Bps * scale
-        dt = min(max(f.remaining, 0.0) / f.rate for f in self.flows.values())
+        dt, due = min((max(f.remaining, 0.0) / f.rate, d) for d, f in self.flows.items())
         gen = self._gen
-        self.env.timeout(dt).callbacks.append(lambda _e: self._wake(gen))
+        self.env.timeout(dt).callbacks.append(lambda _e: self._wake(gen, due))
 
-    def _wake(self, gen: int) -> None:
+    def _wake(self, gen: int, due: str) -> None:
         if gen != self._gen:
             return
         self._advance()
+        # The flow the wake-up was planned for is done, whatever rounding left in `remaining` (a wake-up for a
+        # residue below the clock's resolution would never advance time). Another flow finishing within the
+        # clock's resolution of it is done too.
+        slack_s = max(1e-12, 8 * math.ulp(self.env.now))
         for direction in sorted(self.flows):
             f = self.flows[direction]
-            if f.remaining <= 1e-9 * f.nbytes:  # rounding of the re-rated progress, not real bytes
+            if direction == due or f.remaining <= f.rate * slack_s:
                 del self.flows[direction]
                 f.done.succeed()
         self._replan()
