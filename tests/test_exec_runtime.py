@@ -294,3 +294,16 @@ def test_measured_and_predicted_timelines_of_one_program_match_task_by_task():
     m = measured[keys].sort_values("task").reset_index(drop=True)
     p = predicted[keys].sort_values("task").reset_index(drop=True)
     assert m.equals(p)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp32"])
+def test_bf16_compute_tracks_fp32_compute(wire):
+    """bf16 activations (weights streamed in bf16, or fp32 cast on the device) stay within bf16 tolerance of fp32."""
+    losses = {}
+    for compute in ("fp32", "bf16"):
+        tr = StreamedTrainer(DEBUG, knobs_for("overlap", compute_dtype=compute, weight_wire=wire, micro_batches=2),
+                             optim=AdamWConfig(lr=1e-2), backend="cpu")
+        losses[compute] = [tr.step(*batch(seed)).loss for seed in range(3)]
+    for a, b in zip(losses["fp32"], losses["bf16"]):
+        assert b == pytest.approx(a, rel=2e-2)
+    assert losses["fp32"] != losses["bf16"]  # the bf16 path really ran in bf16
