@@ -117,11 +117,13 @@ def test_cli_simulate_sweep_writes_artefacts_and_table(tmp_path, capsys):
                "--set", "micro_batches=2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0
-    for label in ("buffers=1,optimizer=after", "buffers=2,optimizer=overlap"):
-        assert label in text
+    lines = text.splitlines()
+    assert lines[1].split()[:3] == ["schedule", "knobs", "step_s"]
+    assert lines[2].split()[:2] == ["overlap[micro_batches=2]", "buffers=1,optimizer=after"]
     table = pd.read_csv(out / "comparison.csv")
     assert len(table) == 4 and (table["step_s"] > 0).all()
-    d = out / "buffers-2_optimizer-overlap"
+    assert list(table["knobs"]) == [f"buffers={b},optimizer={o}" for b in (1, 2) for o in ("after", "overlap")]
+    d = out / "overlap_micro_batches-2_buffers-2_optimizer-overlap"
     for name in ("timeline_sim.csv", "timeline_sim.json", "trace.json", "gantt.png", "summary.json",
                  "config.json"):
         assert (d / name).is_file(), name

@@ -44,9 +44,28 @@ def register(sub) -> None:
 
 @dataclass
 class Variant:
-    label: str  # what differs: "buffers=2,optimizer=after" (the schedule name without a sweep)
+    """One simulation of a sweep: a schedule (name or TOML), the --set overrides and the swept knob values."""
+
     schedule: str
-    overrides: list[str]
+    sets: list[str]
+    swept: list[tuple[str, str]]  # (knob, value) of the sweeps, schedule excluded
+
+    @property
+    def schedule_label(self) -> str:
+        name = Path(self.schedule).stem if self.schedule.endswith(".toml") else self.schedule
+        return name + (f"[{','.join(self.sets)}]" if self.sets else "")
+
+    @property
+    def knobs_label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.swept) or "-"
+
+    @property
+    def label(self) -> str:
+        return self.schedule_label + ("" if not self.swept else f" {self.knobs_label}")
+
+    @property
+    def overrides(self) -> list[str]:
+        return self.sets + [f"{k}={v}" for k, v in self.swept]
 
 
 def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -68,19 +87,16 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
 
 def variants(schedule: str, sets: list[str], sweeps: list[tuple[str, list[str]]]) -> list[Variant]:
     """The cartesian product of the sweeps, each on top of the schedule and the --set overrides."""
-    if not sweeps:
-        return [Variant(Path(schedule).stem if schedule.endswith(".toml") else schedule, schedule, list(sets))]
     out = []
     for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in sweeps]):
         sched = next((v for k, v in combo if k == "schedule"), schedule)
-        knobs = [f"{k}={v}" for k, v in combo if k != "schedule"]
-        label = ",".join(f"{k}={Path(v).stem if k == 'schedule' else v}" for k, v in combo)
-        out.append(Variant(label, sched, list(sets) + knobs))
+        out.append(Variant(sched, list(sets), [(k, v) for k, v in combo if k != "schedule"]))
     return out
 
 
 def slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", label.replace(",", "_").replace("=", "-")).strip("_") or "variant"
+    """A directory name for a variant label: "overlap buffers=2,optimizer=after" -> overlap_buffers-2_optimizer-after."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label.replace("=", "-")).strip("_") or "variant"
 
 
 COLUMNS = {"step_s": "{:.4f}", "tokens/s": "{:,.0f}", "TFLOP/s": "{:.1f}", "GPU idle %": "{:.1f}",
@@ -90,26 +106,23 @@ COLUMNS = {"step_s": "{:.4f}", "tokens/s": "{:,.0f}", "TFLOP/s": "{:.1f}", "GPU 
 
 def table(rows: list[dict]) -> str:
     """Aligned text table of the comparison rows (a failed variant shows its error instead of numbers)."""
-    cells = [[r["variant"]] + [COLUMNS[c].format(r[c]) for c in COLUMNS] for r in rows if "error" not in r]
-    header = ["variant", *COLUMNS]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
-    widths[0] = max([widths[0]] + [len(r["variant"]) for r in rows])
+    header = ["schedule", "knobs", *COLUMNS]
+    cells = [[r["schedule"], r["knobs"]] + ([COLUMNS[c].format(r[c]) for c in COLUMNS] if "error" not in r else [])
+             for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells if i < len(c)]) for i, h in enumerate(header)]
 
     def line(xs):
-        return "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+        return "  ".join(x.rjust(w) if i > 1 else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths))).rstrip()
 
     out = [line(header)]
-    for r in rows:
-        if "error" in r:
-            out.append(f"{r['variant'].ljust(widths[0])}  {r['error']}")
-        else:
-            out.append(line([r["variant"]] + [COLUMNS[c].format(r[c]) for c in COLUMNS]))
+    for r, c in zip(rows, cells):
+        out.append(line(c) + ("  " + r["error"] if "error" in r else ""))
     return "\n".join(out)
 
 
-def row_of(label: str, result: SimResult) -> dict:
+def row_of(v: Variant, result: SimResult) -> dict:
     s = result.summary
-    return {"variant": label, "step_s": s.step_s, "tokens/s": s.tokens_per_s, "TFLOP/s": s.model_tflops,
+    return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": s.step_s, "tokens/s": s.tokens_per_s, "TFLOP/s": s.model_tflops,
             "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
             "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
             "GPU peak GiB": s.gpu_peak_bytes / 2**30}
@@ -148,12 +161,13 @@ def run(args) -> int:
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:
                 raise UserError(str(e)) from None
-            rows.append({"variant": v.label, "error": "skipped: " + str(e).splitlines()[0]})
+            rows.append({"schedule": v.schedule_label, "knobs": v.knobs_label,
+                         "error": "skipped: " + str(e).splitlines()[0]})
             continue
         config = {"variant": v.label, "schedule": name, "model": spec.name, "batch": args.batch, "seq": args.seq,
                   "knobs": knobs.to_dict(), "profile": profile.name}
         write_artefacts(out / slug(v.label), result, config, plots=not args.no_plots)
-        rows.append(row_of(v.label, result))
+        rows.append(row_of(v, result))
     print(f"{spec.name}, batch {args.batch} x seq {args.seq}, profile {profile.name}")
     print(table(rows))
     good = [r for r in rows if "error" not in r]
@@ -161,6 +175,6 @@ def run(args) -> int:
         pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)
         if len(good) > 1:
             best = min(good, key=lambda r: r["step_s"])
-            print(f"fastest: {best['variant']} ({best['step_s'] * 1e3:.1f} ms)")
+            print(f"fastest: {best['schedule']} {best['knobs']} ({best['step_s'] * 1e3:.1f} ms)")
         print(f"artefacts (timeline_sim.csv/.json, trace.json, gantt.png per variant) in {out}/")
     return 0 if good else 1
