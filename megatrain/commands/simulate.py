@@ -95,7 +95,7 @@ def variants(schedule: str, sets: list[str], sweeps: list[tuple[str, list[str]]]
 
 
 def slug(label: str) -> str:
-    """A directory name for a variant label: "overlap buffers=2,optimizer=after" -> overlap_buffers-2_optimizer-after."""
+    """Directory name of a variant: "overlap buffers=2,optimizer=after" -> overlap_buffers-2_optimizer-after."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label.replace("=", "-")).strip("_") or "variant"
 
 
@@ -122,8 +122,8 @@ def table(rows: list[dict]) -> str:
 
 def row_of(v: Variant, result: SimResult) -> dict:
     s = result.summary
-    return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": s.step_s, "tokens/s": s.tokens_per_s, "TFLOP/s": s.model_tflops,
-            "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
+    return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": s.step_s, "tokens/s": s.tokens_per_s,
+            "TFLOP/s": s.model_tflops, "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
             "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
             "GPU peak GiB": s.gpu_peak_bytes / 2**30}
 
