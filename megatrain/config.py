@@ -187,12 +187,12 @@ class RunSettings:
 
     name: str = "debug"  # the run directory is <out_dir>/<name>
     out_dir: str = "runs"
-    steps: int = 200
+    steps: int = 120  # the embedded default: about a minute of the debug model on 2 CPU cores
     grad_accum: int = 1  # batches whose gradients are summed before one optimizer update
-    eval_every: int = 50  # steps between evaluations of the held-out loss; 0 = never
+    eval_every: int = 40  # steps between evaluations of the held-out loss (and at the end); 0 = never
     eval_batches: int = 4
     log_every: int = 1
-    checkpoint_every: int = 100  # steps between checkpoints; 0 = none (except at the end if checkpoint_at_end)
+    checkpoint_every: int = 60  # steps between checkpoints; 0 = none (except at the end if checkpoint_at_end)
     checkpoint_at_end: bool = True
     keep_last: int = 3  # checkpoints kept; 0 = all
     resume: str = ""  # "" = fresh run | "latest" = newest checkpoint of this run | a checkpoint directory
