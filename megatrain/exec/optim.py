@@ -72,12 +72,14 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """One AdamW step on a flat fp32 tile, in place. `step` is the step count including this one (1-based).
 
     param, grad, exp_avg, exp_avg_sq: (n,) fp32 on one device; weight decay applies to param[:decay_numel].
-    `grad` is scaled in place by `clip_coef` when it is below 1.
+    Clipping is folded into the kernel (it divides the gradient by `grad_scale`), which saves a full read-write
+    pass over the gradient: the update is memory-bound on the host.
     """
     if grad.dtype != torch.float32 or param.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 tiles; got param {param.dtype}, grad {grad.dtype}")
+    grad_scale = None
     if clip_coef < 1.0:
-        grad.mul_(clip_coef)
+        grad_scale = torch.full((), 1.0 / clip_coef, dtype=torch.float32, device=param.device)
     n = param.numel()
     b1, b2 = cfg.betas
     for lo, hi, wd in ((0, decay_numel, cfg.weight_decay), (decay_numel, n, 0.0)):
@@ -87,4 +89,4 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         steps = [torch.full((), float(step), dtype=torch.float32, device=param.device)]
         torch._fused_adamw_([param[lo:hi]], [grad[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps,
                             lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=cfg.eps, amsgrad=False,
-                            maximize=False)
+                            maximize=False, grad_scale=grad_scale, found_inf=None)

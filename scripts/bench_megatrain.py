@@ -1,0 +1,102 @@
+"""One megatrain training run on the GPU machine, measured the way bench/baseline_train.py measures the peers.
+
+Random token ids, 2 warm-up steps, median of the timed steps; model TFLOP/s = 6·N·tokens / step time (recompute
+not counted, as BENCHMARKS.md counts). Prints one `RESULT {...}` JSON line, plus the predicted numbers of the
+simulator for the same Program when a profile is given.
+
+    PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import psutil
+import torch
+
+from megatrain.builders import resolve_knobs
+from megatrain.exec.optim import AdamWConfig
+from megatrain.exec.trainer import StreamedTrainer
+from megatrain.memory import plan_memory
+from megatrain.presets import get_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="bench-3b")
+    p.add_argument("--layers", type=int, help="override the layer count (depth scaling)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--schedule", default="overlap")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--profile", default="h200", help="profile for the prediction ('' to skip)")
+    p.add_argument("--timeline", help="write the last measured timeline CSV here")
+    a = p.parse_args()
+
+    spec = get_model(a.model)
+    if a.layers:
+        spec = spec.with_layers(a.layers)
+    name, knobs = resolve_knobs(a.schedule, a.set)
+    plan = plan_memory(spec, a.batch, a.seq, knobs)
+    t0 = time.perf_counter()
+    trainer = StreamedTrainer(spec, knobs, optim=AdamWConfig(lr=1e-5), backend="cuda")
+    init_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, spec.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]
+    times, losses, results = [], [], []
+    for i in range(a.warmup + a.steps):
+        ids = data[i % 4][:, :-1].contiguous()
+        tg = data[i % 4][:, 1:].contiguous()
+        if i == a.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        r = trainer.step(ids, tg)
+        if i >= a.warmup:
+            times.append(r.time_s)
+            results.append(r)
+        losses.append(r.loss)
+    trainer.flush()
+    med_i = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+    med = times[med_i]
+    tokens = a.batch * a.seq
+    out = {
+        "mode": "megatrain", "schedule": name, "model": spec.name, "params_B": round(spec.num_params / 1e9, 3),
+        "batch": a.batch, "seq": a.seq, "median_step_s": round(med, 4), "tokens_per_s": round(tokens / med, 1),
+        "model_TFLOPs": round(spec.model_flops_per_token() * tokens / med / 1e12, 1),
+        "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "planned_gpu_GiB": round(plan.gpu.peak_bytes / 2**30, 2),
+        "host_rss_GiB": round(psutil.Process().memory_info().rss / 2**30, 2),
+        "planned_host_GiB": round(plan.host.total_bytes / 2**30, 2),
+        "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / 2**30, 2),
+        "init_s": round(init_s, 1),
+    }
+    tl = results[med_i].timeline
+    try:
+        from megatrain.analysis import summarize
+
+        s = summarize(tl, trainer.program(a.batch, a.seq))
+        out["gpu_idle_pct"] = round(100 * s.gpu_idle_frac, 1)
+        out["measured_waits_s"] = {k: round(v, 4) for k, v in s.wait_s.items()}
+        out["cpu_busy_pct"] = round(100 * s.cpu_busy_frac, 1)
+    except Exception as e:  # the analysis module is optional here; say why it is missing
+        out["analysis_error"] = repr(e)
+    if a.profile:
+        try:
+            from megatrain.sim import load_profile, simulate
+
+            pred = simulate(trainer.program(a.batch, a.seq), load_profile(a.profile))
+            out["predicted_step_s"] = round(pred.step_s, 4)
+            out["predicted_tokens_per_s"] = round(tokens / pred.step_s, 1)
+            out["predicted_gpu_idle_pct"] = round(100 * pred.summary.gpu_idle_frac, 1)
+        except Exception as e:
+            out["predict_error"] = repr(e)
+    if a.timeline:
+        tl.to_csv(a.timeline, index=False)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
