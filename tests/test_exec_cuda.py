@@ -58,4 +58,22 @@ def test_cuda_store_pins_what_dma_touches(name):
     pages = 4096 * 5 * len(DEBUG.units())
     print(f"\n{name}: pinned {pinned} B, planned {planned} B")
     assert planned <= pinned <= planned + pages
-    assert store.grad(0).is_pinned() and store.stream_tile(0).is_pinned()
+    # Tensor.is_pinned() only knows torch's own pinned allocator, not cudaHostRegister'ed memory, so check what
+    # pinning means: a non_blocking copy from pinned memory returns to the host while the stream is still busy.
+    for host in (store.grad(0), store.stream_tile(0)):
+        assert copy_is_asynchronous(host), "host tile is not page-locked"
+
+
+def copy_is_asynchronous(host: torch.Tensor) -> bool:
+    """True if a non_blocking host->GPU copy of `host` is queued behind a busy stream instead of blocking the host
+    (which is what CUDA does for pageable memory)."""
+    dev = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        start = torch.cuda.Event()
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        queued_before_sleep_ended = not start.query()
+    side.synchronize()
+    return queued_before_sleep_ended
