@@ -211,6 +211,9 @@ def evaluate(trainer, data: Data, num_batches: int, batch_size: int) -> float | 
             logits = forward_logits(spec, tiles, ids)  # (b, T, V) fp32
             total += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
             count += int((targets != -100).sum())
+            del logits
+    if dev.type == "cuda":  # give the eval's activations back, so the training step finds the memory it planned
+        torch.cuda.empty_cache()
     return total / count if count else None
 
 
@@ -274,6 +277,9 @@ class _Training:
         # 2. data (memory-mapped; every token id checked against the vocabulary)
         self.data = open_data(cfg.data, spec.vocab_size)
         self.log(f"data: {self.data.describe()}")
+        if self.seq > spec.max_position_embeddings:
+            self.log(f"note: data.seq_len={self.seq} is beyond the model's max_position_embeddings="
+                     f"{spec.max_position_embeddings}; RoPE extrapolates there")
         if run.eval_every and self.data.eval is None:
             self.log("note: run.eval_every is set but there is no held-out split (data.eval_fraction = 0); no eval")
         # 3. the run directory, checkpoints, export target, TensorBoard: all checked before the store exists
@@ -586,7 +592,7 @@ def add_train_arguments(parser) -> None:
 
 def config_from_args(args) -> RunConfig:
     """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
-    from .builders import NAMED_SCHEDULES, resolve_knobs
+    from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
 
     overrides = []
     for attr, key in _SHORTCUTS.items():
@@ -594,13 +600,17 @@ def config_from_args(args) -> RunConfig:
         if value is None:
             continue
         if attr == "schedule" and value not in NAMED_SCHEDULES:  # a TOML file of knobs: every knob explicit
+            import tomllib
+
             from .schedule import ScheduleError
 
             try:
                 _, knobs = resolve_knobs(value)
+                table = tomllib.loads(Path(value).read_text())
             except ScheduleError as e:
                 raise ConfigError(f"--schedule {value}: {e}") from None
-            overrides += [f"schedule.{k}={v}" for k, v in knobs.to_dict().items()]
+            base = table.get("schedule", table).get("base", DEFAULT_SCHEDULE)  # the name the file builds on
+            overrides += [f"schedule.name={base}"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items()]
             continue
         overrides.append(f"{key}={value}")
     for item in getattr(args, "overrides", []) or []:

@@ -274,7 +274,8 @@ def test_command_line_arguments_map_onto_the_config(tmp_path):
                                  "optimizer.min_lr=0.001", "--resume", "--no-progress", "--out-dir",
                                  str(tmp_path), "--name", "x"))
     assert (cfg.run.steps, cfg.data.batch_size, cfg.data.seq_len, cfg.optimizer.lr) == (7, 4, 16, 0.01)
-    assert (cfg.schedule.buffers, cfg.schedule.optimizer, cfg.schedule.recompute_block) == (2, "after", 1)
+    assert (cfg.schedule.name, cfg.schedule.buffers, cfg.schedule.optimizer) == ("serial", 2, "after")
+    assert cfg.schedule.recompute_block == 1
     assert cfg.optimizer.min_lr == 0.001 and cfg.run.resume == "latest" and not cfg.run.progress
     assert config_from_args(parse("--resume", "some/dir")).run.resume == "some/dir"
     # Each mistake is one ConfigError naming the key.
