@@ -21,7 +21,7 @@ import json
 import math
 import tomllib
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -116,22 +116,8 @@ class DataConfig:
 _DEFAULT_KNOBS = NAMED_SCHEDULES[DEFAULT_SCHEDULE]
 
 
-@dataclass
-class ScheduleConfig:
-    """A named schedule (megatrain.NAMED_SCHEDULES) and the knobs that override it; maps onto ScheduleKnobs."""
-
-    name: str = DEFAULT_SCHEDULE
-    buffers: int = _DEFAULT_KNOBS.buffers
-    recompute_block: int = _DEFAULT_KNOBS.recompute_block
-    micro_batches: int = _DEFAULT_KNOBS.micro_batches
-    optimizer: str = _DEFAULT_KNOBS.optimizer
-    gpu_optimizer_fraction: float = _DEFAULT_KNOBS.gpu_optimizer_fraction
-    weight_wire: str = _DEFAULT_KNOBS.weight_wire
-    grad_wire: str = _DEFAULT_KNOBS.grad_wire
-    clip: str = _DEFAULT_KNOBS.clip
-    offload_checkpoints: bool = _DEFAULT_KNOBS.offload_checkpoints
-    compute_dtype: str = _DEFAULT_KNOBS.compute_dtype
-    loss_chunk_tokens: int = _DEFAULT_KNOBS.loss_chunk_tokens
+class _ScheduleSection:
+    """Methods of ScheduleConfig (its fields are generated from ScheduleKnobs, below)."""
 
     def knobs(self) -> ScheduleKnobs:
         """The ScheduleKnobs of this section (the builders' own checks apply)."""
@@ -150,6 +136,24 @@ class ScheduleConfig:
         self.knobs()
 
 
+def _schedule_config_class() -> type:
+    """`name` plus one field per ScheduleKnobs field (type and default from the default named schedule), so a
+    knob the builders gain is a config key at once, with no second list to keep in step."""
+    types = {"int": int, "float": float, "str": str, "bool": bool}
+    spec = [("name", str, field(default=DEFAULT_SCHEDULE))]
+    for f in fields(ScheduleKnobs):
+        t = types[f.type] if isinstance(f.type, str) else f.type
+        spec.append((f.name, t, field(default=getattr(_DEFAULT_KNOBS, f.name))))
+    cls = make_dataclass("ScheduleConfig", spec, bases=(_ScheduleSection,))
+    cls.__module__ = __name__
+    cls.__doc__ = ("A named schedule (megatrain.NAMED_SCHEDULES) and the knobs that override it; maps onto "
+                   "ScheduleKnobs, one key per knob: " + ", ".join(f.name for f in fields(ScheduleKnobs)) + ".")
+    return cls
+
+
+ScheduleConfig = _schedule_config_class()
+
+
 @dataclass
 class OptimizerConfig:
     """AdamW on the fp32 master weights, with linear warmup and a decay to min_lr."""
@@ -163,7 +167,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # on matrices only (the decay prefix of every tile)
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
-    threads: int = 0  # host threads for the CPU optimizer; 0 = all cores
+    threads: int = 0  # host threads for the CPU optimizer; 0 = the trainer's default (CUDA: all cores but 3)
 
     def validate(self) -> None:
         _one_of("optimizer.decay", self.decay, LR_DECAYS)

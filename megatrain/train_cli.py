@@ -1,0 +1,88 @@
+"""`megatrain train` arguments -> RunConfig -> `run_training`.
+
+    parser = argparse.ArgumentParser(); add_train_arguments(parser)
+    sys.exit(run_from_args(parser.parse_args()))
+
+A TOML config (`--config`), then shortcuts for the common keys (`--model`, `--steps`, `--schedule`, ...), then
+`--set section.key=value` overrides (an explicit --set wins), and `--resume [CHECKPOINT]`. Every mistake is a
+ConfigError naming the key (megatrain.cli prints it as one line).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ConfigError, RunConfig
+
+_SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
+              "seq": "data.seq_len", "lr": "optimizer.lr", "device": "run.device", "name": "run.name",
+              "out_dir": "run.out_dir", "data": "data.path"}
+
+
+def add_train_arguments(parser) -> None:
+    """The `megatrain train` options: a TOML config, `--set` overrides, `--resume`, and shortcuts for the
+    common keys (each shortcut is a `--set` of the key in brackets; an explicit --set wins)."""
+    parser.add_argument("--config", metavar="TOML", help="run config file (defaults: debug model, bundled corpus)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                        help="override a config key, e.g. --set optimizer.lr=3e-4 (a bare schedule knob such as "
+                             "buffers=2 means schedule.buffers=2); repeatable")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                        help="continue the run from its latest checkpoint, or from the checkpoint directory given")
+    parser.add_argument("--model", help="[model.name] preset or Hugging Face model directory")
+    parser.add_argument("--data", help="[data.path] token file (.bin), nanoGPT dir, .jsonl or .txt")
+    parser.add_argument("--steps", type=int, help="[run.steps]")
+    parser.add_argument("--schedule", help="[schedule.name] a named schedule, or a TOML file of schedule knobs")
+    parser.add_argument("--batch", type=int, help="[data.batch_size]")
+    parser.add_argument("--seq", type=int, help="[data.seq_len]")
+    parser.add_argument("--lr", type=float, help="[optimizer.lr]")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="[run.device]")
+    parser.add_argument("--name", help="[run.name] run directory name under run.out_dir")
+    parser.add_argument("--out-dir", dest="out_dir", help="[run.out_dir]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def config_from_args(args) -> RunConfig:
+    """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
+    from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+
+    overrides = []
+    for attr, key in _SHORTCUTS.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if attr == "schedule" and value not in NAMED_SCHEDULES:  # a TOML file of knobs: every knob explicit
+            import tomllib
+
+            from .schedule import ScheduleError
+
+            try:
+                _, knobs = resolve_knobs(value)
+                table = tomllib.loads(Path(value).read_text())
+            except ScheduleError as e:
+                raise ConfigError(f"--schedule {value}: {e}") from None
+            base = table.get("schedule", table).get("base", DEFAULT_SCHEDULE)  # the name the file builds on
+            overrides += [f"schedule.name={base}"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items()]
+            continue
+        overrides.append(f"{key}={value}")
+    for item in getattr(args, "overrides", []) or []:
+        key = item.split("=", 1)[0].strip()
+        overrides.append(item if "." in key or "=" not in item else f"schedule.{item.strip()}")
+    if getattr(args, "resume", None):
+        overrides.append(f"run.resume={args.resume}")
+    if getattr(args, "no_progress", False):
+        overrides.append("run.progress=false")
+    from .config import load_config
+
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def run_from_args(args) -> int:
+    """`megatrain train`: build the config from the arguments and train; exit status 0, or 130 if interrupted.
+    User mistakes raise ConfigError / DataError / CheckpointError (megatrain.cli prints them as one line)."""
+    from .training import run_training
+
+    cfg = config_from_args(args)
+    try:
+        run_training(cfg)
+    except KeyboardInterrupt:
+        return 130
+    return 0
