@@ -361,6 +361,10 @@ class _Training:
         if step >= self.cfg.run.steps:
             raise ConfigError(f"checkpoint {path} is at step {step} and run.steps={self.cfg.run.steps}: nothing left "
                               "to train; raise run.steps to continue")
+        if "data" not in state or "optimizer_steps" not in state:
+            raise CheckpointError(f"{path / STATE_FILE} has no data cursor or optimizer step counts; it was not "
+                                  "written by `megatrain train`")
+        self.data.train.load_state_dict(state["data"])  # same data and packing? (DataError if not)
         return {"path": path, "step": step, "state": state}
 
     def _save(self, step: int) -> Path:
@@ -390,7 +394,6 @@ class _Training:
         state = loaded.state
         store.steps = {key_unit(k): int(n) for k, n in state["optimizer_steps"].items()}
         self.trainer.step_count = loaded.step
-        self.data.train.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.last_checkpoint, self.saved_step = loaded.path, loaded.step

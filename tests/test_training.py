@@ -354,6 +354,8 @@ def test_bad_resume_requests_are_clear_errors(tmp_path):
         train(tiny(tmp_path, "model.num_layers=2", "run.resume=latest"))
     with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
         train(tiny(tmp_path, f"run.resume={tmp_path}"))
+    with pytest.raises(DataError, match="saved data cursor has windows=8682 but this run.s data has 17364"):
+        train(tiny(tmp_path, "data.seq_len=16", "run.resume=latest"))
     # None of that touched the run.
     assert [p.name for p in (s.run_dir / "checkpoints").iterdir()] == ["step_00000002"]
     assert list(read_metrics(s.run_dir / "metrics.jsonl")["step"]) == [1, 2]
