@@ -100,15 +100,10 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     have_host, have_gpu = machine_capacity(backend)
     host_bytes = have_host if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
-    note = []
     if backend == "cpu":
-        note = [f"(CPU backend: the device working set, {plan.gpu.peak_bytes / GiB:.2f} GiB, lives in host memory "
-                "and is taken off the host capacity below)"]
-        ok, lines = fit_report(plan, host_bytes - plan.gpu.peak_bytes, None)
-        lines = [line for line in lines if not line.startswith("GPU")]
+        ok, lines = _cpu_fit(plan, host_bytes)
     else:
         ok, lines = fit_report(plan, host_bytes, gpu_bytes)
-    lines = note + lines
     if not ok:
         raise MemoryFitError(
             f"the run does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
@@ -116,6 +111,25 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
             "schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train fewer layers "
             "(model.num_layers); `megatrain plan` shows the full table")
     return plan, lines
+
+
+def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
+    """fit_report for the CPU backend, where the device working set (buffers, activations) is host memory too."""
+    from .memory import _gpu_alternatives, _host_alternatives
+
+    def need(p: MemoryPlan) -> int:
+        return p.host.total_bytes + p.gpu.peak_bytes
+
+    total = need(plan)
+    what = (f"{total / GiB:.1f} GiB (store and runtime {plan.host.total_bytes / GiB:.1f} + device buffers and "
+            f"activations {plan.gpu.peak_bytes / GiB:.1f}, host memory on the CPU backend)")
+    if total <= have:
+        return True, [f"host: fits: needs {what} of {have / GiB:.1f} GiB ({100 * total / have:.0f}%)"]
+    lines = [f"host: DOES NOT FIT: needs {what}, has {have / GiB:.1f} GiB, short by {(total - have) / GiB:.1f} GiB"]
+    for label, knobs in _host_alternatives(plan.knobs) + _gpu_alternatives(plan):
+        alt = need(plan_memory(plan.spec, plan.batch, plan.seq, knobs, "cpu"))
+        lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
+    return False, lines
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------
