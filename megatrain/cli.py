@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
-COMMANDS = ("plan", "train", "simulate")
+COMMANDS = ("plan", "train", "simulate", "profile", "compare")
 
 
 class UserError(Exception):

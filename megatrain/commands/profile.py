@@ -1,0 +1,84 @@
+"""`megatrain profile`: measure this machine for a model shape and write a hardware profile for the simulator.
+
+    megatrain profile --model bench-3b --batch 8 --seq 2048 [--device cuda] [--out h200.json] [--quick]
+
+Measures copy bandwidth (by size, each direction, both at once), the model's per-unit forward / recompute /
+backward times at 1..batch sequences, AdamW rates (host threads, device), the runtime's per-task overheads and the
+contention between streams, with the executor's own code. Says up front how long it will take, reports each
+measurement as it finishes, and prints a summary for docs/calibration.md. The JSON loads with `--profile FILE`
+in `megatrain simulate` and `megatrain compare`; every timing goes to `<FILE stem>.measurements.json` beside it.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..builders import DEFAULT_SCHEDULE, resolve_knobs
+from ..cli import UserError
+from ..presets import get_model
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(x < 1 for x in out):
+        raise UserError(f"{what} {text!r} is not a positive integer (or a comma-separated list of them)")
+    return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="measure this machine for a model shape; write a hardware profile JSON")
+    p.add_argument("--model", default="bench-3b", help="preset name or HF model dir / config.json")
+    p.add_argument("--batch", default="8", help="largest batch to measure (tables at 1, 2, 4, ... up to it)")
+    p.add_argument("--seq", default="2048", help="sequence length, or a comma-separated list of them")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", help="compute dtype(s) of the tables: bf16, fp32 or bf16,fp32 "
+                                   "(default: bf16 on CUDA, fp32,bf16 on CPU)")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE,
+                   help="schedule whose wire dtypes, loss chunk and real steps the profile measures")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+    p.add_argument("--cpu-threads", type=int, help="AdamW threads of the runtime (default: the trainer's choice)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes, token counts and repetitions")
+    p.add_argument("--name", help="profile name (default: from the device)")
+    p.add_argument("--out", help="profile JSON to write (default runs/profile-<model>-<device>.json)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from ..profiling import ProfileRequest, measure_profile
+    from ..profiling.report import calibration_report
+
+    spec = get_model(args.model)
+    batch = _ints(args.batch, "--batch")
+    if len(batch) != 1:
+        raise UserError("--batch takes one number (the largest batch; smaller ones are measured too)")
+    seqs = _ints(args.seq, "--seq")
+    dtypes = None
+    if args.dtype:
+        dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+        bad = [d for d in dtypes if d not in ("bf16", "fp32")]
+        if bad or not dtypes:
+            raise UserError(f"--dtype {args.dtype!r}: use bf16, fp32 or bf16,fp32")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise UserError("--cpu-threads must be at least 1")
+    _, knobs = resolve_knobs(args.schedule, args.set)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
+    req = ProfileRequest(spec, batch=batch[0], seqs=seqs, device=device, dtypes=dtypes, quick=args.quick,
+                         knobs=knobs, cpu_threads=args.cpu_threads, name=args.name)
+    t0 = time.perf_counter()
+    cal = measure_profile(req)
+    path, raw = cal.save(out)
+    print()
+    print(calibration_report(cal))
+    print()
+    print(f"profile written to {path} (every timing in {raw}) after {time.perf_counter() - t0:.1f} s")
+    print(f"use it: megatrain simulate --profile {path} ...   megatrain compare --profile {path} ...")
+    return 0

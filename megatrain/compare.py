@@ -1,0 +1,258 @@
+"""Predicted vs measured: run real steps of a schedule, simulate the same Program, compare them task by task.
+
+    from megatrain.compare import measure_steps, compare
+    program, steps = measure_steps(PRESETS["debug"], knobs_for("overlap", compute_dtype="fp32"), 4, 64, steps=8,
+                                   device="cpu")
+    c = compare(program, steps, "my-profile.json")
+    print(c.report()); c.write("runs/compare")        # CSVs, trace.json (both stacked), gantt.png (side by side)
+
+The first measured step is a warm-up (allocation, kernel selection; with the "overlap" placement its updates have
+no gradients yet) and is left out. Step-level numbers (step time, GPU idle %, tokens/s) come from the measured step
+of median step time; per-task numbers are medians over all steps after the first.
+
+Per task the comparison is on the time from *ready* (its stream predecessor and its waits finished) to *done*:
+the simulator starts a task at its ready time and charges the runtime's launch/sync overhead inside it
+(`task_overhead_s`), while a measured task shows that overhead as a gap before its start event. Comparing
+ready-to-done on both sides compares like with like; `dur` (start to done) is kept in the table too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .analysis import StepSummary, summarize
+from .builders import ScheduleKnobs
+from .profiling.overhead import with_spans
+from .program import Program
+from .sim import HardwareProfile, load_profile, simulate
+from .spec import EMBED, HEAD, ModelSpec
+
+
+def task_group(kind: str, unit) -> str:
+    """Error groups: the kind for layer (and unit-less) tasks, kind + E / H for the embedding / head ("FH", "UE")."""
+    if unit is None or pd.isna(unit) or int(unit) >= 0:
+        return kind
+    return kind + ("E" if int(unit) == EMBED else "H" if int(unit) == HEAD else "")
+
+
+def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, steps: int, device: str = "auto",
+                  name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
+    """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
+    measured Timeline of every step."""
+    from .commands.train import synthetic_batches
+    from .exec.optim import AdamWConfig
+    from .exec.trainer import StreamedTrainer
+
+    if steps < 2:
+        raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
+    optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+    trainer = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
+    trainer.schedule_name = name
+    batches = synthetic_batches(spec, batch, seq, seed)
+    timelines = []
+    for i in range(steps):
+        r = trainer.step(*next(batches))
+        timelines.append(r.timeline)
+        if log:
+            log(f"  step {i}: {float(r.timeline['end_s'].max() - r.timeline['start_s'].min()) * 1e3:.2f} ms"
+                f"{'  (warm-up, not compared)' if i == 0 else ''}")
+    program = trainer.program(batch, seq)
+    program.name = name
+    return program, timelines
+
+
+def step_time_s(timeline: pd.DataFrame) -> float:
+    """The step time as `summarize` counts it: first start to last end."""
+    return float(timeline["end_s"].max() - timeline["start_s"].min())
+
+
+@dataclass
+class Comparison:
+    """A predicted step and measured steps of one Program, with per-task errors (see the module docstring)."""
+
+    program: Program
+    profile: HardwareProfile
+    predicted: pd.DataFrame  # the simulated step
+    measured: pd.DataFrame  # the measured step of median step time (the first step excluded)
+    measured_steps_s: list[float]  # step time of every measured step after the first
+    tasks: pd.DataFrame  # one row per task: predicted and measured (median) times, errors
+    by_group: pd.DataFrame  # error distribution by task group
+    pred_summary: StepSummary
+    meas_summary: StepSummary
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def step_error(self) -> float:
+        """(predicted - measured) / measured step time."""
+        return (self.pred_summary.step_s - self.meas_summary.step_s) / self.meas_summary.step_s
+
+    def worst(self, n: int = 8) -> pd.DataFrame:
+        """The tasks with the largest absolute error of their ready-to-done time."""
+        return self.tasks.reindex(self.tasks["abs_err_s"].sort_values(ascending=False).index).head(n)
+
+    def headline(self) -> dict:
+        p, m = self.pred_summary, self.meas_summary
+        return {"schedule": self.program.name, "pred_step_s": p.step_s, "meas_step_s": m.step_s,
+                "step_err_pct": 100 * self.step_error, "pred_tokens_per_s": p.tokens_per_s,
+                "meas_tokens_per_s": m.tokens_per_s, "pred_gpu_idle_pct": 100 * p.gpu_idle_frac,
+                "meas_gpu_idle_pct": 100 * m.gpu_idle_frac,
+                "task_err_median_pct": 100 * float(self.tasks["rel_err"].median()),
+                "task_err_p90_pct": 100 * float(self.tasks["rel_err"].quantile(0.9))}
+
+    def report(self, worst: int = 8) -> str:
+        p, m, prog = self.pred_summary, self.meas_summary, self.program
+        ms = sorted(self.measured_steps_s)
+        lines = [
+            f"{prog.model.name}, batch {prog.batch} x seq {prog.seq}, schedule {prog.name}, profile {self.profile.name}",
+            f"{'':24}{'predicted':>12}{'measured':>12}{'error':>9}",
+            _row("step time (ms)", p.step_s * 1e3, m.step_s * 1e3, "{:.2f}"),
+            _row("tokens/s", p.tokens_per_s, m.tokens_per_s, "{:,.0f}"),
+            _row("GPU idle %", 100 * p.gpu_idle_frac, 100 * m.gpu_idle_frac, "{:.1f}", relative=False),
+        ]
+        for c in p.wait_s:
+            lines.append(_row(f"  GPU waits on {c} (ms)", p.wait_s[c] * 1e3, m.wait_s[c] * 1e3, "{:.2f}",
+                              relative=False))
+        lines.append(f"measured step times over {len(ms)} steps (first excluded): median {m.step_s * 1e3:.2f} ms, "
+                     f"min {ms[0] * 1e3:.2f}, max {ms[-1] * 1e3:.2f}")
+        lines.append("per-task error of the ready-to-done time, |pred - meas| / meas, by task group:")
+        lines.append(_table(self.by_group, {"group": "{}", "n": "{}", "pred_ms": "{:.3f}", "meas_ms": "{:.3f}",
+                                            "median_err_pct": "{:.1f}", "p90_err_pct": "{:.1f}",
+                                            "bias_pct": "{:+.1f}"}))
+        t = self.tasks
+        lines.append(f"all {len(t)} tasks: median error {100 * t['rel_err'].median():.1f}%, "
+                     f"p90 {100 * t['rel_err'].quantile(0.9):.1f}%")
+        lines.append(f"largest errors (of {len(t)} tasks):")
+        w = self.worst(worst).assign(pred_ms=lambda d: d["pred_span_s"] * 1e3, meas_ms=lambda d: d["meas_span_s"] * 1e3,
+                                     err_ms=lambda d: (d["pred_span_s"] - d["meas_span_s"]) * 1e3,
+                                     err_pct=lambda d: 100 * (d["pred_span_s"] - d["meas_span_s"]) / d["meas_span_s"])
+        lines.append(_table(w, {"task": "{}", "stream": "{}", "pred_ms": "{:.3f}", "meas_ms": "{:.3f}",
+                                "err_ms": "{:+.3f}", "err_pct": "{:+.1f}"}))
+        return "\n".join(lines)
+
+    def write(self, directory: str | Path, plots: bool = True) -> dict[str, Path]:
+        """timeline_sim.csv, timeline_measured.csv (every step), tasks.csv, by_group.csv, compare.json,
+        trace.json (predicted and measured stacked, one process each) and gantt.png (side by side)."""
+        from .viz import gantt, write_chrome_trace
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        paths = {"timeline_sim": d / "timeline_sim.csv", "timeline_measured": d / "timeline_measured.csv",
+                 "tasks": d / "tasks.csv", "by_group": d / "by_group.csv", "summary": d / "compare.json",
+                 "trace": d / "trace.json"}
+        self.predicted.to_csv(paths["timeline_sim"], index=False)
+        self.extra.get("all_measured", self.measured).to_csv(paths["timeline_measured"], index=False)
+        self.tasks.to_csv(paths["tasks"], index=False)
+        self.by_group.to_csv(paths["by_group"], index=False)
+        summary = {"headline": self.headline(), "measured_steps_s": self.measured_steps_s,
+                   "predicted": self.pred_summary.to_dict(), "measured": self.meas_summary.to_dict(),
+                   "profile": self.profile.name, "knobs": self.program.knobs.to_dict(),
+                   "model": self.program.model.name, "batch": self.program.batch, "seq": self.program.seq}
+        paths["summary"].write_text(json.dumps(summary, indent=1, default=float) + "\n")
+        pair = {"predicted": self.predicted, "measured": _shifted(self.measured)}
+        write_chrome_trace(paths["trace"], pair, self.program)
+        if plots:
+            paths["gantt"] = d / "gantt.png"
+            gantt(pair, paths["gantt"], layout="side",
+                  title=f"{self.program.name}: predicted {self.pred_summary.step_s * 1e3:.1f} ms, measured "
+                        f"{self.meas_summary.step_s * 1e3:.1f} ms")
+        return paths
+
+
+def _shifted(step: pd.DataFrame) -> pd.DataFrame:
+    out = step.copy()
+    t0 = out["start_s"].min()
+    out["start_s"] -= t0
+    out["end_s"] -= t0
+    return out
+
+
+def _row(label: str, pred: float, meas: float, fmt: str, relative: bool = True) -> str:
+    if relative:
+        err = f"{100 * (pred - meas) / meas:+.1f}%" if meas else "-"
+    else:
+        err = f"{pred - meas:+.1f}" if "%" in label else f"{pred - meas:+.2f}"
+    return f"{label:24}{fmt.format(pred):>12}{fmt.format(meas):>12}{err:>9}"
+
+
+def _table(df: pd.DataFrame, cols: dict[str, str]) -> str:
+    cells = [[fmt.format(v) for v in df[c]] for c, fmt in cols.items()]
+    widths = [max(len(c), *(len(x) for x in col)) if len(col) else len(c) for c, col in zip(cols, cells)]
+    out = ["  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for i in range(len(df)):
+        out.append("  " + "  ".join(col[i].rjust(w) for col, w in zip(cells, widths)))
+    return "\n".join(out)
+
+
+def task_table(program: Program, predicted: pd.DataFrame, measured_steps: list[pd.DataFrame]) -> pd.DataFrame:
+    """Per task: predicted and measured (median over steps) start, duration and ready-to-done span, and the
+    error of the span."""
+    pred = with_spans(_shifted(predicted), program).set_index("task")
+    meas = pd.concat([with_spans(_shifted(s), program) for s in measured_steps])
+    med = meas.groupby("task")[["start_s", "dur_s", "span_s", "gap_s"]].median()
+    rows = []
+    for tid, t in program.tasks.items():
+        rows.append({"task": tid, "kind": t.kind, "group": task_group(t.kind, t.unit), "stream": t.stream,
+                     "pred_start_s": pred.at[tid, "start_s"], "meas_start_s": med.at[tid, "start_s"],
+                     "pred_dur_s": pred.at[tid, "dur_s"], "meas_dur_s": med.at[tid, "dur_s"],
+                     "meas_gap_s": med.at[tid, "gap_s"],
+                     "pred_span_s": pred.at[tid, "span_s"], "meas_span_s": med.at[tid, "span_s"]})
+    df = pd.DataFrame(rows)
+    df["abs_err_s"] = (df["pred_span_s"] - df["meas_span_s"]).abs()
+    df["rel_err"] = df["abs_err_s"] / df["meas_span_s"].clip(lower=1e-9)
+    return df
+
+
+def error_by_group(tasks: pd.DataFrame) -> pd.DataFrame:
+    """Per task group: count, median predicted / measured ms, median and p90 of the relative error, and the
+    median signed error (bias: + = predicted too slow)."""
+    rows = []
+    for g, part in tasks.groupby("group", sort=False):
+        signed = (part["pred_span_s"] - part["meas_span_s"]) / part["meas_span_s"].clip(lower=1e-9)
+        rows.append({"group": g, "n": len(part), "pred_ms": 1e3 * part["pred_span_s"].median(),
+                     "meas_ms": 1e3 * part["meas_span_s"].median(),
+                     "median_err_pct": 100 * part["rel_err"].median(),
+                     "p90_err_pct": 100 * part["rel_err"].quantile(0.9), "bias_pct": 100 * signed.median()})
+    order = {k: i for i, k in enumerate("PFRBOUNSWXY")}
+    df = pd.DataFrame(rows)
+    return df.sort_values("group", key=lambda s: s.map(lambda g: (order.get(g[0], 99), g))).reset_index(drop=True)
+
+
+def compare(program: Program, measured_steps: list[pd.DataFrame], profile) -> Comparison:
+    """Simulate `program` on `profile` (a HardwareProfile, shipped name or path) and compare it with measured steps
+    of the same Program (the first step is left out as a warm-up)."""
+    if len(measured_steps) < 2:
+        raise ValueError("compare needs at least 2 measured steps (the first is a warm-up)")
+    profile = load_profile(profile)
+    sim = simulate(program, profile)
+    steps = measured_steps[1:]
+    times = [step_time_s(s) for s in steps]
+    order = sorted(range(len(steps)), key=lambda i: times[i])
+    rep = steps[order[(len(order) - 1) // 2]]  # the median step (lower median)
+    tasks = task_table(program, sim.timeline, steps)
+    return Comparison(program=program, profile=profile, predicted=sim.timeline, measured=rep, measured_steps_s=times,
+                      tasks=tasks, by_group=error_by_group(tasks), pred_summary=sim.summary,
+                      meas_summary=summarize(rep, program), extra={"all_measured": pd.concat(measured_steps)})
+
+
+def ranking(comparisons: dict[str, Comparison]) -> pd.DataFrame:
+    """Variants ranked by predicted and by measured step time (1 = fastest); `agree` when the ranks match."""
+    rows = [{"variant": k, "pred_step_s": c.pred_summary.step_s, "meas_step_s": c.meas_summary.step_s,
+             "step_err_pct": 100 * c.step_error} for k, c in comparisons.items()]
+    df = pd.DataFrame(rows)
+    df["pred_rank"] = df["pred_step_s"].rank(method="min").astype(int)
+    df["meas_rank"] = df["meas_step_s"].rank(method="min").astype(int)
+    return df
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's rank correlation of two equally long lists (1 = same order, -1 = reversed); ties count 0."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            s += (x > 0) - (x < 0) if y > 0 else -((x > 0) - (x < 0)) if y < 0 else 0
+    pairs = n * (n - 1) / 2
+    return s / pairs if pairs else 1.0

@@ -1,0 +1,402 @@
+"""`measure_profile`: measure this machine with the executor's own code and build a HardwareProfile from it.
+
+    from megatrain.profiling import ProfileRequest, measure_profile
+    cal = measure_profile(ProfileRequest(PRESETS["bench-3b"], batch=8, seqs=[2048], device="cuda"))
+    cal.save("h200-measured.json")          # + h200-measured.measurements.json (every timing, for docs)
+    simulate(program, cal.profile)
+
+What is measured, and the profile field it fills:
+
+    copies.py    h2d / d2h copy time by size (pinned buffers, each direction from its stream's thread)   h2d, d2h
+                 each direction while the other runs                                                     duplex_Bps
+                 h2d while a CPU AdamW update runs                                         dma_factor_cpu_optimizer
+    units.py     layer F / R / B, embedding F / B, head FH, by tokens per task             compute_tables
+    rates.py     matmul FLOP/s by dtype (analytic fallback), efficiency from the tables    matmul_flops_per_s, ...
+                 device memory bandwidth                                                   gpu_memory_Bps
+                 CPU AdamW (+ streaming-copy refresh) by thread count, fixed cost per call cpu_adam_params_per_s
+                 AdamW on device tiles                                                     gpu_adam_params_per_s
+    overhead.py  ready-to-start gaps of real steps of a 2-layer cut of the model           task_overhead_s
+
+and, recorded in the notes and the measurements file but not (yet) used by the simulator: how much a CPU update
+slows a layer's compute and how much concurrent copies slow the update (see docs/calibration.md).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ..builders import ScheduleKnobs, knobs_for
+from ..exec.backend import get_backend
+from ..exec.layout import unit_layout
+from ..exec.trainer import set_update_threads
+from ..sim.profile import ComputeTable, HardwareProfile
+from ..spec import EMBED, HEAD, ModelSpec
+from . import copies, rates, units
+from .bench import Progress, Worker, median
+from .overhead import measure_runtime_gaps
+
+STREAMS = ("h2d", "compute", "d2h", "cpu")
+
+
+@dataclass
+class ProfileRequest:
+    """What to measure: the model shape, token counts (batch 1..`batch` at each of `seqs`), compute dtypes."""
+
+    model: ModelSpec
+    batch: int = 8
+    seqs: list[int] = field(default_factory=lambda: [2048])
+    device: str = "auto"
+    dtypes: list[str] | None = None  # compute dtypes of the tables; default bf16 on CUDA, bf16 + fp32 on CPU
+    quick: bool = False
+    knobs: ScheduleKnobs = field(default_factory=lambda: knobs_for("overlap"))  # wire dtypes, loss chunk, the
+    #                                                           schedule of the real steps that measure overheads
+    cpu_threads: int | None = None  # AdamW threads of the runtime (default: what the trainer picks)
+    name: str | None = None
+
+
+@dataclass
+class Calibration:
+    """The profile and everything measured to build it (JSON-able, for the record)."""
+
+    profile: HardwareProfile
+    measurements: dict
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Write the profile JSON (loadable by `load_profile`) and `<stem>.measurements.json` next to it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profile.save(path)
+        raw = path.with_name(path.stem + ".measurements.json")
+        raw.write_text(json.dumps(self.measurements, indent=1, default=float) + "\n")
+        return path, raw
+
+
+def _machine(backend) -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": cores,
+            "torch": torch.__version__, "device": backend.name,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if backend.name == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(backend.device)
+    return info
+
+
+def _default_name(info: dict) -> str:
+    base = info.get("gpu", f"cpu-{info['cores']}core") if info["device"] == "cuda" else f"cpu-{info['cores']}core"
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", base).strip("-").lower() + "-measured"
+
+
+class _Plan:
+    """The measurements, each with an estimated duration (from a first probe) and the function that runs it."""
+
+    def __init__(self):
+        self.items: list[tuple[str, float, callable]] = []
+
+    def add(self, label: str, est_s: float, fn) -> None:
+        self.items.append((label, est_s, fn))
+
+
+def measure_profile(req: ProfileRequest, log=print) -> Calibration:
+    """Measure the machine for `req.model` and return the Calibration (see the module docstring)."""
+    spec = req.model
+    backend = get_backend(req.device)
+    on_gpu = backend.name == "cuda"
+    # CPUs without bf16 arithmetic run the CPU backend fastest in fp32, so fp32 comes first there (the dtype of
+    # contention tests, the real steps and the fitted efficiency).
+    dtypes = req.dtypes or (["bf16"] if on_gpu else ["fp32", "bf16"])
+    req = replace(req, dtypes=dtypes)
+    threads = set_update_threads(backend, req.cpu_threads)  # as the trainer will: the updates' thread count
+    info = _machine(backend)
+    w = {s: Worker(backend, s) for s in STREAMS}
+    m: dict = {"machine": info, "request": {"model": spec.name, "signature": None, "batch": req.batch,
+                                             "seqs": req.seqs, "dtypes": dtypes, "quick": req.quick,
+                                             "knobs": req.knobs.to_dict(), "cpu_threads": threads}}
+    quick = req.quick
+    layer_n = unit_layout(spec, 0).numel
+    layer_wire_bytes = layer_n * req.knobs.wire_bytes("weight_wire")
+    max_copy = max(4 * copies.MiB, min((1 * copies.GiB) if on_gpu else 64 * copies.MiB,
+                                       1 << (4 * layer_n - 1).bit_length()))
+    if quick:
+        max_copy = min(max_copy, (256 if on_gpu else 16) * copies.MiB)
+    budget = 0.25 if quick else 1.0  # seconds of timed calls per measurement (compute: per unit class)
+
+    # -- probe: rough rates, to say up front how long this takes --
+    probe_rate = rates.measure_matmul(w["compute"], backend, torch.float32 if not on_gpu else torch.bfloat16,
+                                      256 if not on_gpu else 2048, 0.05)
+    floor = 2e-4 if on_gpu else 1e-3  # seconds per call that no shape is faster than (launches, Python)
+
+    def call_s(flops: float) -> float:
+        return floor + flops / (0.3 * probe_rate)
+
+    plan = _Plan()
+    bufs: dict = {}
+    plan.add("copy buffers", 0.5 + 3 * max_copy / 2e9, lambda: _alloc(bufs, backend, max_copy))
+    sizes = copies.copy_sizes(max_copy, quick)
+    for d in ("h2d", "d2h"):
+        plan.add(f"{d} copies, {len(sizes)} sizes up to {max_copy / copies.MiB:.0f} MiB",
+                 0.2 + sum(copies._reps_for(n, quick) * (n / 5e9 + 2e-5) for n in sizes),
+                 lambda d=d: _copy_curve(m, bufs, w, d, sizes, quick))
+    dup = min(max_copy, 256 * copies.MiB)
+    plan.add("both directions at once", 0.5 + 12 * dup / 5e9, lambda: _duplex(m, bufs, w, dup, quick))
+    for dt in dtypes:
+        knobs = replace(req.knobs, compute_dtype=dt)
+        for seq in req.seqs:
+            bs = units.token_batches(req.batch, quick)
+            for uc in ("layer", "embed", "head"):
+                calls = sum(call_s(units.analytic_flops(spec, uc, k, b, seq)) for b in bs
+                            for k in units.KINDS_OF_CLASS[uc])
+                est = budget + 3 * calls * (1 if on_gpu or dt == "fp32" else 4)  # CPUs are slow at bf16
+                plan.add(f"{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
+                         lambda uc=uc, knobs=knobs, seq=seq, bs=bs: _unit(m, spec, uc, knobs, seq, bs, backend,
+                                                                          w["compute"], budget))
+    for dt in ("bf16", "fp32"):
+        plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
+    plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
+    stream_copy = req.knobs.weight_wire == "bf16"
+    plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads", 2 * budget + layer_n * 16 / 1e9,
+             lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], stream_copy, quick, 2 * budget))
+    plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
+    plan.add("h2d while a CPU update runs", 1.0, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
+    plan.add("layer forward while a CPU update runs", budget + 0.2,
+             lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
+    plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
+             lambda: _update_under_compute(m, spec, req, backend, w, layer_n, stream_copy, budget))
+    plan.add("first layer forward in a fresh thread", 0.3, lambda: _fresh_thread(m, spec, req, backend, w))
+    plan.add("CPU update while both directions copy", budget + 0.2,
+             lambda: _update_under_copies(m, bufs, w, layer_n, stream_copy, max_copy, budget))
+    plan.add("host wait on a device event", 0.2 if on_gpu else 0.0,
+             lambda: _host_wait(m, backend, w))
+    steps = 3 if quick else 5
+    cut_est = sum(call_s(units.analytic_flops(spec, uc, k, req.batch, req.seqs[0]))
+                  for uc, k in (("layer", "F"), ("layer", "F"), ("layer", "B"), ("layer", "B"), ("head", "F")))
+    cut_params = 2 * layer_n + unit_layout(spec, EMBED).numel + unit_layout(spec, HEAD).numel
+    plan.add(f"{steps} real steps of a 2-layer cut ({req.knobs.optimizer} placement, {req.knobs.buffers} buffers)",
+             cut_params * 18 / 2e9 + steps * 4 * cut_est,
+             lambda: _runtime(m, spec, req, backend, threads, steps))
+
+    progress = Progress([(label, est) for label, est, _ in plan.items], log)
+    progress.announce(f"profiling {backend.name} for {spec.name} (batch {req.batch}, seq {req.seqs}, "
+                      f"{'/'.join(dtypes)}{', quick' if quick else ''})")
+    try:
+        for label, _, fn in plan.items:
+            progress.done(label, fn() or "done")
+    finally:
+        for wk in w.values():
+            wk.close()
+        if "buffers" in bufs:
+            for b in bufs["buffers"]:
+                b.release(backend)
+    profile = build_profile(m, spec, req, dtypes, threads, info)
+    m["request"]["signature"] = profile.compute_tables[0].model if profile.compute_tables else None
+    return Calibration(profile, m)
+
+
+# ---- the measurement steps (each stores into m and returns a one-line result) ---------------------------------
+def _alloc(bufs, backend, nbytes):
+    bufs["buffers"] = [copies.CopyBuffers.allocate(backend, nbytes) for _ in range(2)]
+    return f"2 x {nbytes / copies.MiB:.0f} MiB pinned host + device"
+
+
+def _copy_curve(m, bufs, w, direction, sizes, quick):
+    r = copies.measure_curve(bufs["buffers"][0], w[direction], direction, sizes, quick)
+    m[direction] = {"sizes_bytes": r["sizes_bytes"], "time_s": r["time_s"], "latency_s": r["curve"].latency_s,
+                    "Bps": list(r["curve"].Bps)}
+    c = r["curve"]
+    return f"latency {c.latency_s * 1e6:.1f} us, {c.Bps[-1] / 1e9:.2f} GB/s at {sizes[-1] / copies.MiB:.0f} MiB"
+
+
+def _duplex(m, bufs, w, nbytes, quick):
+    r = copies.measure_duplex(bufs["buffers"][0], bufs["buffers"][1], w["h2d"], w["d2h"], nbytes, quick)
+    m["duplex"] = r
+    return (f"h2d {r['h2d_shared_Bps'] / 1e9:.2f} + d2h {r['d2h_shared_Bps'] / 1e9:.2f} = "
+            f"{r['duplex_Bps'] / 1e9:.2f} GB/s")
+
+
+def _unit(m, spec, uclass, knobs, seq, bs, backend, worker, budget):
+    tables, raw = units.measure_unit(spec, uclass, knobs, seq, bs, backend, worker, budget)
+    m.setdefault("compute_tables", []).extend(asdict(t) for t in tables)
+    m.setdefault("compute_raw", []).extend(raw)
+    return ", ".join(f"{t.kind} {t.dur_s[-1] * 1e3:.3f} ms" for t in tables) + f" at {tables[0].tokens[-1]} tokens"
+
+
+def _matmul(m, w, backend, dt, on_gpu, budget):
+    n = 4096 if on_gpu else (512 if dt == "fp32" else 256)
+    r = rates.measure_matmul(w["compute"], backend, {"bf16": torch.bfloat16, "fp32": torch.float32}[dt], n, budget)
+    m.setdefault("matmul_flops_per_s", {})[dt] = r
+    return f"{r / 1e12:.3f} TFLOP/s at {n}^3"
+
+
+def _memory(m, w, backend, nbytes, budget):
+    m["gpu_memory_Bps"] = rates.measure_memory(w["compute"], backend, nbytes, budget)
+    return f"{m['gpu_memory_Bps'] / 1e9:.1f} GB/s (read + write)"
+
+
+def _cpu_adam(m, w, n, threads, cores, stream_copy, quick, budget):
+    r = rates.measure_cpu_adam(w["cpu"], n, threads, cores, stream_copy, quick, budget)
+    m["cpu_adam"] = r
+    by = ", ".join(f"{t}: {v / 1e9:.2f}" for t, v in r["by_threads"].items())
+    return f"Gparam/s by threads {by}; fixed {r['fixed_s'] * 1e6:.0f} us per update ({threads} threads)"
+
+
+def _gpu_adam(m, w, backend, n, budget):
+    m["gpu_adam"] = rates.measure_gpu_adam(w["compute"], backend, n, budget)
+    return f"{m['gpu_adam']['rate'] / 1e9:.2f} Gparam/s"
+
+
+def _update_fn(n, stream_copy):
+    tiles = rates.AdamTiles(n, torch.device("cpu"), stream_copy)
+    return tiles.update
+
+
+def _dma_under_update(m, bufs, w, n, stream_copy, quick):
+    nbytes = min(bufs["buffers"][0].host.numel(), 256 * copies.MiB)
+    r = copies.measure_dma_under_optimizer(bufs["buffers"][0], w["h2d"], w["cpu"], _update_fn(n, stream_copy),
+                                           nbytes, quick)
+    m["dma_under_update"] = r
+    return f"{r['alone_Bps'] / 1e9:.2f} -> {r['with_update_Bps'] / 1e9:.2f} GB/s (x{r['factor']:.2f})"
+
+
+def _layer_forward(spec, req, backend, w):
+    """A layer forward at the full batch in the first compute dtype: the compute of the contention tests."""
+    slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
+    return w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)["F"]
+
+
+def _run_knobs(req, backend):
+    return replace(req.knobs, compute_dtype=req.dtypes[0])
+
+
+def _compute_under_update(m, spec, req, backend, w, n, stream_copy, budget):
+    body = _layer_forward(spec, req, backend, w)
+    r = rates.measure_compute_under_update(w["compute"], w["cpu"], body, _update_fn(n, stream_copy), budget)
+    m["compute_under_update"] = r
+    return f"layer F {r['alone_s'] * 1e3:.3f} -> {r['with_update_s'] * 1e3:.3f} ms (x{r['factor']:.2f})"
+
+
+def _update_under_compute(m, spec, req, backend, w, n, stream_copy, budget):
+    body = _layer_forward(spec, req, backend, w)
+    r = rates.measure_update_under_compute(w["cpu"], _update_fn(n, stream_copy), w["compute"], body, budget)
+    m["update_under_compute"] = r
+    return f"{r['alone_s'] * 1e3:.3f} -> {r['with_compute_s'] * 1e3:.3f} ms (x{r['factor']:.2f})"
+
+
+def _fresh_thread(m, spec, req, backend, w):
+    r = rates.measure_fresh_thread(backend, _layer_forward(spec, req, backend, w))
+    m["fresh_thread"] = r
+    return f"first call {r['first_s'] * 1e3:.3f} ms, later {r['later_s'] * 1e3:.3f} ms (+{r['extra_s'] * 1e3:.3f} ms)"
+
+
+def _update_under_copies(m, bufs, w, n, stream_copy, max_copy, budget):
+    a, b = bufs["buffers"]
+    nbytes = min(max_copy, 256 * copies.MiB)
+    r = rates.measure_update_under_copies(w["cpu"], _update_fn(n, stream_copy), w["h2d"], w["d2h"],
+                                          a.copier("h2d", nbytes), b.copier("d2h", nbytes), budget)
+    m["update_under_copies"] = r
+    return f"{r['alone_s'] * 1e3:.3f} -> {r['with_copies_s'] * 1e3:.3f} ms (x{r['factor']:.2f})"
+
+
+def _host_wait(m, backend, w):
+    m["host_wait_late_s"] = rates.measure_host_wait(backend, w["cpu"], w["compute"])
+    return f"{m['host_wait_late_s'] * 1e6:.0f} us late" if backend.name == "cuda" else "immediate (CPU backend)"
+
+
+def _runtime(m, spec, req, backend, threads, steps):
+    r = measure_runtime_gaps(spec, req.batch, req.seqs[0], _run_knobs(req, backend), backend, steps, threads)
+    r.pop("timelines"), r.pop("program")
+    m["runtime"] = r
+    gaps = ", ".join(f"{s} {v * 1e6:.0f} us" for s, v in r["gap_by_stream_s"].items())
+    return f"mean gap before a task: {gaps}; N {r['norm_span_s'] * 1e6:.0f} us; steps {median(r['step_s']) * 1e3:.1f} ms"
+
+
+def not_simulated(m: dict) -> str:
+    """The measured effects the simulator has no parameter for (yet), in one line for the profile's notes."""
+    cu, uu, uc, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "update_under_copies",
+                                      "fresh_thread"))
+    return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
+            f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
+            f"{uu['factor']:.2f}x as long while the compute stream runs and {uc['factor']:.2f}x while both copy "
+            f"directions run; the first layer forward in a fresh issuing thread (the runtime starts new ones every "
+            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms.")
+
+
+# ---- the profile ---------------------------------------------------------------------------------------------
+def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
+    """Per unit class: analytic FLOPs / (matmul rate x measured time) at the largest measured token count, so
+    that the analytic fallback (shapes or dtypes without a table) is calibrated on this machine."""
+    eff = {"layer": 1.0, "embed": 1.0, "head": 1.0}
+    rate = m["matmul_flops_per_s"][dtype]
+    for uclass, kind in (("layer", "F"), ("head", "F")):
+        t = next((t for t in tables if t.unit == uclass and t.kind == kind and t.dtype == dtype), None)
+        if t is None or t.dur_s[-1] <= 0:
+            continue
+        flops = units.analytic_flops(spec, uclass, kind, t.tokens[-1] // t.seq, t.seq)
+        eff[uclass] = float(min(1.0, max(1e-4, flops / (rate * t.dur_s[-1]))))
+    return eff
+
+
+def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
+                  info: dict) -> HardwareProfile:
+    """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
+    tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")})
+              for t in m["compute_tables"]]
+    h2d = copies.CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
+    d2h = copies.CopyCurve(tuple(m["d2h"]["sizes_bytes"]), tuple(m["d2h"]["Bps"]), m["d2h"]["latency_s"])
+    rt, adam = m["runtime"], m["cpu_adam"]
+    gaps = rt["gap_by_stream_s"]
+    overhead = {s: float(gaps.get(s, 0.0)) for s in STREAMS}
+    # A CPU update is `fixed + params / rate`: the fixed part of the update rides on the cpu stream's overhead
+    # (the GPU placement's updates are on "compute", so they do not pick it up). The global norm (also on the
+    # cpu stream) is a handful of float reads, so its measured ready-to-done time is its whole cost.
+    overhead["cpu"] = float(rt["gap_by_kind_s"].get("U", gaps.get("cpu", 0.0))) + adam["fixed_s"]
+    overhead["N"] = float(rt["norm_span_s"])
+    dma = m["dma_under_update"]
+    where = f"{info['device']} backend, {info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']}"
+    notes = {
+        "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
+               f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
+        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us.",
+        "duplex_Bps": "measured: each direction timed while the other copies in a loop; the sum of the two rates.",
+        "matmul_flops_per_s": "measured: square matmuls (the analytic fallback only).",
+        "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
+        "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
+        "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
+                          f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
+        "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update + bf16 streaming-copy refresh on "
+                                 f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
+                                 f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu']).",
+        "cpu_threads": "the runtime's update threads (exec.trainer.set_update_threads).",
+        "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
+        "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
+        "dma_factor_cpu_optimizer": f"measured: h2d {dma['alone_Bps'] / 1e9:.2f} GB/s alone, "
+                                    f"{dma['with_update_Bps'] / 1e9:.2f} GB/s while CPU updates run.",
+        "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
+                           f"{rt['layers']}-layer cut of {spec.name} (batch {rt['batch']} x {rt['seq']}); 'cpu' adds "
+                           "the update's fixed cost; 'N' is the norm's whole ready-to-done time.",
+        "not simulated (measured)": not_simulated(m),
+    }
+    return HardwareProfile(
+        name=req.name or _default_name(info),
+        h2d=h2d, d2h=d2h,
+        duplex_Bps=float(m["duplex"]["duplex_Bps"]),
+        matmul_flops_per_s={k: float(v) for k, v in m["matmul_flops_per_s"].items()},
+        efficiency=_efficiency(m, spec, tables, dtypes[0]),
+        gpu_memory_Bps=float(m["gpu_memory_Bps"]),
+        compute_tables=tuple(tables),
+        cpu_adam_params_per_s={int(t): float(v) for t, v in adam["by_threads"].items()},
+        cpu_threads=threads,
+        gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
+        clip_norm_params_per_s=math.inf,
+        dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
+        task_overhead_s=overhead,
+        description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
+                    f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",
+        notes=notes,
+    )

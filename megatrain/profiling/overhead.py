@@ -1,0 +1,75 @@
+"""The runtime's own cost per task: how long after its last dependency finished a task actually starts.
+
+A task is *ready* when the task before it on its stream and every task it waits for have finished. Between that
+moment and its start the runtime spends time of its own: the issuing thread wakes up (threads hand over the GIL;
+a host task polls a device event with a back-off), checks its waits, records the start event. The simulator
+starts a task at its ready time and charges `task_overhead_s` (of its kind, else of its stream) inside the task;
+measuring those gaps on real steps gives that parameter.
+
+`megatrain profile` runs a few real training steps of a cut of the model (its first layers, so the host store is
+small) with the StreamedTrainer and averages the gaps per stream; `ready_times` is also what `megatrain compare`
+uses to compare each task's time from ready to done, predicted against measured.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from ..builders import ScheduleKnobs
+from ..exec.backend import Backend
+from ..program import Program
+from ..spec import ModelSpec
+
+
+def ready_times(step: pd.DataFrame, program: Program) -> dict[str, float]:
+    """{task: the time it became ready} in one step of a Timeline: the latest end of its stream predecessor
+    and of its waits (the step's start, 0, for a task with neither)."""
+    end = dict(zip(step["task"], step["end_s"]))
+    t0 = float(step["start_s"].min())
+    ready = {}
+    for queue in program.streams.values():
+        prev = None
+        for tid in queue:
+            deps = [end[w] for w in program.tasks[tid].waits if w in end]
+            if prev is not None and prev in end:
+                deps.append(end[prev])
+            ready[tid] = max(deps) if deps else t0
+            prev = tid
+    return ready
+
+
+def with_spans(step: pd.DataFrame, program: Program) -> pd.DataFrame:
+    """One step of a Timeline with `ready_s`, `gap_s` (start - ready, >= 0), `dur_s` (end - start) and `span_s`
+    (end - ready: what the simulator's duration of the task stands for)."""
+    ready = ready_times(step, program)
+    out = step.copy()
+    out["ready_s"] = out["task"].map(ready)
+    out["gap_s"] = (out["start_s"] - out["ready_s"]).clip(lower=0.0)
+    out["dur_s"] = out["end_s"] - out["start_s"]
+    out["span_s"] = out["gap_s"] + out["dur_s"]
+    return out
+
+
+def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: Backend,
+                         steps: int, cpu_threads: int | None = None) -> dict:
+    """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
+    the first), the global norm's ready-to-done time, and the measured timelines."""
+    from ..commands.train import synthetic_batches
+    from ..exec.optim import AdamWConfig
+    from ..exec.trainer import StreamedTrainer
+
+    cut = spec.with_layers(min(spec.num_layers, 2))
+    trainer = StreamedTrainer(cut, knobs, optim=AdamWConfig(lr=1e-5), backend=backend, seed=0,
+                              cpu_threads=cpu_threads)
+    batches = synthetic_batches(cut, batch, seq)
+    timelines = [trainer.step(*next(batches)).timeline for _ in range(max(2, steps))]
+    program = trainer.program(batch, seq)
+    rows = pd.concat([with_spans(t, program) for t in timelines[1:]])
+    by_stream = rows.groupby("stream")["gap_s"].mean().to_dict()
+    by_kind = rows.groupby("kind")["gap_s"].mean().to_dict()
+    norm = rows[rows["kind"] == "N"]
+    step_s = [float(t["end_s"].max() - t["start_s"].min()) for t in timelines]
+    del trainer
+    return {"model": cut.name, "layers": cut.num_layers, "batch": batch, "seq": seq, "steps": len(timelines),
+            "step_s": step_s, "gap_by_stream_s": by_stream, "gap_by_kind_s": by_kind,
+            "norm_span_s": float(norm["span_s"].mean()) if len(norm) else 0.0,
+            "timelines": timelines, "program": program}

@@ -1,0 +1,204 @@
+"""Rates of the machine: matmul FLOP/s, device memory bandwidth, AdamW params/s (host threads and device), the
+global-norm task, and how much a CPU update slows compute down when both run at once.
+
+The optimizer is the executor's: `exec.optim.adamw_update` (torch's fused AdamW kernel) on flat fp32 tiles the size
+of one layer, and on the host followed by the bf16 streaming-copy refresh the runtime does after every CPU update
+(`HostStore.refresh_stream`). A task of n parameters is modelled as `overhead + n / rate`; the fixed part (Python,
+two kernel calls, the step tensors) matters for small units, so the host rate and its fixed cost are fitted over
+three tile sizes.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..exec.backend import Backend
+from ..exec.optim import AdamWConfig, adamw_update, clip_coefficient, global_norm
+from .bench import Background, Worker, median
+
+_CFG = AdamWConfig(lr=1e-4, weight_decay=0.1)
+
+
+class AdamTiles:
+    """master, grad, m, v (fp32) of `n` parameters on `device`, plus the bf16 streaming copy on the host."""
+
+    def __init__(self, n: int, device: torch.device, streaming_copy: bool):
+        # Constant fills: fast for layer-sized tiles, and the kernel's speed does not depend on the values (none of
+        # them is denormal).
+        self.n = n
+        self.p = torch.full((n,), 0.02, device=device)
+        self.g = torch.full((n,), 1e-3, device=device)
+        self.m = torch.zeros(n, device=device)
+        self.v = torch.full((n,), 1e-6, device=device)
+        self.copy = torch.empty(n, dtype=torch.bfloat16) if streaming_copy else None
+        self.step = 0
+
+    def update(self, n: int | None = None) -> None:
+        """One update of the first n parameters, as the runtime's CPU (or GPU) optimizer task does it."""
+        n = n or self.n
+        self.step += 1
+        adamw_update(self.p[:n], self.g[:n], self.m[:n], self.v[:n], self.step, n - n // 100, 1e-4, _CFG,
+                     clip_coef=0.5)
+        if self.copy is not None:
+            self.copy[:n].copy_(self.p[:n])  # refresh_stream: master -> bf16 streaming copy
+
+
+def fit_fixed_and_rate(sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """Least-squares line t = a + n / rate through (n, t); a clamped to >= 0. Returns (a_s, rate)."""
+    k = len(sizes)
+    mx, my = sum(sizes) / k, sum(times) / k
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx if sxx else 0.0
+    if slope <= 0:  # all fixed cost (or noise): the largest tile's average rate
+        return 0.0, sizes[-1] / times[-1]
+    a = max(0.0, my - slope * mx)
+    return a, 1.0 / slope
+
+
+def thread_counts(runtime_threads: int, cores: int, quick: bool) -> list[int]:
+    """1, 2, 4, ... up to the cores, and the runtime's count; with `quick` only the runtime's."""
+    if quick:
+        return [runtime_threads]
+    out, t = [], 1
+    while t < max(cores, runtime_threads):
+        out.append(t)
+        t *= 2
+    return sorted(set(out + [runtime_threads, max(cores, runtime_threads)]))
+
+
+def measure_cpu_adam(worker: Worker, n: int, runtime_threads: int, cores: int, streaming_copy: bool,
+                     quick: bool, budget_s: float) -> dict:
+    """CPU AdamW params/s by thread count, and the fixed cost per update at the runtime's thread count."""
+    tiles = AdamTiles(n, torch.device("cpu"), streaming_copy)
+    # The runtime's count first: its fit gives the fixed cost that the other counts' rates are corrected by.
+    counts = sorted(thread_counts(runtime_threads, cores, quick), key=lambda t: (t != runtime_threads, t))
+    before = torch.get_num_threads()
+    per = budget_s / (len(counts) + 2)
+    out: dict = {"params": n, "by_threads": {}}
+    try:
+        for t in counts:
+            torch.set_num_threads(t)  # process-wide, like the trainer's set_update_threads
+            if t == runtime_threads:
+                sizes = sorted({max(1, n // 16), max(1, n // 4), n})
+                times = [median(worker.time_for(lambda k=k: tiles.update(k), per / 2, warmup=1)) for k in sizes]
+                fixed, rate = fit_fixed_and_rate(sizes, times)
+                out.update(fixed_s=fixed, rate=rate, fit_sizes=sizes, fit_times_s=times)
+                out["by_threads"][t] = rate
+            else:
+                tt = median(worker.time_for(tiles.update, per, warmup=1))
+                out["by_threads"][t] = n / max(tt - out.get("fixed_s", 0.0), tt / 2)
+    finally:
+        torch.set_num_threads(before)
+    out["by_threads"] = dict(sorted(out["by_threads"].items()))
+    return out
+
+
+def measure_gpu_adam(worker: Worker, backend: Backend, n: int, budget_s: float) -> dict:
+    """AdamW params/s on device tiles (the GPU optimizer placement; the CPU backend runs it in the compute
+    thread on host memory), without a streaming-copy refresh (STATE_OFFLOAD writes that)."""
+    tiles = worker.call(AdamTiles, n, backend.device, False)
+    t = median(worker.time_for(tiles.update, budget_s, warmup=1))
+    return {"params": n, "time_s": t, "rate": n / t}
+
+
+def measure_matmul(worker: Worker, backend: Backend, dtype: torch.dtype, n: int, budget_s: float) -> float:
+    """FLOP/s of an (n x n) @ (n x n) matmul in `dtype`: the analytic fallback's peak."""
+    a, b = (worker.call(lambda: torch.randn(n, n, device=backend.device).to(dtype)) for _ in range(2))
+    t = median(worker.time_for(lambda: a @ b, budget_s, warmup=2))
+    return 2.0 * n**3 / t
+
+
+def measure_memory(worker: Worker, backend: Backend, nbytes: int, budget_s: float) -> float:
+    """Device memory bytes/s (read + write) of a device-to-device copy: prices the embedding's gather/scatter
+    when no table does."""
+    src = backend.empty(nbytes).fill_(1)
+    dst = backend.empty(nbytes)
+    t = median(worker.time_for(lambda: dst.copy_(src), budget_s, warmup=2))
+    return 2.0 * nbytes / t
+
+
+def measure_clip_norm(worker: Worker, backend: Backend, units: int, budget_s: float) -> float:
+    """Seconds of the CLIP_NORM task body: read each unit's gradient norm (written by OFFLOAD into pinned host
+    memory) and combine them (exec/work.py `clip_norm`)."""
+    norms = torch.rand(units, dtype=torch.float32, pin_memory=backend.pins_host_memory)
+
+    def body():
+        total = global_norm([float(norms[i]) for i in range(units)])
+        return clip_coefficient(total, 1.0)
+    return median(worker.time_for(body, budget_s, warmup=2))
+
+
+def measure_host_wait(backend: Backend, cpu: Worker, compute: Worker, wait_s: float = 0.02, reps: int = 5) -> float:
+    """How late a host-stream task notices that a device task it waits for has finished (the runtime polls CUDA
+    events with a growing back-off, exec/backend.py `host_wait`). 0 on the CPU backend, where host events are
+    immediate. Measured as the host's wake-up time minus the device's finish time of a timed spin kernel."""
+    if not backend.device.type == "cuda":
+        return 0.0
+    import time
+
+    lates = []
+    for _ in range(reps):
+        def launch():
+            start = backend.record(compute.stream)
+            torch.cuda._sleep(int(wait_s * 1.5e9))  # ~wait_s of device time (cycles at ~1.5 GHz)
+            return start, backend.record(compute.stream)
+        start, end = compute.call(launch)
+        t_issue = time.perf_counter()
+        cpu.call(backend.host_wait, end, 600.0)
+        t_host = time.perf_counter() - t_issue
+        lates.append(max(0.0, t_host - backend.elapsed_s(start, end)))
+    return median(lates)
+
+
+def measure_compute_under_update(compute: Worker, cpu: Worker, body, update, budget_s: float) -> dict:
+    """A compute task alone and while the CPU optimizer runs in a loop: how much the update slows it down (host
+    threads of the update take the cores the issuing threads need; on the CPU backend they share the same cores)."""
+    alone = median(compute.time_for(body, budget_s / 2, warmup=1))
+    with Background(cpu, update):
+        shared = median(compute.time_for(body, budget_s / 2, warmup=1))
+    return {"alone_s": alone, "with_update_s": shared, "factor": shared / alone}
+
+
+def measure_update_under_compute(cpu: Worker, update, compute: Worker, body, budget_s: float) -> dict:
+    """The CPU update alone and while a layer forward runs in a loop on the compute stream's thread."""
+    alone = median(cpu.time_for(update, budget_s / 2, warmup=1))
+    with Background(compute, body):
+        shared = median(cpu.time_for(update, budget_s / 2, warmup=1))
+    return {"alone_s": alone, "with_compute_s": shared, "factor": shared / alone if alone > 0 else math.nan}
+
+
+def measure_fresh_thread(backend: Backend, body, threads: int = 4) -> dict:
+    """The first call of `body` in a new thread against later calls there. The runtime starts new issuing threads
+    for every step (exec/runtime.py), and a thread's first parallel CPU op starts its OpenMP team."""
+    import threading
+
+    firsts, laters = [], []
+
+    def run():
+        backend.enter_thread()
+        with torch.no_grad():
+            ts = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                body()
+                backend.synchronize()
+                ts.append(time.perf_counter() - t0)
+        firsts.append(ts[0])
+        laters.append(min(ts[1:]))
+
+    for _ in range(threads):
+        th = threading.Thread(target=run)
+        th.start()
+        th.join()
+    return {"first_s": median(firsts), "later_s": median(laters), "extra_s": median(firsts) - median(laters)}
+
+
+def measure_update_under_copies(cpu: Worker, update, h2d: Worker, d2h: Worker, copy_in, copy_out,
+                                budget_s: float) -> dict:
+    """The CPU update alone and while both copy directions run in loops (host memory bandwidth shared)."""
+    alone = median(cpu.time_for(update, budget_s / 2, warmup=1))
+    with Background(h2d, copy_in), Background(d2h, copy_out):
+        shared = median(cpu.time_for(update, budget_s / 2, warmup=1))
+    return {"alone_s": alone, "with_copies_s": shared, "factor": shared / alone if alone > 0 else math.nan}

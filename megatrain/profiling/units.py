@@ -1,0 +1,137 @@
+"""Compute times of one unit (a decoder layer, the embedding, the head) of a model shape, by tokens per task.
+
+The bodies are the executor's task bodies (exec/work.py `StepWork.forward / recompute / backward`) on slot-like
+buffers: the unit's weights in the weight-wire dtype as ONE flat device buffer with HF-named views
+(`UnitLayout.views`), cast once per task when the wire dtype differs from the compute dtype, an fp32 gradient area
+that the first micro-batch zeroes, random weights (N(0, 0.02) matrices, unit norms) and random activations. The
+results become the profile's `compute_tables`:
+
+    F  layer forward / embedding gather / FH: head forward + loss + backward, fused and chunked
+    R  layer recompute (the forward again, from the checkpoint)
+    B  layer recompute-once + local backward / embedding scatter-add
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..builders import ScheduleKnobs
+from ..exec.backend import Backend
+from ..exec.head import embed_backward, embed_forward, head_loss_backward
+from ..exec.layers import decoder_layer, layer_backward
+from ..exec.layout import unit_layout
+from ..exec.rope import rope_cos_sin
+from ..exec.store import TORCH_DTYPES
+from ..sim.profile import ComputeTable, model_signature
+from ..spec import EMBED, HEAD, ModelSpec
+from .bench import Worker, median
+
+KINDS_OF_CLASS = {"layer": ("F", "R", "B"), "embed": ("F", "B"), "head": ("F",)}
+UNIT_OF_CLASS = {"layer": 0, "embed": EMBED, "head": HEAD}
+
+
+class UnitSlot:
+    """One unit's weights as a GPU slot holds them (flat, wire dtype) plus its fp32 gradient area."""
+
+    def __init__(self, spec: ModelSpec, unit: int, knobs: ScheduleKnobs, backend: Backend, seed: int = 0):
+        self.spec, self.unit, self.backend = spec, unit, backend
+        self.layout = unit_layout(spec, unit)
+        self.wire = TORCH_DTYPES[knobs.weight_wire]
+        self.compute = TORCH_DTYPES[knobs.compute_dtype]
+        n = self.layout.numel
+        master = torch.empty(n, dtype=torch.float32, device=backend.device)  # initialized where it lives
+        gen = torch.Generator(device=backend.device).manual_seed(seed)
+        for name, view in self.layout.views(master).items():
+            if view.dim() == 2:
+                view.normal_(0.0, 0.02, generator=gen)
+            else:
+                view.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        self.w = backend.empty(n * self.wire.itemsize).view(self.wire)  # (numel,) as PREFETCH leaves it
+        self.w.copy_(master)
+        del master
+        self.g = backend.empty(4 * n).view(torch.float32)  # (numel,) fp32 gradient area
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """As `StepWork._weights`: views of the slot, cast once when the wire dtype is not the compute dtype (the
+        embedding casts only the rows it gathers, the head casts lm_head itself and its norm here)."""
+        flat = self.w
+        if flat.dtype == self.compute or self.unit == EMBED:
+            return self.layout.views(flat)
+        if self.unit == HEAD:
+            w = self.layout.views(flat)
+            w["norm.weight"] = w["norm.weight"].to(self.compute)
+            return w
+        return self.layout.views(flat.to(self.compute))
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """As `StepWork._grads` for micro-batch 0: the gradient area zeroed, then its views."""
+        self.g.zero_()
+        return self.layout.views(self.g)
+
+
+def unit_bodies(slot: UnitSlot, batch: int, seq: int, chunk_tokens: int, seed: int = 0) -> dict[str, Callable]:
+    """{kind: body()} of one unit's compute tasks on `batch` sequences of `seq` tokens (one micro-batch)."""
+    spec, dev, cd = slot.spec, slot.backend.device, slot.compute
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    d = spec.hidden_size
+    x = torch.randn(batch, seq, d, device=dev, dtype=torch.float32, generator=gen).to(cd)  # (b, T, d)
+    grad_out = (torch.randn(batch, seq, d, device=dev, dtype=torch.float32, generator=gen) * 1e-3).to(cd)
+    ids = torch.randint(0, spec.vocab_size, (batch, seq), device=dev, generator=gen)  # (b, T)
+    if slot.unit == EMBED:
+        return {"F": lambda: embed_forward(slot.weights()["embed_tokens.weight"], ids, cd),
+                "B": lambda: embed_backward(grad_out, ids, slot.grads()["embed_tokens.weight"])}
+    if slot.unit == HEAD:
+        scale = 1.0 / ids.numel()
+        return {"F": lambda: head_loss_backward(slot.weights(), x, ids, spec, chunk_tokens, scale, slot.grads())}
+    cos, sin = rope_cos_sin(spec, seq, dev, cd)
+
+    def forward():
+        return decoder_layer(slot.weights(), x, cos, sin, spec)
+
+    def backward():
+        return layer_backward(slot.weights(), x, cos, sin, spec, grad_out, slot.grads())
+
+    return {"F": forward, "R": forward, "B": backward}
+
+
+def token_batches(batch: int, quick: bool) -> list[int]:
+    """Sequences per task to measure: 1, 2, 4, ... up to `batch` (and `batch`); with `quick` just 1 and `batch`."""
+    if quick:
+        return sorted({1, batch})
+    out, b = [], 1
+    while b < batch:
+        out.append(b)
+        b *= 2
+    return out + [batch]
+
+
+def measure_unit(spec: ModelSpec, uclass: str, knobs: ScheduleKnobs, seq: int, batches: list[int],
+                 backend: Backend, worker: Worker, budget_s: float) -> tuple[list[ComputeTable], list[dict]]:
+    """Compute tables of one unit class at one sequence length: median seconds per task for each token count.
+
+    Returns the tables and the raw rows (every timing) for the measurement record."""
+    slot = worker.call(UnitSlot, spec, UNIT_OF_CLASS[uclass], knobs, backend)
+    kinds = KINDS_OF_CLASS[uclass]
+    dur: dict[str, list[float]] = {k: [] for k in kinds}
+    raw = []
+    for b in batches:
+        bodies = worker.call(unit_bodies, slot, b, seq, knobs.loss_chunk_tokens)
+        for k in kinds:
+            times = worker.time_for(bodies[k], budget_s / (len(batches) * len(kinds)), warmup=2)
+            dur[k].append(median(times))
+            raw.append({"unit": uclass, "kind": k, "dtype": knobs.compute_dtype, "seq": seq, "tokens": b * seq,
+                        "median_s": median(times), "min_s": min(times), "reps": len(times)})
+        del bodies
+    del slot
+    sig = model_signature(spec)
+    tables = [ComputeTable(sig, k, uclass, seq, tuple(b * seq for b in batches), tuple(dur[k]), knobs.compute_dtype)
+              for k in kinds]
+    return tables, raw
+
+
+def analytic_flops(spec: ModelSpec, uclass: str, kind: str, batch: int, seq: int) -> float:
+    """FLOPs the Program gives such a task (builders.compute_work): F / R = forward; B and FH = forward + 2x."""
+    unit = UNIT_OF_CLASS[uclass]
+    fwd = spec.unit_forward_flops(unit, batch, seq)
+    return fwd + spec.unit_backward_flops(unit, batch, seq) if (kind == "B" or uclass == "head") else fwd
