@@ -14,6 +14,16 @@ chunk by chunk), then layers L-1..0 backward and the embedding's backward. Each 
                                  each PREFETCH(l) waits only for its own update
                        gpu     : decoder layers updated on the GPU with streamed master and moments
                        split   : the first `gpu_optimizer_fraction` of layers on the GPU, the rest on CPU threads
+                       overlap-split : "overlap" with `gpu_optimizer_fraction` of the layers, spread evenly over the
+                                 depth, updated on the GPU: S streams master + moments (+ gradients) into a state
+                                 slot, U updates them and writes the new weights straight into the layer's weight
+                                 slot (no PREFETCH for its forward), W sends master + moments (+ streaming copy) back
+    state_buffers      GPU state slots ("s0".."s{n-1}", 16 B/param of a layer each) for the GPU updates
+    state_lookahead    "overlap-split": a layer's state copy S is queued on h2d before the weight copies of the
+                       `state_lookahead` layers before it (so the link streams state while it waits for CPU updates)
+    retain_grads       the first `retain_grads` GPU-updated layers (forward order) keep their gradients on the GPU
+                       in a buffer of their own ("g<layer>") instead of sending them to the host and back: 4 B/param
+                       of GPU memory each, saves 4 B/param on each PCIe direction
     weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
     clip               "exact": global-norm clipping over all gradients; "none"
@@ -29,7 +39,8 @@ from .schedule import Schedule, ScheduleError
 from .spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
 from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
 
-OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split")
+OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split")
+GPU_PLACEMENTS = ("gpu", "split", "overlap-split")  # placements that update layers on the GPU
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -48,6 +59,9 @@ class ScheduleKnobs:
     offload_checkpoints: bool = False
     compute_dtype: str = "bf16"
     loss_chunk_tokens: int = 2048
+    state_buffers: int = 2
+    state_lookahead: int = 1
+    retain_grads: int = 0
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -76,6 +90,16 @@ class ScheduleKnobs:
             )
         if self.loss_chunk_tokens < 1:
             bad("loss_chunk_tokens", "an integer >= 1")
+        if not isinstance(self.state_buffers, int) or self.state_buffers < 1:
+            bad("state_buffers", "an integer >= 1")
+        if not isinstance(self.state_lookahead, int) or self.state_lookahead < 0:
+            bad("state_lookahead", "an integer >= 0")
+        if not isinstance(self.retain_grads, int) or self.retain_grads < 0:
+            bad("retain_grads", "an integer >= 0")
+        if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:
+            raise ScheduleError(f"retain_grads={self.retain_grads} keeps gradients of GPU-updated layers on the GPU, "
+                                f"but optimizer={self.optimizer!r} updates every layer on the host; use one of "
+                                f"{', '.join(GPU_PLACEMENTS)}, or retain_grads=0")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +124,7 @@ NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
     "arrival": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none"),
     "gpu-adam": ScheduleKnobs(buffers=3, optimizer="gpu"),
     "split-adam": ScheduleKnobs(buffers=3, optimizer="split"),
+    "overlap-split": ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.4),
     "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
 }
 DEFAULT_SCHEDULE = "overlap"
@@ -110,6 +135,35 @@ def knobs_for(name: str, **overrides) -> ScheduleKnobs:
     if name not in NAMED_SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; named schedules: {', '.join(NAMED_SCHEDULES)}")
     return replace(NAMED_SCHEDULES[name], **overrides)
+
+
+def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """Decoder layers whose AdamW update runs on the GPU, in forward order.
+
+    "gpu": all; "split": the first round(f * L); "overlap-split": round(f * L) spread evenly over the depth,
+    starting with layer 0, so that during the next forward the host threads and the GPU each update every few
+    layers and proceed side by side in forward order (layer 0 on the GPU: its state copy overlaps the host's
+    update of the embedding, which the forward needs first).
+    """
+    L = spec.num_layers
+    if knobs.optimizer == "gpu":
+        return list(range(L))
+    n = round(knobs.gpu_optimizer_fraction * L)
+    if knobs.optimizer == "split":
+        return list(range(n))
+    if knobs.optimizer == "overlap-split":
+        return [i * L // n for i in range(n)]
+    return []
+
+
+def retained_grad_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """GPU-updated layers whose gradients stay on the GPU (the first `retain_grads` of them, forward order)."""
+    gpu = gpu_updated_layers(spec, knobs)
+    if knobs.retain_grads > len(gpu):
+        raise ScheduleError(f"retain_grads={knobs.retain_grads} but only {len(gpu)} layer(s) are updated on the GPU "
+                            f"(optimizer={knobs.optimizer!r}, gpu_optimizer_fraction={knobs.gpu_optimizer_fraction}); "
+                            f"use retain_grads <= {len(gpu)} or a larger fraction")
+    return gpu[:knobs.retain_grads]
 
 
 @dataclass
@@ -136,6 +190,10 @@ class _Builder:
         self.spec, self.batch, self.seq, self.k = spec, batch, seq, knobs
         self.M = knobs.micro_batches
         self.mb = batch // self.M
+        self.gpu_layers = gpu_updated_layers(spec, knobs)
+        self.retained = set(retained_grad_layers(spec, knobs))
+        # "overlap-split": a GPU update of the previous step's gradients fills the layer's weight slot itself.
+        self.update_fills = set(self.gpu_layers) if knobs.optimizer == "overlap-split" else set()
         self.g = nx.DiGraph()
         self._order = 0
 
@@ -237,18 +295,16 @@ class _Builder:
                     "or a smaller recompute_block"
                 )
             i = min(free, key=lambda i: (ring[i] is not None, ring[i].last if ring[i] else 0, i))
-            v.slot, v.fill, v.previous = f"w{i}", P(v.unit, back=v.backward), ring[i]
+            fill = U(v.unit) if not v.backward and v.unit in self.update_fills else P(v.unit, back=v.backward)
+            v.slot, v.fill, v.previous = f"w{i}", fill, ring[i]
             ring[i] = v
 
     def emit(self, visits: list[_Visit], order: list[Task], blocks) -> None:
         s, k, M, L = self.spec, self.k, self.M, self.spec.num_layers
         wire_w, wire_g = k.wire_bytes("weight_wire"), k.wire_bytes("grad_wire")
         placement = k.optimizer
-        gpu_layers = set()
-        if placement == "gpu":
-            gpu_layers = set(range(L))
-        elif placement == "split":
-            gpu_layers = set(range(round(k.gpu_optimizer_fraction * L)))
+        gpu_layers = set(self.gpu_layers)
+        state_slot = {u: f"s{i % k.state_buffers}" for i, u in enumerate(self.gpu_layers)}
 
         def update_params(unit):
             # A tied head's lm_head is the embedding: its update is the embedding's.
@@ -256,11 +312,26 @@ class _Builder:
                 return s.hidden_size
             return s.unit_params(unit)
 
-        # Updates of the previous step's gradients come first in program order (overlap placement).
-        if placement == "overlap":
+        def add_gpu_update(unit: int, step_offset: int, fills: str | None = None) -> None:
+            """S, U, W of a GPU update: master + m + v (+ gradients, unless retained on the GPU) into a state
+            slot, AdamW there, then master + m + v (+ the bf16 streaming copy) back to the host."""
+            n, slot = s.unit_params(unit), state_slot[unit]
+            self.add(S(unit), slot=slot, bytes=n * (12 if unit in self.retained else 16), params=n, flops=0.0,
+                     tokens=0, step_offset=step_offset)
+            extra = {"fills": fills} if fills else {}
+            self.add(U(unit), device="gpu", step_offset=step_offset, slot=slot, weights=S(unit), params=n,
+                     flops=0.0, bytes=0, tokens=0, **extra)
+            shadow = 2 if k.weight_wire == "bf16" else 0
+            self.add(W(unit), slot=slot, weights=S(unit), bytes=n * (12 + shadow), params=n, flops=0.0, tokens=0,
+                     step_offset=step_offset)
+
+        # Updates of the previous step's gradients come first in program order (overlap placements); a GPU
+        # update comes where the PREFETCH of its layer's forward would (it fills that weight slot).
+        if placement in ("overlap", "overlap-split"):
             for unit in s.units():
-                self.add(U(unit), device="cpu", step_offset=-1, params=update_params(unit), flops=0.0,
-                         bytes=0, tokens=0)
+                if unit not in self.update_fills:
+                    self.add(U(unit), device="cpu", step_offset=-1, params=update_params(unit), flops=0.0,
+                             bytes=0, tokens=0)
 
         visit_of: dict[Task, _Visit] = {}
         for v in visits:
@@ -273,13 +344,19 @@ class _Builder:
             if v.backward:
                 offload_after[v.last] = v.unit
         act = self.act_bytes()
+        fill_order: dict[int, int] = {}  # unit -> program order of the fill of its forward visit
         checkpoint_layers = {l0 for l0, _ in blocks}
         for i, t in enumerate(order):
             v = visit_of[t]
             if i in fills_at and fills_at[i].fill not in self.g:
                 fv = fills_at[i]
-                self.add(fv.fill, slot=fv.slot, bytes=s.unit_params(fv.unit) * wire_w, flops=0.0, tokens=0,
-                         params=s.unit_params(fv.unit))
+                if not fv.backward:
+                    fill_order[fv.unit] = self._order
+                if fv.fill.kind is TaskKind.OPTIMIZER:
+                    add_gpu_update(fv.unit, -1, fills=fv.slot)
+                else:
+                    self.add(fv.fill, slot=fv.slot, bytes=s.unit_params(fv.unit) * wire_w, flops=0.0, tokens=0,
+                             params=s.unit_params(fv.unit))
             work = self.compute_work(t.kind, t.unit)
             if t.unit == EMBED:
                 work["flops"] = 0.0
@@ -290,8 +367,12 @@ class _Builder:
                 self.add(X(t.unit + 1, t.micro), bytes=act, flops=0.0, tokens=0, params=0)
             if i in offload_after:
                 unit = offload_after[i]
-                self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
-                         tokens=0, params=s.unit_params(unit))
+                if unit in self.retained:  # a device-to-device copy into the layer's own gradient buffer
+                    self.add(O(unit), slot=v.slot, weights=v.fill, fills=f"g{unit}", bytes=0, flops=0.0,
+                             tokens=0, params=s.unit_params(unit))
+                else:
+                    self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
+                             tokens=0, params=s.unit_params(unit))
         # Activation prefetches: emitted in program order before the block that needs them.
         if k.offload_checkpoints:
             for l0, l1 in reversed(blocks):
@@ -307,17 +388,9 @@ class _Builder:
         if k.clip == "exact":
             self.add(NORM, device="cpu", params=s.num_params, flops=0.0, bytes=0, tokens=0)
         if placement in ("after", "gpu", "split"):
-            state_ring: list[Task | None] = [None, None]
             for unit in s.units():
                 if unit in gpu_layers:
-                    n = s.unit_params(unit)
-                    slot = f"s{len([u for u in s.units() if u in gpu_layers and u < unit]) % 2}"
-                    self.add(S(unit), slot=slot, bytes=n * 16, params=n, flops=0.0, tokens=0)
-                    self.add(U(unit), device="gpu", step_offset=0, slot=slot, weights=S(unit), params=n,
-                             flops=0.0, bytes=0, tokens=0)
-                    shadow = 2 if k.weight_wire == "bf16" else 0
-                    self.add(W(unit), slot=slot, weights=S(unit), bytes=n * (12 + shadow), params=n, flops=0.0,
-                             tokens=0)
+                    add_gpu_update(unit, 0)
                 else:
                     self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0,
                              bytes=0, tokens=0)
@@ -326,9 +399,15 @@ class _Builder:
                 self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0, bytes=0,
                          tokens=0)
 
+        # A state copy is queued on h2d ahead of the fills of the `state_lookahead` layers before its own: the
+        # PREFETCHes of host-updated layers wait for their CPU update, and a copy queued behind them would idle
+        # the link meanwhile.
+        for layer in self.update_fills:
+            ahead = layer - k.state_lookahead
+            self.g.nodes[S(layer)]["order"] = fill_order[ahead if ahead >= 0 else EMBED] - 0.5 + layer * 1e-3
         self.connect(visits, order, blocks, gpu_layers)
 
-    def connect(self, visits, order, blocks, gpu_layers) -> None:
+    def connect(self, visits, order, blocks, gpu_layers: set[int]) -> None:
         """Data, slot, accumulation, clipping and optimizer edges."""
         s, k, M, L = self.spec, self.k, self.M, self.spec.num_layers
         g = self.g
@@ -389,7 +468,15 @@ class _Builder:
         # Optimizer.
         for t in [t for t in g.nodes if t.kind is TaskKind.OPTIMIZER]:
             u = t.unit
-            if g.nodes[t]["step_offset"] == -1:
+            if g.nodes[t]["step_offset"] == -1 and u in gpu_layers:
+                # "overlap-split": the update fills the forward's weight slot (visit edges); a backward that
+                # fetches the layer again streams the copy W brought back.
+                self.edge(S(u), t)
+                self.edge(t, W(u))
+                self.edge(t, O(u), "state")  # read the old gradients before this step's are offloaded
+                if P(u, back=True) in g:
+                    self.edge(W(u), P(u, back=True), "state")
+            elif g.nodes[t]["step_offset"] == -1:
                 self.edge(t, P(u), "state")  # stream the weights only once they are updated
                 self.edge(t, O(u), "state")  # read the old gradients before this step's land
             elif u in gpu_layers:
@@ -410,7 +497,7 @@ class _Builder:
             self.edge(U(EMBED), U(HEAD), "state")
         # State slot ring for GPU updates: refill a state slot only after its previous W.
         gpu_units = [u for u in s.units() if u in gpu_layers]
-        for a, b in zip(gpu_units, gpu_units[2:]):
+        for a, b in zip(gpu_units, gpu_units[k.state_buffers:]):
             self.edge(W(a), S(b), "slot")
 
 
@@ -439,8 +526,12 @@ def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
     sizes = {f"w{i}": unit_bytes(0) for i in range(knobs.buffers)}
     sizes["embed"] = unit_bytes(EMBED)
     sizes["head"] = unit_bytes(HEAD)
-    if knobs.optimizer in ("gpu", "split"):
-        sizes["s0"] = sizes["s1"] = spec.layer_params * 16
+    gpu = gpu_updated_layers(spec, knobs)
+    if gpu:
+        for i in range(min(knobs.state_buffers, len(gpu))):  # master, m, v and gradient (or the staged streaming copy), fp32
+            sizes[f"s{i}"] = spec.layer_params * 16
+    for layer in retained_grad_layers(spec, knobs):
+        sizes[f"g{layer}"] = spec.layer_params * 4
     return sizes
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .builders import ScheduleKnobs
+from .builders import ScheduleKnobs, gpu_updated_layers
 from .program import GpuMemoryPlan, plan_gpu_memory
 from .spec import ModelSpec
 
@@ -80,9 +80,8 @@ def plan_host_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs
     pinned += components.get("offloaded checkpoints", 0)
     if knobs.weight_wire == "fp32":
         pinned += components["fp32 master"]
-    if knobs.optimizer in ("gpu", "split"):
-        frac = 1.0 if knobs.optimizer == "gpu" else knobs.gpu_optimizer_fraction
-        gpu_params = round(frac * spec.num_layers) * spec.layer_params
+    gpu_params = len(gpu_updated_layers(spec, knobs)) * spec.layer_params
+    if gpu_params:  # master (already pinned with an fp32 wire) and moments of the GPU-updated layers
         pinned += (0 if knobs.weight_wire == "fp32" else 4 * gpu_params) + 8 * gpu_params
     if backend == "cpu":
         pinned = 0

@@ -50,6 +50,7 @@ class ProgramTask:
     tokens: int
     params: int
     step_offset: int = 0
+    fills: str | None = None  # a buffer the task writes besides `slot` (GPU update -> weight slot, kept gradients)
 
     @property
     def task(self) -> Task:
@@ -187,6 +188,7 @@ def lower(schedule: Schedule) -> Program:
             tokens=int(a.get("tokens", 0)),
             params=int(a.get("params", 0)),
             step_offset=int(a.get("step_offset", 0)),
+            fills=a.get("fills"),
         )
     return Program(
         model=schedule.spec,

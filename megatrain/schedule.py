@@ -4,9 +4,12 @@ A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
 
     order   int    the builder's intended program order (lowering breaks ties with it)
     device  str    "gpu" or "cpu": where the task runs (OPTIMIZER may be either)
-    slot    str    GPU buffer the task reads or fills ("w0".."w{k-1}" ring, "embed", "head", "s0"/"s1" state)
+    slot    str    GPU buffer the task reads or fills ("w0".."w{k-1}" ring, "embed", "head", "s0".."s{n-1}" state)
+    fills   str    a buffer a non-copy task fills besides reading `slot`: a GPU update of "overlap-split" writes
+                   the new weights into the layer's weight slot; an OFFLOAD that keeps the gradients on the GPU
+                   copies them into the layer's own buffer "g<layer>"
     weights Task   for compute tasks: the PREFETCH whose copy of the weights it reads
-    step_offset int  OPTIMIZER only: 0 = updates with this step's gradients, -1 = with the previous step's
+    step_offset int  OPTIMIZER (and its S, W): 0 = updates with this step's gradients, -1 = with the previous step's
     bytes, flops, tokens, params   the work, for the simulator's cost model
 
 Edge attribute `why`: "data" (a value flows), "slot" (a buffer is refilled only after its readers are done),
@@ -61,8 +64,8 @@ class Schedule:
         for t in tasks if tasks is not None else self.tasks():
             preds = " ".join(sorted(p.id for p in self.graph.predecessors(t)))
             prefix = ">> " if t in marked else "   "
-            slot = self.graph.nodes[t].get("slot")
-            where = f" [{slot}]" if slot and t.kind is TaskKind.PREFETCH else ""
+            slot, fills = self.graph.nodes[t].get("slot"), self.graph.nodes[t].get("fills")
+            where = f" [{slot}]" if slot and t.kind is TaskKind.PREFETCH else f" [{slot}->{fills}]" if fills else ""
             lines.append(f"{prefix}{t.id}{where}" + (f" <- {preds}" if preds else ""))
         return "\n".join(lines)
 
@@ -88,6 +91,14 @@ class Schedule:
 
 
 # ---- validator --------------------------------------------------------------------------------------------------
+def filled_slot(g: nx.DiGraph, task: Task) -> str | None:
+    """The buffer `task` fills: a PREFETCH's / STATE_PREFETCH's slot, or any task's `fills` attribute."""
+    a = g.nodes[task]
+    if task.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH):
+        return a.get("slot")
+    return a.get("fills")
+
+
 def _fail(schedule: Schedule, message: str, tasks: Iterable[Task]) -> None:
     tasks = list(tasks)
     raise ScheduleError(f"{message}\n{schedule.region(tasks)}")
@@ -97,8 +108,11 @@ def validate(schedule: Schedule) -> None:
     """Check that the schedule can run correctly under every execution order its edges allow.
 
     - the graph is acyclic;
-    - every compute task reads weights that a PREFETCH put into its slot before it (an ancestor), and the next
-      PREFETCH into that slot is a descendant of the reader (the slot is not refilled under it);
+    - every compute task reads weights that a PREFETCH (or a GPU update that `fills` the slot) put into its slot
+      before it (an ancestor), and the next fill of that slot is a descendant of the reader (the slot is not
+      refilled under it);
+    - a PREFETCH of a layer after that layer's GPU update comes after the STATE_OFFLOAD that brings the updated
+      weights back to the host;
     - every OFFLOAD of a gradient buffer finishes before that buffer's slot is refilled;
     - every optimizer update that uses this step's gradients comes after their OFFLOAD (and after the global norm
       when clipping is exact); an update of the previous step's gradients comes before this step's OFFLOAD
@@ -114,11 +128,12 @@ def validate(schedule: Schedule) -> None:
     def before(a: Task, b: Task) -> bool:
         return g.has_edge(a, b) or (topo[a] < topo[b] and nx.has_path(g, a, b))
 
-    # Prefetches into each slot, in topological order.
+    # Fills of each slot (prefetches, and tasks that write a buffer besides the one they read), in topological order.
     fills: dict[str, list[Task]] = {}
     for t in g.nodes:
-        if t.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH):
-            fills.setdefault(g.nodes[t]["slot"], []).append(t)
+        where = filled_slot(g, t)
+        if where is not None:
+            fills.setdefault(where, []).append(t)
     for lst in fills.values():
         lst.sort(key=topo.__getitem__)
     next_fill = {p: lst[i + 1] if i + 1 < len(lst) else None for lst in fills.values() for i, p in enumerate(lst)}
@@ -131,7 +146,7 @@ def validate(schedule: Schedule) -> None:
             src = a.get("weights")
             if src is None:
                 _fail(schedule, f"{t.id} reads a GPU buffer but no PREFETCH fills it", [t])
-            if src not in g or g.nodes[src].get("slot") != a.get("slot"):
+            if src not in g or filled_slot(g, src) != a.get("slot"):
                 _fail(schedule, f"{t.id} reads slot {a.get('slot')} but its weights come from {src}", [t, src])
             if not before(src, t):
                 _fail(schedule, f"{t.id} may start before {src.id} has filled slot {a['slot']}", [src, t])
@@ -143,6 +158,18 @@ def validate(schedule: Schedule) -> None:
                     f"(add an edge {t.id} -> {nxt.id} or more buffers)",
                     [t, nxt],
                 )
+
+    # A copy streamed from the host after a GPU update must wait for the update to be written back.
+    for t in g.nodes:
+        if t.kind is not TaskKind.OPTIMIZER or g.nodes[t].get("device") != "gpu":
+            continue
+        back = next((w for w in g.successors(t) if w.kind is TaskKind.STATE_OFFLOAD and w.unit == t.unit), None)
+        for p in g.nodes:
+            if p.kind is TaskKind.PREFETCH and p.unit == t.unit and before(t, p) and (back is None or
+                                                                                   not before(back, p)):
+                _fail(schedule, f"{p.id} streams layer {t.unit} from the host after its GPU update {t.id}, but may "
+                      f"start before {back.id if back else 'a STATE_OFFLOAD'} has brought the new weights back",
+                      [t, p] + ([back] if back else []))
 
     norm = next((t for t in g.nodes if t.kind is TaskKind.CLIP_NORM), None)
     offloads = {t.unit: t for t in g.nodes if t.kind is TaskKind.OFFLOAD}
@@ -163,7 +190,7 @@ def validate(schedule: Schedule) -> None:
                 _fail(schedule, f"{t.id} reads the previous step's gradients but {off.id} may overwrite them first",
                       [t, off])
             first = next((p for p in g.successors(t) if p.kind is TaskKind.PREFETCH), None)
-            if first is None and t.unit is not None and schedule.spec is not None:
+            if first is None and not g.nodes[t].get("fills") and schedule.spec is not None:
                 _fail(schedule, f"{t.id} updates weights that no PREFETCH waits for", [t])
     if norm is not None:
         missing = [o for o in offloads.values() if not before(o, norm)]

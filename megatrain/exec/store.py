@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..builders import ScheduleKnobs
+from ..builders import ScheduleKnobs, gpu_updated_layers
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
 from .layout import UnitLayout, unit_layout
@@ -34,12 +34,8 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def gpu_optimizer_units(spec: ModelSpec, knobs: ScheduleKnobs) -> set[int]:
-    """Layers whose update the schedule runs on the GPU (placement "gpu": all, "split": the first fraction)."""
-    if knobs.optimizer == "gpu":
-        return set(range(spec.num_layers))
-    if knobs.optimizer == "split":
-        return set(range(round(knobs.gpu_optimizer_fraction * spec.num_layers)))
-    return set()
+    """Layers whose update the schedule runs on the GPU (`builders.gpu_updated_layers`)."""
+    return set(gpu_updated_layers(spec, knobs))
 
 
 def optimizer_offset(spec: ModelSpec, unit: int) -> int:

@@ -2,8 +2,8 @@
 activations of one step.
 
 GPU side (allocated once): one flat buffer per slot of the Program ("w0".."w{k-1}", "embed", "head": the unit's
-weights in the wire dtype followed by an fp32 gradient area; "s0"/"s1": master, m, v and gradient of a layer for a
-GPU update). Weights are bound to the layer functions as views of the slot (`UnitLayout.views`); when the wire dtype
+weights in the wire dtype followed by an fp32 gradient area; "s0".."s{n-1}": master, m, v and gradient of a layer for
+a GPU update; "g<layer>": the gradients a GPU-updated layer keeps on the GPU until its update). Weights are bound to the layer functions as views of the slot (`UnitLayout.views`); when the wire dtype
 differs from the compute dtype the flat weights are cast once per task (the one copy). Gradients of all micro-batches
 accumulate in the slot's fp32 area (zeroed by micro-batch 0), and OFFLOAD sends them to the host once per step.
 
@@ -31,16 +31,23 @@ from .store import TORCH_DTYPES, HostRegion, HostStore
 
 class Slot:
     """One GPU buffer. Weight slots: `w` (numel,) in the wire dtype and `g` (numel,) fp32 for gradients.
-    State slots ("s0"/"s1", `state=True`): `raw` holds master, m, v and gradient of a layer, each (numel,) fp32.
+    State slots ("s<i>", `state=True`): `raw` holds master, m, v and gradient of a layer, each (numel,) fp32; after
+    the update the gradient area stages the new streaming copy for STATE_OFFLOAD. Kept-gradient buffers ("g<layer>",
+    `grad_only=True`): `g` (numel,) fp32 only.
 
     `w` and `g` are two allocations, not one: autograd's version counter belongs to a storage, so accumulating
     into a gradient area that shared the weights' storage would invalidate the weight views autograd saved."""
 
-    def __init__(self, backend: Backend, numel: int, wire: torch.dtype, state: bool = False):
+    def __init__(self, backend: Backend, numel: int, wire: torch.dtype, state: bool = False,
+                 grad_only: bool = False):
         if state:
             self.raw = backend.empty(16 * numel)
             self.w = self.g = None
             self.nbytes = 16 * numel
+        elif grad_only:
+            self.w = None
+            self.g = backend.empty(4 * numel).view(torch.float32)
+            self.nbytes = 4 * numel
         else:
             self.w = backend.empty(numel * wire.itemsize).view(wire)
             self.g = backend.empty(4 * numel).view(torch.float32)
@@ -81,13 +88,15 @@ class StepWork:
 
     # ---- allocation --------------------------------------------------------------------------------------------
     def _allocate_slots(self) -> dict[str, Slot]:
-        names = {t.slot for t in self.program.tasks.values() if t.slot}
+        names = {n for t in self.program.tasks.values() for n in (t.slot, t.fills) if n}
         numel = {u: self.store.layouts[u].numel for u in self.store.units}
         layer = numel[0] if self.spec.num_layers else 0
         slots = {}
         for name in sorted(names):
-            if name in ("s0", "s1"):  # master, m, v, gradient of one layer, all fp32
+            if name[0] == "s" and name[1:].isdigit():  # master, m, v, gradient of one layer, all fp32
                 slots[name] = Slot(self.backend, layer, torch.float32, state=True)
+            elif name[0] == "g" and name[1:].isdigit():  # a layer's gradients kept on the GPU, fp32
+                slots[name] = Slot(self.backend, layer, torch.float32, grad_only=True)
             else:
                 n = numel[EMBED] if name == "embed" else numel[HEAD] if name == "head" else layer
                 slots[name] = Slot(self.backend, n, self.wire_dtype)
@@ -196,7 +205,10 @@ class StepWork:
         # The norm of what lands (and is applied), computed where the gradients are, in fp32.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
         self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
-        landing.copy_(wire, non_blocking=True)
+        if t.fills:  # kept on the GPU for its update there: a device copy, in the values the wire would carry
+            self.slots[t.fills].g.copy_(wire, non_blocking=True)
+        else:
+            landing.copy_(wire, non_blocking=True)
 
     def act_offload(self, t: ProgramTask) -> None:
         key = (t.unit, t.micro)
@@ -278,16 +290,23 @@ class StepWork:
     def update(self, t: ProgramTask) -> None:
         """AdamW on one unit: on the host tiles (cpu stream) or on a GPU state slot (compute stream)."""
         plan = self._should_apply(t.unit, self._plan(t))
-        if plan is None:  # step 0 of "overlap" (no gradients yet), or a skipped step / unit
-            return
         if t.stream == "cpu":
-            self._host_update(t.unit, plan)
+            if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
+                self._host_update(t.unit, plan)
             return
         u, store = t.unit, self.store
-        store.steps[u] += 1
         master, m, v, g = self._state_views(t)
-        adamw_update(master, g, m, v, store.steps[u], store.decay_numel(u), plan.lr, self.cfg, plan.clip_coef)
-        plan.applied_units.append(u)
+        if plan is not None:
+            store.steps[u] += 1
+            adamw_update(master, self._kept_grads(u, g), m, v, store.steps[u], store.decay_numel(u), plan.lr,
+                         self.cfg, plan.clip_coef)
+            plan.applied_units.append(u)
+            if store.stream_tile(u) is not None:  # stage the new streaming copy for W (the gradients are spent)
+                g.view(torch.bfloat16)[:master.numel()].copy_(master)
+        if t.fills:  # "overlap-split": the (updated) master is the weights of this layer's forward
+            slot = self.slots[t.fills]
+            slot.w[:master.numel()].copy_(master)  # cast to the wire dtype, as the host's streaming copy is
+            slot.unit = u
 
     def _host_update(self, u: int, plan: UpdatePlan) -> None:
         store = self.store
@@ -298,8 +317,13 @@ class StepWork:
         plan.applied_units.append(u)
 
     def flush_update(self, plan: UpdatePlan) -> None:
-        """Apply `plan` (the last step's gradients, still in the landing space) to every unit on the host, in
-        forward order: the end of an "overlap" run, whose updates otherwise run in the next step."""
+        """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the
+        host, in forward order: the end of an "overlap" run, whose updates otherwise run in the next step."""
+        kept = [(int(name[1:]), slot) for name, slot in self.slots.items() if slot.w is None and slot.g is not None]
+        for u, slot in kept:
+            self.store.grad(u).copy_(slot.g)
+        if kept:
+            self.backend.synchronize()
         for u in self.store.units:
             if self._should_apply(u, plan) is not None:
                 self._host_update(u, plan)
@@ -307,7 +331,12 @@ class StepWork:
     def _state_views(self, t: ProgramTask) -> list[torch.Tensor]:
         n = self.store.layouts[t.unit].numel
         flat = self._slot(t).raw.view(torch.float32)
-        return [flat[i * n:(i + 1) * n] for i in range(4)]  # master, m, v, gradient
+        return [flat[i * n:(i + 1) * n] for i in range(4)]  # master, m, v, gradient (or staging)
+
+    def _kept_grads(self, unit: int, streamed: torch.Tensor) -> torch.Tensor:
+        """The gradients of a GPU update: kept on the GPU ("g<layer>") or streamed into the state slot."""
+        kept = self.slots.get(f"g{unit}")
+        return kept.g if kept is not None else streamed
 
     def state_prefetch(self, t: ProgramTask) -> None:
         self.slots[t.slot].unit = t.unit
@@ -316,6 +345,8 @@ class StepWork:
         master.copy_(store.master(u), non_blocking=True)
         m.copy_(store.exp_avg(u), non_blocking=True)
         v.copy_(store.exp_avg_sq(u), non_blocking=True)
+        if f"g{u}" in self.slots:  # the gradients stayed on the GPU
+            return
         landing = store.grad(u)
         if landing.dtype == torch.float32:
             g.copy_(landing, non_blocking=True)
@@ -326,11 +357,11 @@ class StepWork:
         plan = self._plan(t)
         if plan is None or plan.skip or t.unit not in plan.applied_units:
             return  # nothing changed on the device
-        master, m, v, _ = self._state_views(t)
+        master, m, v, staged = self._state_views(t)
         u, store = t.unit, self.store
         store.master(u).copy_(master, non_blocking=True)
         store.exp_avg(u).copy_(m, non_blocking=True)
         store.exp_avg_sq(u).copy_(v, non_blocking=True)
         stream = store.stream_tile(u)
-        if stream is not None:
-            stream.copy_(master.to(stream.dtype), non_blocking=True)
+        if stream is not None:  # the streaming copy U staged in the gradient area
+            stream.copy_(staged.view(torch.bfloat16)[:master.numel()], non_blocking=True)
