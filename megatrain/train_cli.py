@@ -38,6 +38,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--name", help="[run.name] run directory name under run.out_dir")
     parser.add_argument("--out-dir", dest="out_dir", help="[run.out_dir]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    parser.add_argument("--timeline", metavar="CSV", help="also write the last step's measured timeline here "
+                                                          "(the run directory has the last steps' anyway)")
 
 
 def config_from_args(args) -> RunConfig:
@@ -82,7 +84,14 @@ def run_from_args(args) -> int:
 
     cfg = config_from_args(args)
     try:
-        run_training(cfg)
+        summary = run_training(cfg)
     except KeyboardInterrupt:
         return 130
+    measured = summary.run_dir / "timeline_measured.csv"
+    if getattr(args, "timeline", None) and measured.is_file():
+        import pandas as pd
+
+        from .analysis import one_step
+
+        one_step(pd.read_csv(measured)).to_csv(args.timeline, index=False)
     return 0

@@ -44,9 +44,9 @@ from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, check_wr
     set_rng_state, unit_key
 from .config import ConfigError, OptimizerConfig, RunConfig
 from .data import Data, open_data
-from .memory import GiB, MemoryPlan, fit_report, format_plan, plan_memory
+from .memory import GiB, MemoryPlan, fit_report, plan_memory
 from .metrics import METRIC_KEYS, MetricsLogger, format_step_line, gpu_peak_bytes, host_rss_bytes, reset_gpu_peak
-from .spec import HEAD, ModelSpec
+from .spec import ModelSpec
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
            "evaluate", "add_train_arguments", "config_from_args", "run_from_args"]
@@ -534,7 +534,7 @@ class _Training:
         done = s.steps - s.start_step
         if not done:
             return
-        self.log(f"done: steps {s.start_step + 1}-{s.steps} in {s.elapsed_s:.1f} s; loss {s.losses[0]:.4f} -> "
+        self.log(f"done: {done} steps ({s.start_step + 1}-{s.steps}) in {s.elapsed_s:.1f} s; loss {s.losses[0]:.4f} -> "
                  f"{s.losses[-1]:.4f}" + (f"; eval loss {list(s.eval_losses.values())[-1]:.4f}"
                                           if s.eval_losses else ""))
         tokens = s.tokens / done

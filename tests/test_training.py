@@ -290,9 +290,14 @@ def test_command_line_arguments_map_onto_the_config(tmp_path):
     with pytest.raises(ConfigError, match="unknown schedule"):
         config_from_args(parse("--schedule", "nope"))
     # The whole command: exit status 0 and a run directory.
-    args = parse("--steps", "1", "--batch", "2", "--seq", "16", "--out-dir", str(tmp_path / "cli"),
-                 "--set", "run.simulate=false", "--set", "compute_dtype=fp32", "--no-progress")
+    args = parse("--steps", "2", "--batch", "2", "--seq", "16", "--out-dir", str(tmp_path / "cli"),
+                 "--set", "run.simulate=false", "--set", "compute_dtype=fp32", "--no-progress",
+                 "--timeline", str(tmp_path / "last.csv"))
     assert run_from_args(args) == 0 and (tmp_path / "cli" / "debug" / "metrics.jsonl").is_file()
+    import pandas as pd
+
+    last = pd.read_csv(tmp_path / "last.csv")
+    assert list(last.columns) == TIMELINE_COLUMNS and set(last["step"]) == {2} and last["start_s"].min() == 0
 
 
 def test_bad_data_and_unwritable_directories_fail_before_anything_is_written(tmp_path):
