@@ -42,7 +42,8 @@ def main() -> None:
     name, knobs = resolve_knobs(a.schedule, a.set)
     plan = plan_memory(spec, a.batch, a.seq, knobs)
     t0 = time.perf_counter()
-    trainer = StreamedTrainer(spec, knobs, optim=AdamWConfig(lr=1e-5), backend="cuda")
+    optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+    trainer = StreamedTrainer(spec, knobs, optim=optim, backend="cuda")
     init_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, spec.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]
