@@ -36,7 +36,7 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "token
 GiB = 2**30
 
 __all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics", "host_rss_bytes",
-           "gpu_peak_bytes", "reset_gpu_peak"]
+           "gpu_peak_bytes", "reset_gpu_peak", "check_tensorboard", "open_tensorboard"]
 
 
 # ---- memory readings ---------------------------------------------------------------------------------------------
@@ -127,13 +127,20 @@ def _step_of(line: str) -> int | None:
         return None  # a torn last line (the process was killed mid-write) is dropped
 
 
-def open_tensorboard(directory: str | Path):
-    """A TensorBoard SummaryWriter; ImportError with what to install when the package is missing."""
+def check_tensorboard() -> None:
+    """ImportError saying what to install when TensorBoard logging is unavailable."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
         raise ImportError("run.tensorboard=true needs the `tensorboard` package (pip install tensorboard); "
                           "or set run.tensorboard=false (metrics.jsonl is always written)") from None
+
+
+def open_tensorboard(directory: str | Path):
+    """A TensorBoard SummaryWriter writing into `directory` (ImportError when the package is missing)."""
+    check_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(log_dir=str(directory))
 
 

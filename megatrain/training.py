@@ -39,13 +39,15 @@ from pathlib import Path
 
 import torch
 
+from . import safetensors_io as stio
 from .builders import ScheduleKnobs
-from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, check_writable, key_unit, rng_state, \
+from .checkpoint import KINDS, STATE_FILE, CheckpointError, CheckpointManager, check_writable, key_unit, rng_state, \
     set_rng_state, unit_key
 from .config import ConfigError, OptimizerConfig, RunConfig
 from .data import Data, open_data
 from .memory import GiB, MemoryPlan, fit_report, plan_memory
-from .metrics import METRIC_KEYS, MetricsLogger, format_step_line, gpu_peak_bytes, host_rss_bytes, reset_gpu_peak
+from .metrics import METRIC_KEYS, MetricsLogger, check_tensorboard, format_step_line, gpu_peak_bytes, host_rss_bytes, \
+    reset_gpu_peak
 from .spec import ModelSpec
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
@@ -299,14 +301,13 @@ class _Training:
         if run.export_hf and Path(run.export_hf).exists():
             raise ConfigError(f"run.export_hf={run.export_hf!r} already exists; the export at the end would fail "
                               "after the whole run. Choose a new directory or remove it")
+        if run.tensorboard:
+            try:
+                check_tensorboard()
+            except ImportError as e:
+                raise ConfigError(str(e)) from None
         check_writable(self.manager.directory)
         cfg.save(run_dir)
-        tb_dir = run_dir / "tensorboard" if run.tensorboard else None
-        try:
-            self.metrics = MetricsLogger(run_dir / "metrics.jsonl", tb_dir,
-                                         keep_until=resume_state["step"] if resume_state else None)
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
         # 4. the store, then its contents
         self._build_trainer()
         if resume_state is not None:
@@ -314,6 +315,10 @@ class _Training:
         else:
             torch.manual_seed(run.seed)
             self._fill_weights()
+        # Opened only now: on resume it drops the records of steps after the checkpoint (they are run again),
+        # which must not happen if the checkpoint then failed to load.
+        self.metrics = MetricsLogger(run_dir / "metrics.jsonl", run_dir / "tensorboard" if run.tensorboard else None,
+                                     keep_until=resume_state["step"] if resume_state else None)
         # 5. the prediction of the same Program
         self.program = self.trainer.program(self.batch, self.seq)
         self.predicted = None
@@ -337,6 +342,9 @@ class _Training:
         self.trainer = StreamedTrainer(self.spec, self.knobs, _Placeholder(self.spec), optim=optim,
                                        backend=self.backend_name, cpu_threads=o.threads or None)
         self.trainer.schedule_name = self.cfg.schedule.name
+        store = sum(self.trainer.host_bytes_by_component().values())
+        self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
+                 f"{self.plan.host.store_bytes / GiB:.3f} GiB); process RSS {host_rss_bytes() / GiB:.2f} GiB")
 
     def _fill_weights(self) -> None:
         """Seeded init or a Hugging Face directory, written unit by unit into the store's own master tiles."""
@@ -378,6 +386,13 @@ class _Training:
         if "data" not in state or "optimizer_steps" not in state:
             raise CheckpointError(f"{path / STATE_FILE} has no data cursor or optimizer step counts; it was not "
                                   "written by `megatrain train`")
+        for kind in KINDS:  # every file present and complete (headers against file sizes), before allocating
+            try:
+                stio.read_header(path / f"{kind}.safetensors")
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {path} has no {kind}.safetensors") from None
+            except stio.SafetensorsFormatError as e:
+                raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
         self.data.train.load_state_dict(state["data"])  # same data and packing? (DataError if not)
         return {"path": path, "step": step, "state": state}
 

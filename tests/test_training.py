@@ -124,6 +124,8 @@ def test_default_run_leaves_a_complete_run_directory(tmp_path):
     assert json.loads((run / "config.json").read_text()) == cfg.to_dict()
     assert any(line.startswith("memory: ") and "host: fits" in line for line in lines)
     assert any(line.startswith("predicted (cpu profile)") for line in lines)
+    store = next(line for line in lines if line.startswith("host store: "))  # the store is what was planned
+    assert store.split()[2] == store.split("(planned ")[1].split()[0], store
     step_lines = [line for line in lines if line.startswith("step ")]
     assert len(step_lines) == 8 and all("tok/s" in line and "GPU idle" in line for line in step_lines)
     table = lines[lines.index(next(line for line in lines if "measured (median)" in line)):]
@@ -361,6 +363,15 @@ def test_bad_resume_requests_are_clear_errors(tmp_path):
         train(tiny(tmp_path, f"run.resume={tmp_path}"))
     with pytest.raises(DataError, match="saved data cursor has windows=8682 but this run.s data has 17364"):
         train(tiny(tmp_path, "data.seq_len=16", "run.resume=latest"))
+    # A damaged checkpoint (a truncated copy) is refused before anything is allocated or rewritten.
+    import shutil
+
+    bad = tmp_path / "copy" / "step_00000002"
+    shutil.copytree(s.run_dir / "checkpoints" / "step_00000002", bad)
+    with open(bad / "adam_v.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 100)
+    with pytest.raises(CheckpointError, match=r"is damaged: .*adam_v.safetensors is truncated"):
+        train(tiny(tmp_path, "run.steps=4", f"run.resume={bad}"))
     # None of that touched the run.
     assert [p.name for p in (s.run_dir / "checkpoints").iterdir()] == ["step_00000002"]
     assert list(read_metrics(s.run_dir / "metrics.jsonl")["step"]) == [1, 2]
