@@ -64,6 +64,39 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
     return program, timelines
 
 
+def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], batch: int, seq: int, steps: int,
+                        device: str = "auto", seed: int = 0) -> dict[str, tuple[Program, list[pd.DataFrame]]]:
+    """Like `measure_steps` for several schedules at once, one step of each in turn, on the same batches.
+
+    On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
+    exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
+    trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
+    from .commands.train import synthetic_batches
+    from .exec.optim import AdamWConfig
+    from .exec.trainer import StreamedTrainer, init_tiles
+
+    if steps < 2:
+        raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
+    tiles = init_tiles(spec, seed)
+    trainers = {}
+    for name, knobs in variants.items():
+        optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+        trainers[name] = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
+        trainers[name].schedule_name = name
+    timelines: dict[str, list[pd.DataFrame]] = {name: [] for name in variants}
+    batches = synthetic_batches(spec, batch, seq, seed)
+    for _ in range(steps):
+        ids, targets = next(batches)
+        for name, tr in trainers.items():
+            timelines[name].append(tr.step(ids, targets).timeline)
+    out = {}
+    for name, tr in trainers.items():
+        program = tr.program(batch, seq)
+        program.name = name
+        out[name] = (program, timelines[name])
+    return out
+
+
 def step_time_s(timeline: pd.DataFrame) -> float:
     """The step time as `summarize` counts it: first start to last end."""
     return float(timeline["end_s"].max() - timeline["start_s"].min())

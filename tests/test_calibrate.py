@@ -1,0 +1,144 @@
+"""`megatrain profile`: the fits it makes, the profile it writes, and that the simulator uses what it measured."""
+import json
+
+import pytest
+import torch
+
+from megatrain.builders import build_schedule, knobs_for
+from megatrain.cli import main
+from megatrain.presets import PRESETS
+from megatrain.profiling import ProfileRequest, measure_profile, with_spans
+from megatrain.profiling.copies import MiB, copy_sizes, fit_curve
+from megatrain.profiling.rates import fit_fixed_and_rate, thread_counts
+from megatrain.profiling.units import token_batches
+from megatrain.program import STREAMS, lower
+from megatrain.sim import load_profile, simulate
+from megatrain.sim.profile import model_signature
+
+DEBUG = PRESETS["debug"]
+
+
+def test_copy_fit_reproduces_the_measured_copy_times():
+    # A link with 12 us latency and 8 GB/s that gets faster for large copies (as pinned DMA does).
+    sizes = copy_sizes(64 * MiB, quick=False)
+    assert sizes[0] == 4096 and sizes[-1] == 64 * MiB and all(b == 4 * a for a, b in zip(sizes, sizes[1:]))
+    times = [12e-6 + n / (8e9 if n < MiB else 11e9) for n in sizes]
+    curve = fit_curve(sizes, times)
+    assert curve.latency_s == min(times)
+    for n, t in zip(sizes, times):
+        if t > 2 * curve.latency_s:  # measured sizes: the curve gives back the measured time
+            assert curve.duration(n) == pytest.approx(t, rel=1e-12)
+        else:  # latency-bound sizes borrow the rate of the first size that is not; still close in time
+            assert curve.duration(n) == pytest.approx(t, rel=0.05)
+    assert curve.rate(64 * MiB) == pytest.approx(64 * MiB / (times[-1] - curve.latency_s))
+
+
+def test_fixed_cost_and_rate_fit():
+    sizes = [1000, 4000, 16000]
+    a, rate = fit_fixed_and_rate(sizes, [90e-6 + n / 7e8 for n in sizes])
+    assert a == pytest.approx(90e-6) and rate == pytest.approx(7e8)
+    # No growth with size (all overhead, or noise): no fixed part, the largest tile's average rate.
+    assert fit_fixed_and_rate(sizes, [1e-4, 1e-4, 1e-4]) == (0.0, pytest.approx(16000 / 1e-4))
+
+
+def test_what_gets_measured():
+    assert thread_counts(13, 16, quick=False) == [1, 2, 4, 8, 13, 16]
+    assert thread_counts(2, 2, quick=False) == [1, 2] and thread_counts(13, 16, quick=True) == [13]
+    assert token_batches(8, quick=False) == [1, 2, 4, 8] and token_batches(6, quick=False) == [1, 2, 4, 6]
+    assert token_batches(8, quick=True) == [1, 8] and token_batches(1, quick=True) == [1]
+    assert copy_sizes(4 * MiB, quick=True) == [4096, 65536, MiB, 4 * MiB]
+
+
+def test_spans_of_a_simulated_step_have_no_gaps():
+    # The simulator starts every task when it is ready: its ready-to-done span is its duration. Delaying one
+    # task's start shows up as that task's gap.
+    prog = lower(build_schedule(DEBUG, 4, 16, "overlap"))
+    tl = simulate(prog, "cpu").timeline
+    spans = with_spans(tl, prog)
+    assert spans["gap_s"].max() == pytest.approx(0.0, abs=1e-12)
+    assert (spans["span_s"] - spans["dur_s"]).abs().max() < 1e-12
+    late = tl.copy()
+    i = late.index[late["task"] == "N"][0]
+    late.loc[i, "start_s"] += 1e-3
+    late.loc[i, "end_s"] += 1e-3
+    s = with_spans(late, prog).set_index("task")
+    assert s.at["N", "gap_s"] == pytest.approx(1e-3) and s.at["N", "span_s"] == pytest.approx(1e-3 + s.at["N", "dur_s"])
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    req = ProfileRequest(DEBUG, batch=4, seqs=[32], device="cpu", dtypes=["fp32"], quick=True,
+                         knobs=knobs_for("overlap", compute_dtype="fp32"))
+    lines = []
+    return measure_profile(req, log=lines.append), lines
+
+
+def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
+    cal, lines = calibration
+    assert "measurements, about" in lines[0] and lines[-1].lstrip().startswith(f"[{len(lines) - 1}/{len(lines) - 1}]")
+    p = cal.profile
+    path, raw = cal.save(tmp_path / "p.json")
+    assert load_profile(path).to_dict() == p.to_dict()
+    rec = json.loads(raw.read_text())
+    for key in ("h2d", "d2h", "duplex", "compute_tables", "cpu_adam", "gpu_adam", "runtime", "dma_under_update",
+                "compute_under_update", "update_under_compute", "update_under_copies", "fresh_thread"):
+        assert key in rec, key
+    sig = model_signature(DEBUG)
+    got = {(t.unit, t.kind) for t in p.compute_tables}
+    assert got == {("layer", "F"), ("layer", "R"), ("layer", "B"), ("embed", "F"), ("embed", "B"), ("head", "F")}
+    for t in p.compute_tables:
+        assert t.model == sig and t.dtype == "fp32" and t.seq == 32 and t.tokens == (32, 128)
+        assert all(d > 0 for d in t.dur_s)
+    layer = {t.kind: t for t in p.compute_tables if t.unit == "layer"}
+    assert layer["B"].at(128) > layer["F"].at(128)  # recompute + backward is more work than the forward
+    assert p.h2d.duration(4 * MiB) > p.h2d.duration(4096) > 0 and p.d2h.duration(4 * MiB) > p.d2h.duration(4096)
+    assert p.duplex_Bps > 0 and 0 < p.dma_factor_cpu_optimizer <= 1
+    assert p.cpu_threads == torch.get_num_threads() and p.cpu_adam_rate() > 0 and p.gpu_adam_params_per_s > 0
+    assert set(p.task_overhead_s) == set(STREAMS) | {"N"} and all(v >= 0 for v in p.task_overhead_s.values())
+    assert "not simulated (measured)" in p.notes and "megatrain profile" in p.description
+
+
+def test_the_simulator_prices_tasks_with_the_measured_numbers(calibration):
+    p = calibration[0].profile
+    prog = lower(build_schedule(DEBUG, 4, 32, knobs_for("serial", compute_dtype="fp32")))
+    tl = simulate(prog, p).timeline.set_index("task")
+    dur = tl["end_s"] - tl["start_s"]
+    table = {(t.unit, t.kind): t for t in p.compute_tables}
+    comp = p.task_overhead_s["compute"]
+    assert dur["F1.0"] == pytest.approx(comp + table["layer", "F"].at(128), rel=1e-9)
+    assert dur["B2.0"] == pytest.approx(comp + table["layer", "B"].at(128), rel=1e-9)
+    assert dur["FH.0"] == pytest.approx(comp + table["head", "F"].at(128), rel=1e-9)
+    assert dur["BE.0"] == pytest.approx(comp + table["embed", "B"].at(128), rel=1e-9)
+    u = prog.tasks["U1"]
+    assert dur["U1"] == pytest.approx(p.task_overhead_s["cpu"] + u.params / p.cpu_adam_rate(), rel=1e-9)
+    assert dur["N"] == pytest.approx(p.task_overhead_s["N"], rel=1e-9)
+
+
+def test_profile_command(tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    assert main(["profile", "--model", "debug", "--batch", "2", "--seq", "16", "--device", "cpu", "--quick",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "measurements, about" in text and "[1/" in text and f"profile written to {out}" in text
+    assert "compute tables" in text and "runtime overheads" in text and "measured but not simulated" in text
+    p = load_profile(out)
+    assert {t.dtype for t in p.compute_tables} == {"fp32", "bf16"}  # the CPU default measures both
+    assert (tmp_path / "prof.measurements.json").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "fp16"], "--dtype 'fp16'"),
+    (["--seq", "0"], "--seq '0'"),
+    (["--batch", "2,4"], "--batch takes one number"),
+    (["--set", "buffers=0"], "buffers"),
+])
+def test_profile_user_errors_are_one_line(argv, message, capsys, tmp_path):
+    assert main(["profile", "--model", "debug", "--device", "cpu", "--out", str(tmp_path / "x.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_profile_on_cuda_without_a_gpu_says_so(capsys):
+    assert main(["profile", "--model", "debug", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
