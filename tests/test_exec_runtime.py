@@ -96,9 +96,11 @@ def test_waits_on_unknown_tasks_are_rejected_before_running():
 
 
 # ---- timeline ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "long-context"])
+@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "long-context", "overlap-split"])
 def test_measured_timeline_has_the_simulator_columns_and_respects_order_and_waits_and_slot_bytes(name):
     knobs = knobs_for(name, micro_batches=2, **FP32)
+    if name == "overlap-split":  # kept gradients are buffers too
+        knobs = dataclasses.replace(knobs, gpu_optimizer_fraction=0.5, retain_grads=1)
     rt, program = prepared(knobs)
     assert rt.work.gpu_bytes() == program.memory.buffers_bytes  # the slots are what the planner counts
     tl = rt.run(step=3)
@@ -255,12 +257,16 @@ def test_user_mistakes_get_clear_errors():
 def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
     csv = tmp_path / "timeline.csv"
     assert main(["train", "--model", "debug", "--steps", "3", "--seq", "16", "--schedule", "long-context",
-                 "--device", "cpu", "--set", "compute_dtype=fp32", "--timeline", str(csv)]) == 0
+                 "--device", "cpu", "--set", "compute_dtype=fp32", "--timeline", str(csv), "--no-progress",
+                 "--out-dir", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert out.count("loss") >= 3 and "done: 3 steps" in out
     assert csv.read_text().splitlines()[0].split(",") == TIMELINE_COLUMNS
-    assert main(["train", "--schedule", "arrival", "--device", "cpu", "--steps", "1"]) == 2
-    assert "--max-grad-norm 0" in capsys.readouterr().err
+    # clip='none' with the default clipping norm is one clear error naming both ways out
+    assert main(["train", "--schedule", "arrival", "--device", "cpu", "--steps", "1",
+                 "--out-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "grad_clip" in err and err.count("\n") == 1
 
 
 def test_host_rss_grows_by_the_planned_store_bytes():

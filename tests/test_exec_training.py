@@ -13,6 +13,7 @@ k_proj biases, whose gradients nearly cancel under softmax, are such elements). 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -164,11 +165,22 @@ VARIANTS = {
                                                        **FP32)),
     "gpu-adam-mb2": ("llama", knobs_for("gpu-adam", micro_batches=2, **FP32)),
     "split-adam-quarter": ("llama", knobs_for("split-adam", gpu_optimizer_fraction=0.25, **FP32)),
+    "split-adam-kept-grads": ("llama", knobs_for("split-adam", retain_grads=1, **FP32)),
+    # GPU updates of the previous step's gradients fill the weight slots of this step's forward
+    "overlap-split-kept-grads-mb2": ("llama", knobs_for("overlap-split", gpu_optimizer_fraction=0.75, retain_grads=2,
+                                                        micro_batches=2, **FP32)),
+    "overlap-split-all-gpu-1buffer": ("llama", knobs_for("overlap-split", gpu_optimizer_fraction=1.0, buffers=1,
+                                                         state_buffers=1, state_lookahead=0, **FP32)),
+    "overlap-split-recompute2": ("llama", knobs_for("overlap-split", gpu_optimizer_fraction=0.5, recompute_block=2,
+                                                    state_buffers=3, **FP32)),
     "overlap-chunked-loss": ("llama", knobs_for("overlap", loss_chunk_tokens=5, **FP32)),
     "tied/overlap": ("llama-tied", knobs_for("overlap", **FP32)),
     "tied/after-mb2": ("llama-tied", knobs_for("double-buffer", micro_batches=2, **FP32)),
     "tied/arrival": ("llama-tied", knobs_for("arrival", **FP32)),
     "tied/gpu-adam": ("llama-tied", knobs_for("gpu-adam", **FP32)),
+    "tied/overlap-split-kept-grads": ("llama-tied", knobs_for("overlap-split", gpu_optimizer_fraction=1.0,
+                                                              retain_grads=4, **FP32)),
+    "qwen2/overlap-split": ("qwen2", knobs_for("overlap-split", gpu_optimizer_fraction=0.5, retain_grads=1, **FP32)),
     "qwen2/overlap-recompute2": ("qwen2", knobs_for("overlap", recompute_block=2, **FP32)),
 }
 
@@ -181,7 +193,7 @@ def test_schedule_knobs_change_speed_not_results(variant):
 
 
 @pytest.mark.parametrize("spec_key,schedule", [("llama", "overlap"), ("llama-tied", "gpu-adam"),
-                                               ("llama-tied", "overlap")])
+                                               ("llama-tied", "overlap"), ("llama", "overlap-split")])
 def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weights(spec_key, schedule):
     knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="bf16")
     results, state = train(spec_key, knobs)
@@ -189,14 +201,16 @@ def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weight
                          loss_tol=BF16_LOSS_TOL)
 
 
-@pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam"])
+@pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam", "overlap-split"])
 def test_bf16_grad_wire_equals_a_loop_on_bf16_rounded_gradients(schedule):
     knobs = knobs_for(schedule, grad_wire="bf16", **FP32)
+    if schedule == "overlap-split":  # gradients kept on the GPU are rounded as the wire would round them
+        knobs = dataclasses.replace(knobs, gpu_optimizer_fraction=0.5, retain_grads=1)
     results, state = train("llama", knobs)
     assert_same_training(results, state, reference("llama", grad_wire="bf16"), "llama", f"bf16-grads-{schedule}")
 
 
-@pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam"])
+@pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam", "overlap-split"])
 def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monkeypatch):
     """Step 5's gradients of layer 1 are poisoned with NaN: that update is skipped (no unit changes, no Adam step
     count advances) and training goes on exactly as a plain loop that skipped it."""

@@ -4,7 +4,7 @@ import pytest
 from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, build_schedule, knobs_for
 from megatrain.memory import GiB, fit_report, plan_memory
 from megatrain.presets import PRESETS
-from megatrain.program import STREAMS, Program, lower
+from megatrain.program import STREAMS, Program, lower, plan_gpu_memory
 
 DEBUG = PRESETS["debug"]
 
@@ -90,3 +90,21 @@ def test_fit_report_names_the_knob_that_helps():
     assert not ok and "GPU: DOES NOT FIT" in "\n".join(lines) and "offload_checkpoints=true" in "\n".join(lines)
     ok, _ = fit_report(plan, host_bytes=256 * GiB, gpu_bytes=139 * GiB)
     assert ok
+
+
+def test_memory_plan_counts_state_slots_and_kept_gradients():
+    spec = PRESETS["bench-3b"]
+    base = plan_gpu_memory(spec, 8, 2048, knobs_for("overlap"))
+    knobs = knobs_for("overlap-split", gpu_optimizer_fraction=0.4, state_buffers=3, retain_grads=4)
+    plan = plan_gpu_memory(spec, 8, 2048, knobs)
+    # 11 of 28 layers on the GPU, spread from layer 0; the first 4 keep their gradients
+    assert set(plan.slot_bytes) - set(base.slot_bytes) == {"s0", "s1", "s2", "g0", "g2", "g5", "g7"}
+    assert plan.peak_bytes - base.peak_bytes == (3 * 16 + 4 * 4) * spec.layer_params
+    prog = lower(build_schedule(spec, 8, 2048, knobs))
+    used = {n for t in prog.tasks.values() for n in (t.slot, t.fills) if n}
+    assert used == set(plan.slot_bytes)  # every buffer a task uses is planned, and only those
+
+
+def test_named_overlap_split_fits_16_gib_on_bench_3b():
+    plan = plan_gpu_memory(PRESETS["bench-3b"], 8, 2048, knobs_for("overlap-split"))
+    assert plan.peak_bytes <= 16 * GiB

@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, build_schedule, knobs_for
+from megatrain.builders import (NAMED_SCHEDULES, ScheduleKnobs, build_schedule, gpu_updated_layers, knobs_for,
+                                retained_grad_layers)
 from megatrain.presets import PRESETS
 from megatrain.schedule import ScheduleError
 from megatrain.spec import EMBED, HEAD
-from megatrain.tasks import NORM, B, F, O, P, Task, TaskKind, U
+from megatrain.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, W
 
 GOLDEN = Path(__file__).parent / "golden"
 DEBUG = PRESETS["debug"]  # 4 layers
@@ -39,6 +40,9 @@ GOLDEN_CASES = {
     "gpu_adam": ScheduleKnobs(buffers=2, optimizer="gpu"),
     "arrival": ScheduleKnobs(buffers=2, optimizer="arrival", clip="none"),
     "long_context": ScheduleKnobs(buffers=2, optimizer="overlap", offload_checkpoints=True),
+    # layers 0 and 1 updated on the GPU (U fills w0 / w1), layer 0's gradients kept on the GPU (O0 -> g0)
+    "overlap_split": ScheduleKnobs(buffers=2, optimizer="overlap-split", gpu_optimizer_fraction=0.67,
+                                   retain_grads=1),
 }
 
 
@@ -107,6 +111,45 @@ def test_optimizer_placements():
     assert [split.attrs(U(l))["device"] for l in range(3)] == ["gpu", "cpu", "cpu"]
     with pytest.raises(ScheduleError, match="exact clipping"):
         ScheduleKnobs(optimizer="arrival", clip="exact")
+
+
+def test_overlap_split_updates_spread_layers_on_the_gpu_and_fills_their_weight_slots():
+    knobs = ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.5)
+    spec = DEBUG.with_layers(6)
+    assert gpu_updated_layers(spec, knobs) == [0, 2, 4]  # every other layer, from layer 0
+    s = build_schedule(spec, 2, 8, knobs)
+    g, n = s.graph, spec.unit_params(0)
+    for layer in range(6):
+        on_gpu = layer % 2 == 0
+        assert s.attrs(U(layer))["device"] == ("gpu" if on_gpu else "cpu")
+        assert s.attrs(U(layer))["step_offset"] == -1  # the previous step's gradients, before this forward
+        assert (P(layer) in g) != on_gpu  # a GPU-updated layer's forward needs no copy from the host
+    assert s.attrs(F(2, 0))["weights"] == U(2) and g.has_edge(U(2), F(2, 0))
+    assert s.attrs(U(2))["fills"] == s.attrs(F(2, 0))["slot"]
+    assert g.has_edge(S(2), U(2)) and g.has_edge(U(2), W(2)) and g.has_edge(U(2), O(2))
+    assert g.has_edge(W(2), P(2, back=True))  # the backward's copy streams the weights W brought back
+    assert s.attrs(S(2))["bytes"] == 16 * n and s.attrs(W(2))["bytes"] == 14 * n  # + bf16 streaming copy
+    assert g.has_edge(W(0), S(4))  # two state slots: S4 refills the slot W0 empties
+    # state_lookahead=1: S2 is queued on h2d before the copy of layer 1
+    h2d = [t for t in s.tasks() if t.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH)]
+    assert h2d.index(S(2)) < h2d.index(P(1)) and h2d.index(S(4)) < h2d.index(P(3))
+    assert h2d.index(P(1)) < h2d.index(S(4))
+
+
+def test_retained_gradients_stay_on_the_gpu_and_cut_the_copies():
+    spec = DEBUG.with_layers(6)
+    knobs = ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.5, retain_grads=2)
+    assert retained_grad_layers(spec, knobs) == [0, 2]
+    s = build_schedule(spec, 2, 8, knobs)
+    n = spec.unit_params(0)
+    assert s.attrs(O(0))["fills"] == "g0" and s.attrs(O(0))["bytes"] == 0
+    assert s.attrs(S(0))["bytes"] == 12 * n and s.attrs(S(4))["bytes"] == 16 * n  # layer 4 streams its gradients
+    assert s.attrs(O(4))["bytes"] == 4 * n and "fills" not in s.attrs(O(4))
+    with pytest.raises(ScheduleError, match="only 3 layer"):
+        build_schedule(spec, 2, 8, ScheduleKnobs(optimizer="overlap-split", gpu_optimizer_fraction=0.5,
+                                                 retain_grads=4))
+    with pytest.raises(ScheduleError, match="retain_grads"):
+        ScheduleKnobs(optimizer="overlap", retain_grads=1)
 
 
 def test_wire_dtypes_change_copy_bytes():
@@ -199,4 +242,32 @@ def test_validator_catches_offload_racing_the_refill():
     s = broken(ScheduleKnobs(buffers=1, optimizer="after"))
     s.graph.remove_edge(O(2), P(1, back=True))
     with pytest.raises(ScheduleError, match="O2"):
+        s.validate()
+
+
+def test_validator_catches_a_forward_before_the_gpu_update_that_fills_its_slot():
+    s = broken(ScheduleKnobs(buffers=2, optimizer="overlap-split", gpu_optimizer_fraction=0.67))
+    s.graph.remove_edge(U(1), F(1, 0))
+    with pytest.raises(ScheduleError, match="F1.0 may start before U1"):
+        s.validate()
+
+
+def test_validator_catches_a_gpu_update_refilling_a_slot_under_its_reader():
+    s = broken(ScheduleKnobs(buffers=1, optimizer="overlap-split", gpu_optimizer_fraction=0.67))
+    s.graph.remove_edge(F(0, 0), U(1))  # U1 writes layer 1's weights into w0, which F0.0 reads
+    with pytest.raises(ScheduleError, match="refilled by U1 while F0.0"):
+        s.validate()
+
+
+def test_validator_catches_a_refetch_before_the_updated_weights_are_back():
+    s = broken(ScheduleKnobs(buffers=2, optimizer="overlap-split", gpu_optimizer_fraction=0.67))
+    s.graph.remove_edge(W(0), P(0, back=True))
+    with pytest.raises(ScheduleError, match="P0b streams layer 0 from the host after its GPU update U0"):
+        s.validate()
+
+
+def test_validator_catches_a_state_slot_refilled_before_its_write_back():
+    s = broken(ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=1.0, state_buffers=1))
+    s.graph.remove_edge(W(0), S(1))
+    with pytest.raises(ScheduleError, match="slot s0 may be refilled by S1 while U0"):
         s.validate()

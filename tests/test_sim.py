@@ -196,3 +196,39 @@ def test_wait_on_unknown_task_is_an_error():
     d["tasks"][0]["waits"] = ["P99"]
     with pytest.raises(SimulationError, match=r"waits for \['P99'\], which are not tasks of this program"):
         simulate(Program.from_dict(d), make_profile())
+
+
+# ---- the GPU share of the optimizer ---------------------------------------------------------------------------------
+def test_overlap_split_takes_its_layers_updates_off_the_host_threads():
+    """Free copies and compute, host AdamW at 1 Mparam/s: the step is the host's update time, so moving a layer to
+    the GPU (whose update is free here) shortens it by exactly that layer's update."""
+    profile = make_profile(flops=math.inf, cpu_adam=1e6)
+    layer, rest = DEBUG.layer_params, DEBUG.num_params - DEBUG.num_layers * DEBUG.layer_params
+    for fraction, on_gpu in ((0.0, 0), (0.5, 2), (1.0, 4)):
+        knobs = knobs_for("overlap-split", gpu_optimizer_fraction=fraction)
+        assert simulate(program(knobs), profile).step_s == pytest.approx((DEBUG.num_params - on_gpu * layer) / 1e6)
+    assert simulate(program(knobs_for("overlap-split", gpu_optimizer_fraction=1.0)), profile).step_s \
+        == pytest.approx(rest / 1e6)
+
+
+def test_best_gpu_fraction_follows_the_slower_of_host_threads_and_pcie():
+    from megatrain.program import plan_gpu_memory
+    from megatrain.sim import best_gpu_fraction
+
+    start = knobs_for("overlap")
+    # Host AdamW free, PCIe slow: every GPU update only adds copies, so none.
+    best = best_gpu_fraction(DEBUG, 4, 16, start, make_profile(h2d=1e9, d2h=1e9, flops=math.inf, cpu_adam=math.inf))
+    assert best.knobs.optimizer == "overlap-split" and best.knobs.gpu_optimizer_fraction == 0.0
+    assert len(best.table) == DEBUG.num_layers + 1 and best.table.step_s.is_monotonic_increasing
+    # Host AdamW slow, PCIe fast: all layers on the GPU, their gradients kept there when memory allows.
+    slow_host = make_profile(h2d=1e12, d2h=1e12, flops=math.inf, cpu_adam=1e6)
+    best = best_gpu_fraction(DEBUG, 4, 16, start, slow_host)
+    assert best.knobs.gpu_optimizer_fraction == 1.0 and best.knobs.retain_grads == DEBUG.num_layers
+    assert best.result.step_s == pytest.approx(best.table.step_s.min())
+    # A GPU memory limit caps the kept gradients (and the table holds only variants that fit).
+    all_gpu = knobs_for("overlap-split", gpu_optimizer_fraction=1.0)
+    limit = plan_gpu_memory(DEBUG, 4, 16, dataclasses.replace(all_gpu, retain_grads=1)).peak_bytes
+    capped = best_gpu_fraction(DEBUG, 4, 16, start, slow_host, gpu_bytes=limit)
+    assert capped.knobs.retain_grads == 1 and (capped.table.gpu_peak_gib <= limit / 2**30).all()
+    with pytest.raises(ValueError, match="no GPU share"):
+        best_gpu_fraction(DEBUG, 4, 16, knobs_for("arrival"), slow_host)

@@ -10,6 +10,7 @@ from .costs import CostModel
 from .engine import SimResult, SimulationError, simulate
 from .profile import (ComputeTable, CopyCurve, HardwareProfile, ProfileError, load_profile, model_signature,
                       shipped_profiles)
+from .tune import TuneResult, best_gpu_fraction
 
 __all__ = ["CostModel", "SimResult", "SimulationError", "simulate", "ComputeTable", "CopyCurve", "HardwareProfile",
-           "ProfileError", "load_profile", "model_signature", "shipped_profiles"]
+           "ProfileError", "load_profile", "model_signature", "shipped_profiles", "TuneResult", "best_gpu_fraction"]
