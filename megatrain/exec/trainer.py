@@ -20,11 +20,11 @@ import pandas as pd
 import torch
 
 from ..builders import ScheduleKnobs, build_schedule, knobs_for
+from ..init import init_into, init_tiles  # noqa: F401  (init_tiles: re-exported for the tests' callers)
 from ..program import Program, lower
-from ..spec import EMBED, HEAD, ModelSpec
+from ..spec import ModelSpec
 from .backend import Backend, get_backend
 from .hf_io import state_dict_from_tiles
-from .layout import unit_layout
 from .optim import AdamWConfig, UpdatePlan
 from .runtime import Runtime
 from .store import HostStore
@@ -44,26 +44,6 @@ class StepResult:
     time_s: float
     timeline: pd.DataFrame
     update: UpdatePlan
-
-
-def init_tiles(spec: ModelSpec, seed: int = 0, std: float = 0.02) -> dict[int, torch.Tensor]:
-    """Random initial weights as HF initializes Llama: matrices ~ N(0, std), norms 1, biases 0. {unit: fp32 tile}."""
-    gen = torch.Generator().manual_seed(seed)
-    tiles = {}
-    for unit in spec.units():
-        layout = unit_layout(spec, unit)
-        tile = torch.empty(layout.numel, dtype=torch.float32)
-        for name, view in layout.views(tile).items():
-            if view.dim() == 2:
-                view.normal_(0.0, std, generator=gen)
-            elif name.endswith("norm.weight"):
-                view.fill_(1.0)
-            else:
-                view.zero_()
-        tiles[unit] = tile
-    if spec.tie_word_embeddings:  # one matrix: the head's lm_head is the embedding
-        tiles[HEAD][:spec.vocab_size * spec.hidden_size] = tiles[EMBED]
-    return tiles
 
 
 def set_update_threads(backend: Backend, threads: int | None = None) -> int:
@@ -94,7 +74,11 @@ class StreamedTrainer:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.cpu_threads = set_update_threads(self.backend, cpu_threads)
         self.timeout_s = timeout_s
-        self.store = HostStore(spec, self.knobs, self.backend, tiles if tiles is not None else init_tiles(spec, seed))
+        self.store = HostStore(spec, self.knobs, self.backend, tiles)
+        if tiles is None:  # seeded random init written straight into the store: no second copy of the model
+            init_into(spec, self.store.master, seed)
+            for unit in spec.units():
+                self.store.refresh_stream(unit)
         self.step_count = 0
         self._shape: tuple[int, int] | None = None
         self._program: Program | None = None
