@@ -5,6 +5,11 @@ not counted, as BENCHMARKS.md counts). Prints one `RESULT {...}` JSON line, plus
 simulator for the same Program when a profile is given.
 
     PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
+    PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --set retain_grads=10 --set state_buffers=3
+    PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --tune --profile my_profile.json
+
+`--tune` picks gpu_optimizer_fraction, retain_grads and state_buffers (2 or 3) by simulation with `--profile`, under
+`--gpu-limit-gib` of planned GPU peak (a GPU-share placement, or "overlap", which is tuned as "overlap-split").
 """
 from __future__ import annotations
 
@@ -34,12 +39,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--profile", default="h200", help="profile for the prediction ('' to skip)")
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
+    p.add_argument("--tune", action="store_true",
+                   help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
+    p.add_argument("--gpu-limit-gib", type=float, default=16.0, help="planned GPU peak limit for --tune")
     a = p.parse_args()
 
     spec = get_model(a.model)
     if a.layers:
         spec = spec.with_layers(a.layers)
     name, knobs = resolve_knobs(a.schedule, a.set)
+    if a.tune:
+        from megatrain.sim import best_gpu_fraction
+
+        best = best_gpu_fraction(spec, a.batch, a.seq, knobs, a.profile or "h200",
+                                 gpu_bytes=int(a.gpu_limit_gib * 2**30), state_buffers=(2, 3))
+        print(best.table.head(8).to_string(index=False), flush=True)
+        knobs = best.knobs
+        name = (f"{knobs.optimizer}[gpu_optimizer_fraction={knobs.gpu_optimizer_fraction:.4f},"
+                f"retain_grads={knobs.retain_grads},state_buffers={knobs.state_buffers}]")
     plan = plan_memory(spec, a.batch, a.seq, knobs)
     t0 = time.perf_counter()
     optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
@@ -74,6 +91,10 @@ def main() -> None:
         "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / 2**30, 2),
         "init_s": round(init_s, 1),
     }
+    norms = sorted(r.grad_norm for r in results if r.grad_norm is not None)
+    if norms:  # how often exact clipping scaled the update (max_grad_norm=1.0)
+        out["grad_norm_median"] = round(norms[len(norms) // 2], 4)
+        out["clipped_steps"] = f"{sum(n > 1.0 for n in norms)}/{len(norms)}"
     tl = results[med_i].timeline
     try:
         from megatrain.analysis import summarize

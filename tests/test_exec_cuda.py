@@ -32,9 +32,12 @@ def run(backend: str, knobs):
     return trainer, results
 
 
-@pytest.mark.parametrize("name", ["serial", "overlap", "gpu-adam", "split-adam", "long-context", "arrival"])
+@pytest.mark.parametrize("name", ["serial", "overlap", "gpu-adam", "split-adam", "long-context", "arrival",
+                                  "overlap-split", "overlap-split-kept"])
 def test_cuda_backend_gives_the_cpu_backends_numbers(name):
-    knobs = knobs_for(name, compute_dtype="fp32", weight_wire="fp32", micro_batches=2)
+    extra = dict(retain_grads=1) if name == "overlap-split-kept" else {}
+    name = name.removesuffix("-kept")
+    knobs = knobs_for(name, compute_dtype="fp32", weight_wire="fp32", micro_batches=2, **extra)
     cpu_tr, cpu = run("cpu", knobs)
     gpu_trainer, gpu = run("cuda", knobs)
     for a, b in zip(cpu, gpu):
@@ -47,7 +50,7 @@ def test_cuda_backend_gives_the_cpu_backends_numbers(name):
     print(f"\n{name}: step time {gpu[-1].time_s * 1e3:.1f} ms, losses cpu {cpu[-1].loss:.5f} cuda {gpu[-1].loss:.5f}")
 
 
-@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "split-adam"])
+@pytest.mark.parametrize("name", ["overlap", "gpu-adam", "split-adam", "overlap-split"])
 def test_cuda_store_pins_what_dma_touches(name):
     knobs = knobs_for(name)
     trainer, _ = run("cuda", knobs)
