@@ -313,11 +313,12 @@ class _Builder:
             return s.unit_params(unit)
 
         def add_gpu_update(unit: int, step_offset: int, fills: str | None = None) -> None:
-            """S, U, W of a GPU update: master + m + v (+ gradients, unless retained on the GPU) into a state
-            slot, AdamW there, then master + m + v (+ the bf16 streaming copy) back to the host."""
+            """S, U, W of a GPU update: master + m + v (+ gradients in the grad wire dtype, unless kept on the
+            GPU) into a state slot, AdamW there, then master + m + v (+ the bf16 streaming copy) back."""
             n, slot = s.unit_params(unit), state_slot[unit]
-            self.add(S(unit), slot=slot, bytes=n * (12 if unit in self.retained else 16), params=n, flops=0.0,
-                     tokens=0, step_offset=step_offset)
+            grads = 0 if unit in self.retained else wire_g  # widened to fp32 on the device
+            self.add(S(unit), slot=slot, bytes=n * (12 + grads), params=n, flops=0.0, tokens=0,
+                     step_offset=step_offset)
             extra = {"fills": fills} if fills else {}
             self.add(U(unit), device="gpu", step_offset=step_offset, slot=slot, weights=S(unit), params=n,
                      flops=0.0, bytes=0, tokens=0, **extra)
