@@ -139,7 +139,8 @@ class Comparison:
         p, m, prog = self.pred_summary, self.meas_summary, self.program
         ms = sorted(self.measured_steps_s)
         lines = [
-            f"{prog.model.name}, batch {prog.batch} x seq {prog.seq}, schedule {prog.name}, profile {self.profile.name}",
+            f"{prog.model.name}, batch {prog.batch} x seq {prog.seq}, schedule {prog.name}, "
+            f"profile {self.profile.name}",
             f"{'':24}{'predicted':>12}{'measured':>12}{'error':>9}",
             _row("step time (ms)", p.step_s * 1e3, m.step_s * 1e3, "{:.2f}"),
             _row("tokens/s", p.tokens_per_s, m.tokens_per_s, "{:,.0f}"),

@@ -2,7 +2,6 @@
 end to end, with assertions on the error this test measures."""
 import json
 import math
-from dataclasses import replace
 
 import pandas as pd
 import pytest

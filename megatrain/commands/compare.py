@@ -90,7 +90,8 @@ def run(args) -> int:
     out = Path(args.out or f"runs/compare-{spec.name}")
     profile = _profile_for(args, spec, device, resolved[0][2], out)
     print(f"{spec.name}: {spec.num_params / 1e6:.2f} M parameters, batch {args.batch} x seq {args.seq}, device "
-          f"{device}, profile {profile.name}; {args.steps} steps per variant")
+          f"{device}; {args.steps} steps per variant")
+    print(f"profile {profile.name}: {profile.description}")
     tiles = init_tiles(spec) if len(resolved) > 1 else None  # one initialization shared by every variant
     results = {}
     for v, name, knobs in resolved:

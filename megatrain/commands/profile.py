@@ -30,7 +30,9 @@ def _ints(text: str, what: str) -> list[int]:
 
 def register(sub) -> None:
     p = sub.add_parser("profile", help="measure this machine for a model shape; write a hardware profile JSON")
-    p.add_argument("--model", default="bench-3b", help="preset name or HF model dir / config.json")
+    p.add_argument("--model", default="bench-3b",
+                   help="preset name or HF model dir / config.json; more, comma-separated, add compute tables for "
+                        "their shapes too (copies, optimizer and overheads are measured for the first)")
     p.add_argument("--batch", default="8", help="largest batch to measure (tables at 1, 2, 4, ... up to it)")
     p.add_argument("--seq", default="2048", help="sequence length, or a comma-separated list of them")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -52,7 +54,10 @@ def run(args) -> int:
     from ..profiling import ProfileRequest, measure_profile
     from ..profiling.report import calibration_report
 
-    spec = get_model(args.model)
+    models = [get_model(m.strip()) for m in args.model.split(",") if m.strip()]
+    if not models:
+        raise UserError("--model is empty")
+    spec = models[0]
     batch = _ints(args.batch, "--batch")
     if len(batch) != 1:
         raise UserError("--batch takes one number (the largest batch; smaller ones are measured too)")
@@ -72,7 +77,7 @@ def run(args) -> int:
     device = "cpu" if device == "auto" else device
     out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
     req = ProfileRequest(spec, batch=batch[0], seqs=seqs, device=device, dtypes=dtypes, quick=args.quick,
-                         knobs=knobs, cpu_threads=args.cpu_threads, name=args.name)
+                         knobs=knobs, cpu_threads=args.cpu_threads, name=args.name, also_models=models[1:])
     t0 = time.perf_counter()
     cal = measure_profile(req)
     path, raw = cal.save(out)

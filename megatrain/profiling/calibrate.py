@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -37,9 +35,10 @@ from ..builders import ScheduleKnobs, knobs_for
 from ..exec.backend import get_backend
 from ..exec.layout import unit_layout
 from ..exec.trainer import set_update_threads
-from ..sim.profile import ComputeTable, HardwareProfile
+from ..sim.profile import HardwareProfile
 from ..spec import EMBED, HEAD, ModelSpec
 from . import copies, rates, units
+from .assemble import build_profile
 from .bench import Progress, Worker, median
 from .overhead import measure_runtime_gaps
 
@@ -59,6 +58,7 @@ class ProfileRequest:
     knobs: ScheduleKnobs = field(default_factory=lambda: knobs_for("overlap"))  # wire dtypes, loss chunk, the
     #                                                           schedule of the real steps that measure overheads
     cpu_threads: int | None = None  # AdamW threads of the runtime (default: what the trainer picks)
+    also_models: list[ModelSpec] = field(default_factory=list)  # more shapes to measure compute tables for
     name: str | None = None
 
 
@@ -89,11 +89,6 @@ def _machine(backend) -> dict:
     return info
 
 
-def _default_name(info: dict) -> str:
-    base = info.get("gpu", f"cpu-{info['cores']}core") if info["device"] == "cuda" else f"cpu-{info['cores']}core"
-    return re.sub(r"[^A-Za-z0-9.-]+", "-", base).strip("-").lower() + "-measured"
-
-
 class _Plan:
     """The measurements, each with an estimated duration (from a first probe) and the function that runs it."""
 
@@ -121,7 +116,6 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                                              "knobs": req.knobs.to_dict(), "cpu_threads": threads}}
     quick = req.quick
     layer_n = unit_layout(spec, 0).numel
-    layer_wire_bytes = layer_n * req.knobs.wire_bytes("weight_wire")
     max_copy = max(4 * copies.MiB, min((1 * copies.GiB) if on_gpu else 64 * copies.MiB,
                                        1 << (4 * layer_n - 1).bit_length()))
     if quick:
@@ -146,17 +140,19 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                  lambda d=d: _copy_curve(m, bufs, w, d, sizes, quick))
     dup = min(max_copy, 256 * copies.MiB)
     plan.add("both directions at once", 0.5 + 12 * dup / 5e9, lambda: _duplex(m, bufs, w, dup, quick))
-    for dt in dtypes:
-        knobs = replace(req.knobs, compute_dtype=dt)
-        for seq in req.seqs:
-            bs = units.token_batches(req.batch, quick)
-            for uc in ("layer", "embed", "head"):
-                calls = sum(call_s(units.analytic_flops(spec, uc, k, b, seq)) for b in bs
-                            for k in units.KINDS_OF_CLASS[uc])
-                est = budget + 3 * calls * (1 if on_gpu or dt == "fp32" else 4)  # CPUs are slow at bf16
-                plan.add(f"{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
-                         lambda uc=uc, knobs=knobs, seq=seq, bs=bs: _unit(m, spec, uc, knobs, seq, bs, backend,
-                                                                          w["compute"], budget))
+    for shape in [spec, *req.also_models]:
+        for dt in dtypes:
+            knobs = replace(req.knobs, compute_dtype=dt)
+            for seq in req.seqs:
+                bs = units.token_batches(req.batch, quick)
+                for uc in ("layer", "embed", "head"):
+                    calls = sum(call_s(units.analytic_flops(shape, uc, k, b, seq)) for b in bs
+                                for k in units.KINDS_OF_CLASS[uc])
+                    est = budget + 3 * calls * (1 if on_gpu or dt == "fp32" else 4)  # CPUs are slow at bf16
+                    what = f"{shape.name} " if req.also_models else ""
+                    plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
+                             lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
+                                 m, shape, uc, knobs, seq, bs, backend, w["compute"], budget))
     for dt in ("bf16", "fp32"):
         plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
     plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
@@ -313,90 +309,5 @@ def _runtime(m, spec, req, backend, threads, steps):
     r.pop("timelines"), r.pop("program")
     m["runtime"] = r
     gaps = ", ".join(f"{s} {v * 1e6:.0f} us" for s, v in r["gap_by_stream_s"].items())
-    return f"mean gap before a task: {gaps}; N {r['norm_span_s'] * 1e6:.0f} us; steps {median(r['step_s']) * 1e3:.1f} ms"
-
-
-def not_simulated(m: dict) -> str:
-    """The measured effects the simulator has no parameter for (yet), in one line for the profile's notes."""
-    cu, uu, uc, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "update_under_copies",
-                                      "fresh_thread"))
-    return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
-            f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
-            f"{uu['factor']:.2f}x as long while the compute stream runs and {uc['factor']:.2f}x while both copy "
-            f"directions run; the first layer forward in a fresh issuing thread (the runtime starts new ones every "
-            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms.")
-
-
-# ---- the profile ---------------------------------------------------------------------------------------------
-def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
-    """Per unit class: analytic FLOPs / (matmul rate x measured time) at the largest measured token count, so
-    that the analytic fallback (shapes or dtypes without a table) is calibrated on this machine."""
-    eff = {"layer": 1.0, "embed": 1.0, "head": 1.0}
-    rate = m["matmul_flops_per_s"][dtype]
-    for uclass, kind in (("layer", "F"), ("head", "F")):
-        t = next((t for t in tables if t.unit == uclass and t.kind == kind and t.dtype == dtype), None)
-        if t is None or t.dur_s[-1] <= 0:
-            continue
-        flops = units.analytic_flops(spec, uclass, kind, t.tokens[-1] // t.seq, t.seq)
-        eff[uclass] = float(min(1.0, max(1e-4, flops / (rate * t.dur_s[-1]))))
-    return eff
-
-
-def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
-                  info: dict) -> HardwareProfile:
-    """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
-    tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")})
-              for t in m["compute_tables"]]
-    h2d = copies.CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
-    d2h = copies.CopyCurve(tuple(m["d2h"]["sizes_bytes"]), tuple(m["d2h"]["Bps"]), m["d2h"]["latency_s"])
-    rt, adam = m["runtime"], m["cpu_adam"]
-    gaps = rt["gap_by_stream_s"]
-    overhead = {s: float(gaps.get(s, 0.0)) for s in STREAMS}
-    # A CPU update is `fixed + params / rate`: the fixed part of the update rides on the cpu stream's overhead
-    # (the GPU placement's updates are on "compute", so they do not pick it up). The global norm (also on the
-    # cpu stream) is a handful of float reads, so its measured ready-to-done time is its whole cost.
-    overhead["cpu"] = float(rt["gap_by_kind_s"].get("U", gaps.get("cpu", 0.0))) + adam["fixed_s"]
-    overhead["N"] = float(rt["norm_span_s"])
-    dma = m["dma_under_update"]
-    where = f"{info['device']} backend, {info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']}"
-    notes = {
-        "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
-               f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
-        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us.",
-        "duplex_Bps": "measured: each direction timed while the other copies in a loop; the sum of the two rates.",
-        "matmul_flops_per_s": "measured: square matmuls (the analytic fallback only).",
-        "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
-        "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
-        "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
-                          f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
-        "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update + bf16 streaming-copy refresh on "
-                                 f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
-                                 f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu']).",
-        "cpu_threads": "the runtime's update threads (exec.trainer.set_update_threads).",
-        "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
-        "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
-        "dma_factor_cpu_optimizer": f"measured: h2d {dma['alone_Bps'] / 1e9:.2f} GB/s alone, "
-                                    f"{dma['with_update_Bps'] / 1e9:.2f} GB/s while CPU updates run.",
-        "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
-                           f"{rt['layers']}-layer cut of {spec.name} (batch {rt['batch']} x {rt['seq']}); 'cpu' adds "
-                           "the update's fixed cost; 'N' is the norm's whole ready-to-done time.",
-        "not simulated (measured)": not_simulated(m),
-    }
-    return HardwareProfile(
-        name=req.name or _default_name(info),
-        h2d=h2d, d2h=d2h,
-        duplex_Bps=float(m["duplex"]["duplex_Bps"]),
-        matmul_flops_per_s={k: float(v) for k, v in m["matmul_flops_per_s"].items()},
-        efficiency=_efficiency(m, spec, tables, dtypes[0]),
-        gpu_memory_Bps=float(m["gpu_memory_Bps"]),
-        compute_tables=tuple(tables),
-        cpu_adam_params_per_s={int(t): float(v) for t, v in adam["by_threads"].items()},
-        cpu_threads=threads,
-        gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
-        clip_norm_params_per_s=math.inf,
-        dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
-        task_overhead_s=overhead,
-        description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
-                    f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",
-        notes=notes,
-    )
+    return (f"mean gap before a task: {gaps}; N {r['norm_span_s'] * 1e6:.0f} us; "
+            f"steps {median(r['step_s']) * 1e3:.1f} ms")

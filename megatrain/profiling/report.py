@@ -2,7 +2,8 @@
 laid out to be pasted into docs/calibration.md."""
 from __future__ import annotations
 
-from .calibrate import Calibration, not_simulated
+from .assemble import not_simulated
+from .calibrate import Calibration
 
 
 def _size(n: int) -> str:
@@ -15,9 +16,10 @@ def _size(n: int) -> str:
 def calibration_report(cal: Calibration) -> str:
     """A multi-line summary of a Calibration: machine, copies, compute tables, optimizer, overheads, contention."""
     p, m = cal.profile, cal.measurements
-    mach, req = m["machine"], m["request"]
+    mach = m["machine"]
+    gpu = mach["gpu"] + ", " if "gpu" in mach else ""
     lines = [f"profile {p.name}: {p.description}",
-             f"machine: {mach['gpu'] + ', ' if 'gpu' in mach else ''}host {mach['cpu']} ({mach['cores']} cores), torch {mach['torch']}",
+             f"machine: {gpu}host {mach['cpu']} ({mach['cores']} cores), torch {mach['torch']}",
              "", "copies (time of one copy, and the curve's rate = size / (time - latency)):",
              f"  {'size':>10} {'h2d us':>10} {'h2d GB/s':>9} {'d2h us':>10} {'d2h GB/s':>9}"]
     h, d = m["h2d"], m["d2h"]
@@ -28,10 +30,14 @@ def calibration_report(cal: Calibration) -> str:
     lines += [f"  latency h2d {p.h2d.latency_s * 1e6:.1f} us, d2h {p.d2h.latency_s * 1e6:.1f} us; both at once "
               f"({_size(dup['bytes'])}): h2d {dup['h2d_shared_Bps'] / 1e9:.2f} + d2h {dup['d2h_shared_Bps'] / 1e9:.2f}"
               f" = {p.duplex_Bps / 1e9:.2f} GB/s; h2d while a CPU update runs x{p.dma_factor_cpu_optimizer:.2f}",
-              "", f"compute tables ({req['signature']}; ms per task by tokens):"]
+              "", "compute tables (ms per task by tokens per task):"]
+    shape = None
     for t in p.compute_tables:
+        if t.model != shape:
+            shape = t.model
+            lines.append(f"  {shape}")
         pts = ", ".join(f"{n}: {s * 1e3:.3f}" for n, s in zip(t.tokens, t.dur_s))
-        lines.append(f"  {t.unit:5} {t.kind}  {t.dtype:4} seq {t.seq:<6} {pts}")
+        lines.append(f"    {t.unit:5} {t.kind}  {t.dtype:4} seq {t.seq:<6} {pts}")
     mm = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in p.matmul_flops_per_s.items())
     eff = ", ".join(f"{k} {v:.2f}" for k, v in p.efficiency.items())
     lines.append(f"  matmul TFLOP/s: {mm}; efficiency of the measured tasks vs that: {eff}; "

@@ -1,0 +1,110 @@
+"""From measurements to a HardwareProfile: which measured number fills which field, and the notes that say so."""
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from ..sim.profile import ComputeTable, CopyCurve, HardwareProfile, model_signature
+from ..spec import ModelSpec
+from . import units
+
+if TYPE_CHECKING:
+    from .calibrate import ProfileRequest
+
+STREAMS = ("h2d", "compute", "d2h", "cpu")
+
+
+def _default_name(info: dict) -> str:
+    base = info.get("gpu", f"cpu-{info['cores']}core") if info["device"] == "cuda" else f"cpu-{info['cores']}core"
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", base).strip("-").lower() + "-measured"
+
+
+def not_simulated(m: dict) -> str:
+    """The measured effects the simulator has no parameter for (yet), in one line for the profile's notes."""
+    cu, uu, uc, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "update_under_copies",
+                                      "fresh_thread"))
+    return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
+            f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
+            f"{uu['factor']:.2f}x as long while the compute stream runs and {uc['factor']:.2f}x while both copy "
+            f"directions run; the first layer forward in a fresh issuing thread (the runtime starts new ones every "
+            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms.")
+
+
+# ---- the profile ---------------------------------------------------------------------------------------------
+def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
+    """Per unit class: analytic FLOPs / (matmul rate x measured time) of the model's measured tasks at the largest
+    token count (a layer's forward and backward together, as a step mixes them; the head's fused task), so that
+    the analytic fallback (shapes or dtypes without a table) is calibrated on this machine."""
+    eff = {"layer": 1.0, "embed": 1.0, "head": 1.0}
+    rate = m["matmul_flops_per_s"][dtype]
+    sig = model_signature(spec)
+    for uclass, kinds in (("layer", ("F", "B")), ("head", ("F",))):
+        found = [t for t in tables if t.model == sig and t.unit == uclass and t.kind in kinds and t.dtype == dtype]
+        if len(found) != len(kinds):
+            continue
+        flops = sum(units.analytic_flops(spec, uclass, t.kind, t.tokens[-1] // t.seq, t.seq) for t in found)
+        secs = sum(t.dur_s[-1] for t in found)
+        if secs > 0:
+            eff[uclass] = float(min(1.0, max(1e-4, flops / (rate * secs))))
+    return eff
+
+
+def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
+                  info: dict) -> HardwareProfile:
+    """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
+    tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")})
+              for t in m["compute_tables"]]
+    h2d = CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
+    d2h = CopyCurve(tuple(m["d2h"]["sizes_bytes"]), tuple(m["d2h"]["Bps"]), m["d2h"]["latency_s"])
+    rt, adam = m["runtime"], m["cpu_adam"]
+    gaps = rt["gap_by_stream_s"]
+    overhead = {s: float(gaps.get(s, 0.0)) for s in STREAMS}
+    # A CPU update is `fixed + params / rate`: the fixed part of the update rides on the cpu stream's overhead
+    # (the GPU placement's updates are on "compute", so they do not pick it up). The global norm (also on the
+    # cpu stream) is a handful of float reads, so its measured ready-to-done time is its whole cost.
+    overhead["cpu"] = float(rt["gap_by_kind_s"].get("U", gaps.get("cpu", 0.0))) + adam["fixed_s"]
+    overhead["N"] = float(rt["norm_span_s"])
+    dma = m["dma_under_update"]
+    where = f"{info['device']} backend, {info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']}"
+    notes = {
+        "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
+               f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
+        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us.",
+        "duplex_Bps": "measured: each direction timed while the other copies in a loop; the sum of the two rates.",
+        "matmul_flops_per_s": "measured: square matmuls (the analytic fallback only).",
+        "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
+        "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
+        "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
+                          f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
+        "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update + bf16 streaming-copy refresh on "
+                                 f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
+                                 f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu']).",
+        "cpu_threads": "the runtime's update threads (exec.trainer.set_update_threads).",
+        "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
+        "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
+        "dma_factor_cpu_optimizer": f"measured: h2d {dma['alone_Bps'] / 1e9:.2f} GB/s alone, "
+                                    f"{dma['with_update_Bps'] / 1e9:.2f} GB/s while CPU updates run.",
+        "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
+                           f"{rt['layers']}-layer cut of {spec.name} (batch {rt['batch']} x {rt['seq']}); 'cpu' adds "
+                           "the update's fixed cost; 'N' is the norm's whole ready-to-done time.",
+        "not simulated (measured)": not_simulated(m),
+    }
+    return HardwareProfile(
+        name=req.name or _default_name(info),
+        h2d=h2d, d2h=d2h,
+        duplex_Bps=float(m["duplex"]["duplex_Bps"]),
+        matmul_flops_per_s={k: float(v) for k, v in m["matmul_flops_per_s"].items()},
+        efficiency=_efficiency(m, spec, tables, dtypes[0]),
+        gpu_memory_Bps=float(m["gpu_memory_Bps"]),
+        compute_tables=tuple(tables),
+        cpu_adam_params_per_s={int(t): float(v) for t, v in adam["by_threads"].items()},
+        cpu_threads=threads,
+        gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
+        clip_norm_params_per_s=math.inf,
+        dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
+        task_overhead_s=overhead,
+        description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
+                    f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",
+        notes=notes,
+    )
