@@ -24,11 +24,17 @@ def not_simulated(m: dict) -> str:
     """The measured effects the simulator has no parameter for (yet), in one line for the profile's notes."""
     cu, uu, uc, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "update_under_copies",
                                       "fresh_thread"))
+    rel = m["runtime"].get("gap_by_stream_and_release_s", {})
+    same = [v for k, v in rel.items() if k.endswith("/stream")]
+    cross = [v for k, v in rel.items() if k.endswith("/wait")]
+    wake = (f"; a task released by another stream's task starts {1e6 * sum(cross) / len(cross):.0f} us after it, one "
+            f"released by its own stream's predecessor {1e6 * sum(same) / len(same):.0f} us"
+            if same and cross else "")
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
             f"{uu['factor']:.2f}x as long while the compute stream runs and {uc['factor']:.2f}x while both copy "
             f"directions run; the first layer forward in a fresh issuing thread (the runtime starts new ones every "
-            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms.")
+            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------

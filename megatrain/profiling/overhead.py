@@ -22,27 +22,36 @@ from ..spec import ModelSpec
 
 def ready_times(step: pd.DataFrame, program: Program) -> dict[str, float]:
     """{task: the time it became ready} in one step of a Timeline: the latest end of its stream predecessor
-    and of its waits (the step's start, 0, for a task with neither)."""
+    and of its waits (the step's start, the earliest start, for a task with neither)."""
+    return {t: r for t, (r, _) in _ready_and_binding(step, program).items()}
+
+
+def _ready_and_binding(step: pd.DataFrame, program: Program) -> dict[str, tuple[float, str]]:
+    """{task: (ready time, "stream" | "wait" | "start")}: what it became ready by (its stream predecessor, a task
+    of another stream, or the step's start)."""
     end = dict(zip(step["task"], step["end_s"]))
     t0 = float(step["start_s"].min())
-    ready = {}
+    out = {}
     for queue in program.streams.values():
         prev = None
         for tid in queue:
-            deps = [end[w] for w in program.tasks[tid].waits if w in end]
+            deps = [(end[w], "wait") for w in program.tasks[tid].waits if w in end]
             if prev is not None and prev in end:
-                deps.append(end[prev])
-            ready[tid] = max(deps) if deps else t0
+                deps.append((end[prev], "stream"))
+            # Ties go to the cross-stream wait, as in analysis._StepIndex.binding.
+            out[tid] = max(deps, key=lambda d: (d[0], d[1] == "wait")) if deps else (t0, "start")
             prev = tid
-    return ready
+    return out
 
 
 def with_spans(step: pd.DataFrame, program: Program) -> pd.DataFrame:
-    """One step of a Timeline with `ready_s`, `gap_s` (start - ready, >= 0), `dur_s` (end - start) and `span_s`
-    (end - ready: what the simulator's duration of the task stands for)."""
-    ready = ready_times(step, program)
+    """One step of a Timeline with `ready_s`, `ready_by` (what made the task ready: "stream", "wait", "start"),
+    `gap_s` (start - ready, >= 0), `dur_s` (end - start) and `span_s` (end - ready: what the simulator's duration
+    of the task stands for)."""
+    rb = _ready_and_binding(step, program)
     out = step.copy()
-    out["ready_s"] = out["task"].map(ready)
+    out["ready_s"] = out["task"].map(lambda t: rb[t][0])
+    out["ready_by"] = out["task"].map(lambda t: rb[t][1])
     out["gap_s"] = (out["start_s"] - out["ready_s"]).clip(lower=0.0)
     out["dur_s"] = out["end_s"] - out["start_s"]
     out["span_s"] = out["gap_s"] + out["dur_s"]
@@ -66,10 +75,14 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
     rows = pd.concat([with_spans(t, program) for t in timelines[1:]])
     by_stream = rows.groupby("stream")["gap_s"].mean().to_dict()
     by_kind = rows.groupby("kind")["gap_s"].mean().to_dict()
+    # A task released by its own stream's predecessor continues in the same thread; one released by another
+    # stream's task needs its thread woken up. The simulator has one overhead per stream (the mean of the two).
+    by_release = {f"{s}/{r}": float(g.mean()) for (s, r), g in rows.groupby(["stream", "ready_by"])["gap_s"]}
     norm = rows[rows["kind"] == "N"]
     step_s = [float(t["end_s"].max() - t["start_s"].min()) for t in timelines]
     del trainer
     return {"model": cut.name, "layers": cut.num_layers, "batch": batch, "seq": seq, "steps": len(timelines),
             "step_s": step_s, "gap_by_stream_s": by_stream, "gap_by_kind_s": by_kind,
+            "gap_by_stream_and_release_s": by_release,
             "norm_span_s": float(norm["span_s"].mean()) if len(norm) else 0.0,
             "timelines": timelines, "program": program}
