@@ -124,11 +124,19 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
 
     # -- probe: rough rates, to say up front how long this takes --
     probe_rate = rates.measure_matmul(w["compute"], backend, torch.float32 if not on_gpu else torch.bfloat16,
-                                      256 if not on_gpu else 2048, 0.05)
-    floor = 2e-4 if on_gpu else 1e-3  # seconds per call that no shape is faster than (launches, Python)
+                                      256 if not on_gpu else 2048, 0.1)
+    per_op = 5e-6 if on_gpu else 15e-6  # dispatch of one op (a kernel launch, or Python + ATen on the CPU)
+    ops = {"layer": 50, "embed": 3, "head": 40}
 
-    def call_s(flops: float) -> float:
-        return floor + flops / (0.3 * probe_rate)
+    def call_s(shape, uclass, kind, b, seq, dtype) -> float:
+        """Rough seconds of one compute task: its ops' dispatch, or its FLOPs at a third of the probed rate."""
+        slow = {True: {"fp32": 15.0}, False: {"bf16": 4.0}}[on_gpu].get(dtype, 1.0)  # the dtype not probed
+        flops = units.analytic_flops(shape, uclass, kind, b, seq)
+        return max(ops[uclass] * per_op * (3 if kind == "B" else 1), slow * flops / (0.3 * probe_rate))
+
+    def timed(budget_s: float, call: float) -> float:
+        """`Worker.time_for`: warm-up + first call, then up to 3 rounds of at most 50 calls within the budget."""
+        return 2 * call + min(budget_s, 150 * call)
 
     plan = _Plan()
     bufs: dict = {}
@@ -146,9 +154,9 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
             for seq in req.seqs:
                 bs = units.token_batches(req.batch, quick)
                 for uc in ("layer", "embed", "head"):
-                    calls = sum(call_s(units.analytic_flops(shape, uc, k, b, seq)) for b in bs
-                                for k in units.KINDS_OF_CLASS[uc])
-                    est = budget + 3 * calls * (1 if on_gpu or dt == "fp32" else 4)  # CPUs are slow at bf16
+                    kinds = units.KINDS_OF_CLASS[uc]
+                    each = budget / (len(bs) * len(kinds))
+                    est = sum(timed(each, call_s(shape, uc, k, b, seq, dt)) for b in bs for k in kinds)
                     what = f"{shape.name} " if req.also_models else ""
                     plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
                              lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
@@ -157,10 +165,13 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
     plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
     stream_copy = req.knobs.weight_wire == "bf16"
-    plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads", 2 * budget + layer_n * 16 / 1e9,
+    adam_1 = 1e-4 + layer_n / 3e8  # one update on one thread
+    counts = rates.thread_counts(threads, info["cores"], quick)
+    plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads",
+             sum(timed(2 * budget / (len(counts) + 2), adam_1 / t) for t in counts) + layer_n * 18 / 2e9,
              lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], stream_copy, quick, 2 * budget))
     plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
-    plan.add("h2d while a CPU update runs", 1.0, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
+    plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
     plan.add("layer forward while a CPU update runs", budget + 0.2,
              lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
     plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
@@ -171,11 +182,11 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     plan.add("host wait on a device event", 0.2 if on_gpu else 0.0,
              lambda: _host_wait(m, backend, w))
     steps = 3 if quick else 5
-    cut_est = sum(call_s(units.analytic_flops(spec, uc, k, req.batch, req.seqs[0]))
-                  for uc, k in (("layer", "F"), ("layer", "F"), ("layer", "B"), ("layer", "B"), ("head", "F")))
+    step_s = sum(call_s(spec, uc, k, req.batch, req.seqs[0], dtypes[0])
+                 for uc, k in (("layer", "F"), ("layer", "F"), ("layer", "B"), ("layer", "B"), ("head", "F")))
     cut_params = 2 * layer_n + unit_layout(spec, EMBED).numel + unit_layout(spec, HEAD).numel
     plan.add(f"{steps} real steps of a 2-layer cut ({req.knobs.optimizer} placement, {req.knobs.buffers} buffers)",
-             cut_params * 18 / 2e9 + steps * 4 * cut_est,
+             0.1 + cut_params * 30e-9 + steps * (step_s + 2 * adam_1 / threads),  # init + store, then steps
              lambda: _runtime(m, spec, req, backend, threads, steps))
 
     progress = Progress([(label, est) for label, est, _ in plan.items], log)
