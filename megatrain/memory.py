@@ -124,6 +124,10 @@ def _gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
         alts.append(("loss_chunk_tokens=512 (smaller logits chunk)", replace(k, loss_chunk_tokens=512)))
     if k.buffers > 2:
         alts.append((f"buffers={k.buffers - 1}", replace(k, buffers=k.buffers - 1)))
+    if k.retain_grads:
+        alts.append(("retain_grads=0 (GPU-updated layers' gradients go through the host)", replace(k, retain_grads=0)))
+    if k.state_buffers > 2 and gpu_updated_layers(plan.spec, k):
+        alts.append(("state_buffers=2", replace(k, state_buffers=2)))
     return alts
 
 
