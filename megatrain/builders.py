@@ -529,7 +529,8 @@ def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
     sizes["head"] = unit_bytes(HEAD)
     gpu = gpu_updated_layers(spec, knobs)
     if gpu:
-        for i in range(min(knobs.state_buffers, len(gpu))):  # master, m, v and gradient (or the staged streaming copy), fp32
+        # master, m, v and gradient (or the staged streaming copy), fp32
+        for i in range(min(knobs.state_buffers, len(gpu))):
             sizes[f"s{i}"] = spec.layer_params * 16
     for layer in retained_grad_layers(spec, knobs):
         sizes[f"g{layer}"] = spec.layer_params * 4

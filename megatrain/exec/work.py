@@ -3,8 +3,9 @@ activations of one step.
 
 GPU side (allocated once): one flat buffer per slot of the Program ("w0".."w{k-1}", "embed", "head": the unit's
 weights in the wire dtype followed by an fp32 gradient area; "s0".."s{n-1}": master, m, v and gradient of a layer for
-a GPU update; "g<layer>": the gradients a GPU-updated layer keeps on the GPU until its update). Weights are bound to the layer functions as views of the slot (`UnitLayout.views`); when the wire dtype
-differs from the compute dtype the flat weights are cast once per task (the one copy). Gradients of all micro-batches
+a GPU update; "g<layer>": the gradients a GPU-updated layer keeps on the GPU until its update). Weights are bound to
+the layer functions as views of the slot (`UnitLayout.views`); when the wire dtype differs from the compute dtype the
+flat weights are cast once per task (the one copy). Gradients of all micro-batches
 accumulate in the slot's fp32 area (zeroed by micro-batch 0), and OFFLOAD sends them to the host once per step.
 
 Activations: the running hidden state of each micro-batch; checkpoints, the inputs of the first layer of each
