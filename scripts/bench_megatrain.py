@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--profile", default="h200", help="profile for the prediction ('' to skip)")
+    p.add_argument("--profile", default="h200-measured", help="profile for the prediction ('' to skip)")
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
