@@ -95,6 +95,8 @@ class StreamedTrainer:
             self._program = lower(sched)
             self._work = None  # free the old slots before allocating new ones
             self._work = StepWork(self._program, self.store, self.backend, self.optim)
+            if self._runtime is not None:
+                self._runtime.close()  # its stream threads belong to the old Program
             self._runtime = Runtime(self._program, self.backend, self._work, self.timeout_s)
             self._shape = (batch, seq)
         return self._program
