@@ -27,7 +27,7 @@ def base_profile(**changes) -> HardwareProfile:
 
 def test_json_round_trip_and_save(tmp_path):
     table = ComputeTable(model_signature(DEBUG), "F", "layer", 16, (32, 128), (1e-3, 3e-3))
-    p = base_profile(compute_tables=(table,), notes={"h2d": "measured"})
+    p = base_profile(compute_tables=(table,), notes={"h2d": "measured"}, cpu_optimizer_slowdown={2: 1.49})
     assert HardwareProfile.from_json(p.to_json()) == p
     p.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p

@@ -7,9 +7,11 @@ model gives, except copies, whose bytes flow through a fluid model of the PCIe l
 - each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream);
 - a copy alone moves at its curve's rate for its size; when both directions carry bytes and their rates add up
   to more than `duplex_Bps`, both are scaled down to share it; while a CPU optimizer update runs, every copy is
-  slowed by `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth);
-- whenever one of these conditions changes, the bytes still in flight are re-rated, so a copy that overlapped
-  the other direction for only part of its life is slowed for only that part.
+  slowed by `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth), and the update itself
+  is slowed by `cpu_optimizer_slowdown` for the number of copy directions busy meanwhile (the update is a flow of
+  work seconds on the same link model);
+- whenever one of these conditions changes, the bytes (and work) still in flight are re-rated, so a copy that
+  overlapped the other direction for only part of its life is slowed for only that part.
 
 The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
 a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck
@@ -61,10 +63,10 @@ class _Link:
 
     def __init__(self, env: simpy.Environment, profile: HardwareProfile):
         self.env = env
+        self.profile = profile
         self.duplex_Bps = profile.duplex_Bps
         self.dma_factor = profile.dma_factor_cpu_optimizer
-        self.flows: dict[str, _Flow] = {}
-        self.cpu_optimizers = 0  # CPU updates running now
+        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (bytes) and "cpu" (a CPU update's work seconds)
         self._t = 0.0  # time up to which `remaining` is accounted
         self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
 
@@ -79,11 +81,9 @@ class _Link:
         self._replan()
         return done
 
-    def contention(self, delta: int) -> None:
-        """A CPU optimizer update starts (+1) or ends (-1)."""
-        self._advance()
-        self.cpu_optimizers += delta
-        self._replan()
+    def cpu_update(self, work_s: float) -> simpy.Event:
+        """Run a CPU optimizer update of `work_s` seconds when alone; fires when its work is done."""
+        return self.transfer("cpu", work_s, 1.0)
 
     def _advance(self) -> None:
         dt = self.env.now - self._t
@@ -96,13 +96,15 @@ class _Link:
         self._gen += 1
         if not self.flows:
             return
+        copies = [f for d, f in self.flows.items() if d != "cpu"]
         scale = 1.0
-        total = sum(f.alone_Bps for f in self.flows.values())
-        if len(self.flows) > 1 and total > self.duplex_Bps:
+        total = sum(f.alone_Bps for f in copies)
+        if len(copies) > 1 and total > self.duplex_Bps:
             scale = self.duplex_Bps / total
-        if self.cpu_optimizers:
+        if "cpu" in self.flows:
             scale *= self.dma_factor
-        for f in self.flows.values():
+            self.flows["cpu"].rate = 1.0 / self.profile.cpu_slowdown(len(copies))
+        for f in copies:
             f.rate = f.alone_Bps * scale
         dt, due = min((max(f.remaining, 0.0) / f.rate, d) for d, f in self.flows.items())
         gen = self._gen
@@ -155,13 +157,13 @@ class _Engine:
                 if c.delay_s:
                     yield env.timeout(c.delay_s)
                 yield self.link.transfer(c.direction, c.nbytes, c.rate_Bps)
+            elif cost.is_cpu_optimizer(t):  # contends with DMA for host memory, both ways
+                over = self.profile.overhead(t.stream, t.kind)
+                if over:
+                    yield env.timeout(over)
+                yield self.link.cpu_update(cost.duration_s(t) - over)
             else:
-                contends = cost.is_cpu_optimizer(t)
-                if contends:
-                    self.link.contention(+1)
                 yield env.timeout(cost.duration_s(t))
-                if contends:
-                    self.link.contention(-1)
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,
                                   start_s=start, end_s=env.now, bytes=t.bytes, flops=t.flops, step=0))
             self.done[tid].succeed()

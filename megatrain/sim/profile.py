@@ -10,6 +10,8 @@ A profile holds
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
     dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
+    cpu_optimizer_slowdown    the other side of it: a CPU update takes this many times longer while 1 / 2 copy
+                         directions move bytes ({"2": 1.49} = 49% longer while both do; a missing key is 1.0)
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
@@ -163,6 +165,7 @@ class HardwareProfile:
     gpu_adam_params_per_s: float = math.inf
     clip_norm_params_per_s: float = math.inf
     dma_factor_cpu_optimizer: float = 1.0
+    cpu_optimizer_slowdown: dict[int, float] = field(default_factory=dict)
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
@@ -171,6 +174,11 @@ class HardwareProfile:
         object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
         object.__setattr__(self, "cpu_adam_params_per_s",
                            {int(k): float(v) for k, v in self.cpu_adam_params_per_s.items()})
+        object.__setattr__(self, "cpu_optimizer_slowdown",
+                           {int(k): float(v) for k, v in self.cpu_optimizer_slowdown.items()})
+        if set(self.cpu_optimizer_slowdown) - {1, 2} or any(v < 1 for v in self.cpu_optimizer_slowdown.values()):
+            raise ProfileError(f"profile {self.name}: cpu_optimizer_slowdown maps the number of busy copy directions "
+                               f"(1 or 2) to a factor >= 1, got {self.cpu_optimizer_slowdown}")
         bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
         if bad:
             raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
@@ -215,6 +223,10 @@ class HardwareProfile:
         """Measured tables that match, any seq."""
         return self._tables.get((model, kind, unit, dtype), [])
 
+    def cpu_slowdown(self, copies: int) -> float:
+        """How many times longer a CPU update takes while `copies` (0, 1, 2) copy directions move bytes."""
+        return self.cpu_optimizer_slowdown.get(copies, 1.0) if copies else 1.0
+
     def overhead(self, stream: str, kind: str | None = None) -> float:
         """Launch / dispatch seconds of a task: its kind's entry if there is one, else its stream's, else 0."""
         if kind in self.task_overhead_s:
@@ -234,7 +246,7 @@ class HardwareProfile:
                 v = asdict(v)
             elif f.name == "compute_tables":
                 v = [asdict(t) for t in v]
-            elif f.name == "cpu_adam_params_per_s":
+            elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
             d[f.name] = v
         return d
