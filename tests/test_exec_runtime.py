@@ -313,3 +313,24 @@ def test_bf16_compute_tracks_fp32_compute(wire):
     for a, b in zip(losses["fp32"], losses["bf16"]):
         assert b == pytest.approx(a, rel=2e-2)
     assert losses["fp32"] != losses["bf16"]  # the bf16 path really ran in bf16
+
+
+def test_bf16_gradients_update_in_chunks_through_one_scratch_buffer(monkeypatch):
+    """The update converts bf16 gradients chunk by chunk; chunking changes nothing (AdamW is elementwise)."""
+    import megatrain.memory as memory
+
+    knobs = knobs_for("overlap", grad_wire="bf16", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, TIED.vocab_size, (B, T + 1), generator=g) for _ in range(3)]
+
+    def train(chunk):
+        monkeypatch.setattr(memory, "GRAD_SCRATCH_ELEMENTS", chunk)
+        trainer = StreamedTrainer(TIED, knobs, init_tiles(TIED), optim=AdamWConfig(lr=1e-2), backend="cpu")
+        assert trainer.store.bytes_by_component()["fp32 gradient scratch"] == 4 * memory.grad_scratch_elements(TIED)
+        for tokens in batches:
+            trainer.step(tokens[:, :-1], tokens[:, 1:])
+        return trainer.tiles()
+
+    whole, chunked = train(1 << 26), train(1000)  # 1000 elements: every unit takes several chunks
+    for u in whole:
+        assert torch.equal(whole[u], chunked[u]), u

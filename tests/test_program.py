@@ -2,7 +2,7 @@
 import pytest
 
 from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, build_schedule, knobs_for
-from megatrain.memory import GiB, fit_report, plan_memory
+from megatrain.memory import GiB, fit_report, grad_scratch_elements, plan_memory
 from megatrain.presets import PRESETS
 from megatrain.program import STREAMS, Program, lower, plan_gpu_memory
 
@@ -76,7 +76,9 @@ def test_host_bytes_per_parameter():
     lean = plan_memory(spec, 8, 2048, ScheduleKnobs(weight_wire="fp32", grad_wire="bf16")).host
     # 12 (master, m, v) + 2 (bf16 copy) + 4 (fp32 grads); streamed-only params add a little (untied: none)
     assert std.bytes_per_param == pytest.approx(18.0, rel=1e-9)
-    assert lean.bytes_per_param == pytest.approx(14.0, rel=1e-9)
+    scratch = 4 * grad_scratch_elements(spec)  # bf16 gradients are converted through one fp32 buffer
+    assert lean.components["fp32 gradient scratch"] == scratch == 4 * 2**26
+    assert lean.bytes_per_param == pytest.approx(14.0 + scratch / spec.num_params, rel=1e-9)
     assert lean.pinned_bytes == pytest.approx(spec.num_params * (4 + 2), rel=1e-9)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from ..builders import ScheduleKnobs, gpu_updated_layers
+from ..memory import grad_scratch_elements
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
 from .layout import UnitLayout, unit_layout
@@ -46,17 +47,12 @@ def optimizer_offset(spec: ModelSpec, unit: int) -> int:
 
 
 def store_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
-    """Exact payload bytes of the host store by component (the memory planner's names), without allocating."""
-    own = sum(spec.unit_params(u) - optimizer_offset(spec, u) for u in spec.units())  # == spec.num_params
-    streamed = sum(spec.unit_params(u) for u in spec.units())
-    grad = TORCH_DTYPES[knobs.grad_wire].itemsize
-    return {
-        "fp32 master": 4 * own,
-        "adam m (fp32)": 4 * own,
-        "adam v (fp32)": 4 * own,
-        "bf16 streaming copy": 2 * streamed if knobs.weight_wire == "bf16" else 0,
-        f"gradients ({knobs.grad_wire})": grad * streamed,
-    }
+    """Exact payload bytes of the host store by component, without allocating: the memory planner's figures
+    (`megatrain.memory` is the one place that knows them; the store allocates exactly these)."""
+    from ..memory import NOT_STORE, plan_host_memory
+
+    planned = plan_host_memory(spec, 1, 1, knobs, backend="cpu").components
+    return {k: v for k, v in planned.items() if k not in NOT_STORE}
 
 
 class HostRegion:
@@ -128,6 +124,9 @@ class HostStore:
         self._v = HostRegion(self.backend, torch.float32, own)
         self._grad = HostRegion(self.backend, self.grad_dtype, full)
         self._stream = HostRegion(self.backend, torch.bfloat16, full) if knobs.weight_wire == "bf16" else None
+        # bf16 gradients are converted to fp32 for the update chunk by chunk in this one reused buffer.
+        self._scratch = (HostRegion(self.backend, torch.float32, {0: grad_scratch_elements(spec)})
+                         if self.grad_dtype != torch.float32 else None)
         # Pin only what DMA touches.
         self._grad.pin(self.units)
         if self._stream is not None:
@@ -140,8 +139,9 @@ class HostStore:
 
         self.steps = {u: 0 for u in self.units}  # AdamW step count per unit (skipped steps do not count)
         self._tied_merged = False
-        for r in (self._m, self._v, self._grad):
-            r.raw.zero_()
+        for r in (self._m, self._v, self._grad, self._scratch):
+            if r is not None:
+                r.raw.zero_()  # also faults the pages in now, not during the first step
         if tiles is not None:
             self.load(tiles)
 
@@ -209,6 +209,25 @@ class HostStore:
             g.add_(head_lm.float())
         return g
 
+    def optimizer_grad_chunks(self, unit: int):
+        """(lo, hi, fp32 gradient of master(unit)[lo:hi]) covering the unit: one view of the landing space for
+        fp32 gradients; for bf16 gradients, chunks converted into the store's scratch buffer (each chunk is valid
+        until the next one is produced)."""
+        if self.grad_dtype == torch.float32:
+            g = self.optimizer_grad(unit)
+            yield 0, g.numel(), g
+            return
+        g = self.grad(unit)[self.opt_lo[unit]:]
+        head_lm = self.grad(HEAD)[:self.opt_lo[HEAD]] if unit == EMBED and self.spec.tie_word_embeddings else None
+        scratch = self._scratch.tiles[0]
+        for lo in range(0, g.numel(), scratch.numel()):
+            hi = min(lo + scratch.numel(), g.numel())
+            chunk = scratch[:hi - lo]
+            chunk.copy_(g[lo:hi])
+            if head_lm is not None:
+                chunk.add_(head_lm[lo:hi])
+            yield lo, hi, chunk
+
     # ---- whole-model access --------------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, tiles: Mapping[int, torch.Tensor]) -> None:
@@ -244,6 +263,7 @@ class HostStore:
             "adam v (fp32)": self._v,
             "bf16 streaming copy": self._stream,
             f"gradients ({self.knobs.grad_wire})": self._grad,
+            **({"fp32 gradient scratch": self._scratch} if self._scratch is not None else {}),
         }
 
     def bytes_by_component(self) -> dict[str, int]:

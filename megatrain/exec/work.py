@@ -312,8 +312,10 @@ class StepWork:
     def _host_update(self, u: int, plan: UpdatePlan) -> None:
         store = self.store
         store.steps[u] += 1
-        adamw_update(store.master(u), store.optimizer_grad(u), store.exp_avg(u), store.exp_avg_sq(u),
-                     store.steps[u], store.decay_numel(u), plan.lr, self.cfg, plan.clip_coef)
+        master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
+        for lo, hi, g in store.optimizer_grad_chunks(u):
+            adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo),
+                         plan.lr, self.cfg, plan.clip_coef)
         store.refresh_stream(u)
         plan.applied_units.append(u)
 
