@@ -51,11 +51,14 @@ def set_update_threads(backend: Backend, threads: int | None = None) -> int:
 
     On CUDA the default leaves three cores free: the h2d, compute and d2h streams are driven by host threads that
     launch kernels and copies, and when the update's OpenMP threads occupy every core those launches starve (measured
-    on the H200 host: a 7 ms layer forward took 66 ms while an update ran). On the CPU backend every core computes.
+    on the H200 host: a 7 ms layer forward took 66 ms while an update ran). On the CPU backend the stream threads
+    are the parallelism and each runs its work with one intra-op thread: an OpenMP team per stream thread
+    oversubscribes the cores (a debug-model layer forward took 1.9 ms in a stream thread with 2 intra-op threads on
+    a 2-core machine, 0.49 ms with 1).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
-        threads = max(1, cores - 3) if backend.name == "cuda" else torch.get_num_threads()
+        threads = max(1, cores - 3) if backend.name == "cuda" else 1
     torch.set_num_threads(threads)
     return threads
 

@@ -32,9 +32,18 @@ def not_simulated(m: dict) -> str:
             if same and cross else "")
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
-            f"{uu['factor']:.2f}x as long while the compute stream runs and {uc['factor']:.2f}x while both copy "
-            f"directions run; the first layer forward in a fresh issuing thread (the runtime starts new ones every "
+            f"{uu['factor']:.2f}x as long while the compute stream runs ({uc['factor']:.2f}x while both copy "
+            f"directions run is simulated, see cpu_optimizer_slowdown); the first layer forward in a fresh issuing thread (the runtime starts new ones every "
             f"step) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
+
+
+def _update_slowdown(m: dict) -> dict[int, float]:
+    """How much longer a CPU update takes while 1 / 2 copy directions run. Both directions are measured; one
+    direction is interpolated halfway (the contention is host memory bandwidth, which one copy uses half of)."""
+    both = float(m["update_under_copies"]["factor"])
+    if not math.isfinite(both) or both <= 1.0:
+        return {}
+    return {1: 1.0 + (both - 1.0) / 2, 2: both}
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------
@@ -83,12 +92,16 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
         "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
                           f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
-        "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update + bf16 streaming-copy refresh on "
+        "cpu_refresh_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
+                                    "the runtime's threads; charged to CPU updates of bf16-wire programs.",
+        "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update (no refresh) on "
                                  f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
                                  f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu']).",
         "cpu_threads": "the runtime's update threads (exec.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
+        "cpu_optimizer_slowdown": "measured: a CPU update alone and while both copy directions run in loops "
+                                  "(host memory bandwidth shared); one direction is taken as half the slowdown.",
         "dma_factor_cpu_optimizer": f"measured: h2d {dma['alone_Bps'] / 1e9:.2f} GB/s alone, "
                                     f"{dma['with_update_Bps'] / 1e9:.2f} GB/s while CPU updates run.",
         "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
@@ -109,6 +122,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
         clip_norm_params_per_s=math.inf,
         dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
+        cpu_optimizer_slowdown=_update_slowdown(m),
+        cpu_refresh_params_per_s=float(m["cpu_refresh"]["rate"]),
         task_overhead_s=overhead,
         description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
                     f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",

@@ -169,7 +169,9 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     counts = rates.thread_counts(threads, info["cores"], quick)
     plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads",
              sum(timed(2 * budget / (len(counts) + 2), adam_1 / t) for t in counts) + layer_n * 18 / 2e9,
-             lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], stream_copy, quick, 2 * budget))
+             lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], False, quick, 2 * budget))
+    plan.add("bf16 streaming-copy refresh", budget / 2 + 0.1,
+             lambda: _refresh(m, w, layer_n, threads, budget / 2))
     plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
     plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
     plan.add("layer forward while a CPU update runs", budget + 0.2,
@@ -251,6 +253,12 @@ def _cpu_adam(m, w, n, threads, cores, stream_copy, quick, budget):
     m["cpu_adam"] = r
     by = ", ".join(f"{t}: {v / 1e9:.2f}" for t, v in r["by_threads"].items())
     return f"Gparam/s by threads {by}; fixed {r['fixed_s'] * 1e6:.0f} us per update ({threads} threads)"
+
+
+def _refresh(m, w, n, threads, budget):
+    r = rates.measure_refresh(w["cpu"], n, threads, budget)
+    m["cpu_refresh"] = r
+    return f"{r['rate'] / 1e9:.2f} Gparam/s ({threads} threads)"
 
 
 def _gpu_adam(m, w, backend, n, budget):

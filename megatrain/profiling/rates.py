@@ -95,6 +95,21 @@ def measure_cpu_adam(worker: Worker, n: int, runtime_threads: int, cores: int, s
     return out
 
 
+def measure_refresh(worker: Worker, n: int, runtime_threads: int, budget_s: float) -> dict:
+    """The bf16 streaming-copy refresh after a CPU update (`HostStore.refresh_stream`: fp32 master -> bf16 copy)
+    in params/s at the runtime's thread count. Measured apart from AdamW because only schedules with
+    weight_wire="bf16" pay it (the simulator adds it per program)."""
+    src = torch.full((n,), 0.02)
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(runtime_threads)
+        t = median(worker.time_for(lambda: dst.copy_(src), budget_s, warmup=1))
+    finally:
+        torch.set_num_threads(before)
+    return {"params": n, "rate": n / t}
+
+
 def measure_gpu_adam(worker: Worker, backend: Backend, n: int, budget_s: float) -> dict:
     """AdamW params/s on device tiles (the GPU optimizer placement; the CPU backend runs it in the compute
     thread on host memory), without a streaming-copy refresh (STATE_OFFLOAD writes that)."""

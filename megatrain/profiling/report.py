@@ -44,7 +44,7 @@ def calibration_report(cal: Calibration) -> str:
                  f"device memory {p.gpu_memory_Bps / 1e9:.1f} GB/s")
     adam = m["cpu_adam"]
     by = ", ".join(f"{t} threads {v / 1e9:.2f}" for t, v in p.cpu_adam_params_per_s.items())
-    lines += ["", f"CPU AdamW (+ bf16 refresh) on {adam['params']:,}-parameter tiles, Gparam/s: {by}; the runtime "
+    lines += ["", f"CPU AdamW on {adam['params']:,}-parameter tiles, Gparam/s: {by}; the runtime "
                   f"uses {p.cpu_threads} threads; fixed cost {adam['fixed_s'] * 1e6:.0f} us per update",
               f"AdamW on device tiles: {p.gpu_adam_params_per_s / 1e9:.2f} Gparam/s"]
     rt = m["runtime"]

@@ -72,8 +72,11 @@ class CostModel:
         if task.kind in ("F", "R", "B"):
             return over + self.compute_s(task)
         if task.kind == "U":
-            rate = p.gpu_adam_params_per_s if task.stream == "compute" else p.cpu_adam_rate()
-            return over + task.params / rate
+            if task.stream == "compute":
+                return over + task.params / p.gpu_adam_params_per_s
+            # A CPU update also refreshes the bf16 streaming copy when the program streams one.
+            refresh = task.params / p.cpu_refresh_params_per_s if self.program.knobs.weight_wire == "bf16" else 0.0
+            return over + task.params / p.cpu_adam_rate() + refresh
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
         if task.stream in COPY_STREAMS:

@@ -12,6 +12,7 @@ A profile holds
     dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
     cpu_optimizer_slowdown    the other side of it: a CPU update takes this many times longer while 1 / 2 copy
                          directions move bytes ({"2": 1.49} = 49% longer while both do; a missing key is 1.0)
+    cpu_refresh_params_per_s  the bf16 streaming-copy refresh after a CPU update (weight_wire="bf16" programs)
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
@@ -166,6 +167,7 @@ class HardwareProfile:
     clip_norm_params_per_s: float = math.inf
     dma_factor_cpu_optimizer: float = 1.0
     cpu_optimizer_slowdown: dict[int, float] = field(default_factory=dict)
+    cpu_refresh_params_per_s: float = math.inf
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
