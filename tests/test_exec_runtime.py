@@ -334,3 +334,24 @@ def test_bf16_gradients_update_in_chunks_through_one_scratch_buffer(monkeypatch)
     whole, chunked = train(1 << 26), train(1000)  # 1000 elements: every unit takes several chunks
     for u in whole:
         assert torch.equal(whole[u], chunked[u]), u
+
+
+def test_a_dropped_trainer_frees_its_store_and_stops_its_stream_threads():
+    """The stream threads live across steps but must not keep a discarded trainer's host store alive."""
+    import gc
+    import threading
+    import weakref
+
+    before = threading.active_count()
+    trainer = StreamedTrainer(DEBUG, knobs_for("overlap", compute_dtype="fp32"), backend="cpu")
+    tokens = torch.randint(0, DEBUG.vocab_size, (B, T + 1))
+    trainer.step(tokens[:, :-1], tokens[:, 1:])
+    assert threading.active_count() > before
+    store = weakref.ref(trainer.store)
+    del trainer
+    gc.collect()
+    assert store() is None, "the host store outlived its trainer"
+    deadline = time.perf_counter() + 5
+    while threading.active_count() > before and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import pandas as pd
@@ -48,6 +49,7 @@ class Runtime:
                                     "same-stream order is the queue order")
 
         self._workers: dict[str, _StreamWorker] = {}
+        self._finalizer: weakref.finalize | None = None
 
     def run(self, step: int = 0) -> pd.DataFrame:
         """Execute every task of the Program once; returns the measured Timeline of the step."""
@@ -68,7 +70,11 @@ class Runtime:
         active = [s for s in STREAMS if p.streams.get(s)]
         for s in active:
             if s not in self._workers or not self._workers[s].thread.is_alive():
-                self._workers[s] = _StreamWorker(s, self._walk)
+                # The worker holds the Runtime weakly: a dropped trainer frees its store (tens of GB) and the
+                # finalizer below stops the threads.
+                self._workers[s] = _StreamWorker(s, weakref.WeakMethod(self._walk))
+                if self._finalizer is None:
+                    self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
             self._workers[s].start_step()
         try:
             for s in active:
@@ -94,9 +100,7 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the stream threads (a new `run` would start them again)."""
-        for w in self._workers.values():
-            w.stop()
-        self._workers.clear()
+        _stop_workers(self._workers)
 
     # ---- one stream ----------------------------------------------------------------------------------------------
     def _walk(self, name: str) -> None:
@@ -166,10 +170,16 @@ class Runtime:
         return True
 
 
+def _stop_workers(workers: dict) -> None:
+    for w in workers.values():
+        w.stop()
+    workers.clear()
+
+
 class _StreamWorker:
     """A thread that walks one stream's queue once per step, kept across steps."""
 
-    def __init__(self, name: str, walk: Callable[[str], None]):
+    def __init__(self, name: str, walk: weakref.WeakMethod):
         self.name, self._walk = name, walk
         self._go = threading.Event()
         self._finished = threading.Event()
@@ -183,9 +193,12 @@ class _StreamWorker:
             self._go.clear()
             if self._stopping:
                 return
+            walk = self._walk()
             try:
-                self._walk(self.name)  # records its own errors in the Runtime
+                if walk is not None:
+                    walk(self.name)  # records its own errors in the Runtime
             finally:
+                del walk  # no strong reference to the Runtime between steps
                 self._finished.set()
 
     def start_step(self) -> None:
@@ -202,4 +215,5 @@ class _StreamWorker:
     def stop(self) -> None:
         self._stopping = True
         self._go.set()
-        self.thread.join(1.0)
+        if self.thread is not threading.current_thread():
+            self.thread.join(1.0)
