@@ -139,9 +139,13 @@ class HostStore:
 
         self.steps = {u: 0 for u in self.units}  # AdamW step count per unit (skipped steps do not count)
         self._tied_merged = False
-        for r in (self._m, self._v, self._grad, self._scratch):
+        # A parallel fill first-touches every page from the update's own thread team, so the pages are spread over
+        # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
+        # the first step. (The seeded init below writes the master from one thread; left to it, every master page
+        # would live next to that one thread.)
+        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch):
             if r is not None:
-                r.raw.zero_()  # also faults the pages in now, not during the first step
+                r.raw.zero_()
         if tiles is not None:
             self.load(tiles)
 

@@ -33,8 +33,8 @@ def not_simulated(m: dict) -> str:
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
             f"{uu['factor']:.2f}x as long while the compute stream runs ({uc['factor']:.2f}x while both copy "
-            f"directions run is simulated, see cpu_optimizer_slowdown); the first layer forward in a fresh issuing thread (the runtime starts new ones every "
-            f"step) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
+            f"directions run is simulated, see cpu_optimizer_slowdown); the first layer forward in a fresh "
+            f"issuing thread (the runtime keeps its threads, so only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
 
 
 def _update_slowdown(m: dict) -> dict[int, float]:
