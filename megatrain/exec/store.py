@@ -127,6 +127,13 @@ class HostStore:
         # bf16 gradients are converted to fp32 for the update chunk by chunk in this one reused buffer.
         self._scratch = (HostRegion(self.backend, torch.float32, {0: grad_scratch_elements(spec)})
                          if self.grad_dtype != torch.float32 else None)
+        # A parallel fill first-touches every page from the update's own thread team, so the pages are spread over
+        # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
+        # the first step. It comes before pinning, because cudaHostRegister faults the pages from this one thread,
+        # as the seeded init would for the master.
+        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch):
+            if r is not None:
+                r.raw.zero_()
         # Pin only what DMA touches.
         self._grad.pin(self.units)
         if self._stream is not None:
@@ -139,13 +146,6 @@ class HostStore:
 
         self.steps = {u: 0 for u in self.units}  # AdamW step count per unit (skipped steps do not count)
         self._tied_merged = False
-        # A parallel fill first-touches every page from the update's own thread team, so the pages are spread over
-        # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
-        # the first step. (The seeded init below writes the master from one thread; left to it, every master page
-        # would live next to that one thread.)
-        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch):
-            if r is not None:
-                r.raw.zero_()
         if tiles is not None:
             self.load(tiles)
 

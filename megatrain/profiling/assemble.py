@@ -92,8 +92,9 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
         "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
                           f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
-        "cpu_refresh_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
-                                    "the runtime's threads; charged to CPU updates of bf16-wire programs.",
+        "cpu_convert_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
+                                    "the runtime's threads; charged to a CPU update once per bf16 wire (weights, "
+                                    "gradients).",
         "cpu_adam_params_per_s": f"measured: exec.optim.adamw_update (no refresh) on "
                                  f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
                                  f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu']).",
@@ -123,7 +124,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         clip_norm_params_per_s=math.inf,
         dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
         cpu_optimizer_slowdown=_update_slowdown(m),
-        cpu_refresh_params_per_s=float(m["cpu_refresh"]["rate"]),
+        cpu_convert_params_per_s=float(m["cpu_refresh"]["rate"]),
         task_overhead_s=overhead,
         description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
                     f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",

@@ -79,7 +79,9 @@ def measure_cpu_adam(worker: Worker, n: int, runtime_threads: int, cores: int, s
     out: dict = {"params": n, "by_threads": {}}
     try:
         for t in counts:
-            torch.set_num_threads(t)  # process-wide, like the trainer's set_update_threads
+            # In the worker's own thread: a thread fixes its OpenMP team size at its first parallel op, so a
+            # set_num_threads from another thread would not reach it (the trainer sets it before its threads exist).
+            worker.call(torch.set_num_threads, t)
             if t == runtime_threads:
                 sizes = sorted({max(1, n // 16), max(1, n // 4), n})
                 times = [median(worker.time_for(lambda k=k: tiles.update(k), per / 2, warmup=1)) for k in sizes]
@@ -90,7 +92,7 @@ def measure_cpu_adam(worker: Worker, n: int, runtime_threads: int, cores: int, s
                 tt = median(worker.time_for(tiles.update, per, warmup=1))
                 out["by_threads"][t] = n / max(tt - out.get("fixed_s", 0.0), tt / 2)
     finally:
-        torch.set_num_threads(before)
+        worker.call(torch.set_num_threads, before)
     out["by_threads"] = dict(sorted(out["by_threads"].items()))
     return out
 
@@ -103,10 +105,10 @@ def measure_refresh(worker: Worker, n: int, runtime_threads: int, budget_s: floa
     dst = torch.empty(n, dtype=torch.bfloat16)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(runtime_threads)
+        worker.call(torch.set_num_threads, runtime_threads)
         t = median(worker.time_for(lambda: dst.copy_(src), budget_s, warmup=1))
     finally:
-        torch.set_num_threads(before)
+        worker.call(torch.set_num_threads, before)
     return {"params": n, "rate": n / t}
 
 

@@ -74,9 +74,11 @@ class CostModel:
         if task.kind == "U":
             if task.stream == "compute":
                 return over + task.params / p.gpu_adam_params_per_s
-            # A CPU update also refreshes the bf16 streaming copy when the program streams one.
-            refresh = task.params / p.cpu_refresh_params_per_s if self.program.knobs.weight_wire == "bf16" else 0.0
-            return over + task.params / p.cpu_adam_rate() + refresh
+            # A CPU update also makes a bf16 <-> fp32 conversion pass over the tile for each bf16 wire: the
+            # streaming-copy refresh (weight_wire) and the gradients' conversion (grad_wire).
+            knobs = self.program.knobs
+            passes = (knobs.weight_wire == "bf16") + (knobs.grad_wire == "bf16")
+            return over + task.params / p.cpu_adam_rate() + passes * task.params / p.cpu_convert_params_per_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
         if task.stream in COPY_STREAMS:

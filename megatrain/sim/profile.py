@@ -12,7 +12,9 @@ A profile holds
     dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
     cpu_optimizer_slowdown    the other side of it: a CPU update takes this many times longer while 1 / 2 copy
                          directions move bytes ({"2": 1.49} = 49% longer while both do; a missing key is 1.0)
-    cpu_refresh_params_per_s  the bf16 streaming-copy refresh after a CPU update (weight_wire="bf16" programs)
+    cpu_convert_params_per_s  a bf16 <-> fp32 conversion pass over a tile on the host: charged to a CPU update
+                         once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
+                         conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
@@ -167,7 +169,7 @@ class HardwareProfile:
     clip_norm_params_per_s: float = math.inf
     dma_factor_cpu_optimizer: float = 1.0
     cpu_optimizer_slowdown: dict[int, float] = field(default_factory=dict)
-    cpu_refresh_params_per_s: float = math.inf
+    cpu_convert_params_per_s: float = math.inf
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
