@@ -72,8 +72,8 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """One AdamW step on a flat fp32 tile, in place. `step` is the step count including this one (1-based).
 
     param, grad, exp_avg, exp_avg_sq: (n,) fp32 on one device; weight decay applies to param[:decay_numel].
-    Clipping is folded into the kernel (it divides the gradient by `grad_scale`), which saves a full read-write
-    pass over the gradient: the update is memory-bound on the host.
+    Clipping is folded into the kernel (it divides the gradient by `grad_scale` and writes the scaled gradient
+    back, as an in-place clip would), which saves a full read-write pass: the update is memory-bound on the host.
     """
     if grad.dtype != torch.float32 or param.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 tiles; got param {param.dtype}, grad {grad.dtype}")
