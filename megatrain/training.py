@@ -325,7 +325,7 @@ class _Training:
         if run.simulate:
             from .sim import simulate
 
-            profile = run.profile or ("h200" if self.backend_name == "cuda" else "cpu")
+            profile = run.profile or ("h200-measured" if self.backend_name == "cuda" else "cpu")
             self.predicted = simulate(self.program, profile)
             self.profile_name = Path(profile).stem
             p = self.predicted.summary

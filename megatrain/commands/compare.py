@@ -36,7 +36,7 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant (the first is a warm-up)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200 / cpu "
+    src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured / h200 / cpu "
                                        "(default: the shipped profile of the device)")
     src.add_argument("--measure-profile", action="store_true",
                      help="run `megatrain profile` for this model and batch first (written to DIR/profile.json)")
@@ -59,7 +59,7 @@ def _profile_for(args, spec, device: str, first_knobs, out: Path):
         print(f"profile written to {path}")
         return cal.profile
     try:
-        return load_profile(args.profile or ("h200" if device.startswith("cuda") else "cpu"))
+        return load_profile(args.profile or ("h200-measured" if device.startswith("cuda") else "cpu"))
     except ProfileError as e:
         raise UserError(str(e)) from None
 

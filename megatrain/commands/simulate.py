@@ -33,7 +33,9 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="named schedule or TOML file ([schedule] table)")
-    p.add_argument("--profile", default="h200", help="hardware profile: h200, cpu, or a profile JSON path")
+    p.add_argument("--profile", default="h200-measured",
+                   help="hardware profile: h200-measured (run 7 of docs/calibration.md), h200 (BENCHMARKS.md numbers), "
+                        "cpu, or a profile JSON path")
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
