@@ -36,8 +36,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant (the first is a warm-up)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured / h200 / cpu "
-                                       "(default: the shipped profile of the device)")
+    src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured, h200, "
+                     "cpu (default: the shipped profile of the device)")
     src.add_argument("--measure-profile", action="store_true",
                      help="run `megatrain profile` for this model and batch first (written to DIR/profile.json)")
     p.add_argument("--quick", action="store_true", help="with --measure-profile: the quick profile")
