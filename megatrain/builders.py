@@ -249,7 +249,6 @@ class _Builder:
                 order += bs
         be = [B(EMBED, m) for m in range(M)]
         order += be
-        first_pos = {}
         for layer, rd in bwd_readers.items():
             visits.append(_Visit(layer, True, rd))
         visits.append(_Visit(EMBED, True, be))
@@ -257,7 +256,6 @@ class _Builder:
         for v in visits:
             v.first = min(pos[t] for t in v.readers)
             v.last = max(pos[t] for t in v.readers)
-            first_pos[v.unit, v.backward] = v.first
         visits.sort(key=lambda v: v.first)
 
         self.assign_slots(visits)
@@ -561,19 +559,15 @@ def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict 
 
     Returns (display name, knobs).
     """
-    import tomllib
     from pathlib import Path
+
+    from .tomlfile import read_toml
 
     if schedule in NAMED_SCHEDULES:
         name, knobs = schedule, NAMED_SCHEDULES[schedule]
     elif schedule.endswith(".toml") or Path(schedule).is_file():
         path = Path(schedule)
-        if not path.is_file():
-            raise ScheduleError(f"schedule file {path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ScheduleError(f"{path} is not valid TOML: {e}") from None
+        data = read_toml(path, ScheduleError, "schedule file")
         table = data.get("schedule", data)
         base = table.pop("base", DEFAULT_SCHEDULE) if isinstance(table, dict) else DEFAULT_SCHEDULE
         name, knobs = path.stem, ScheduleKnobs.from_dict({**knobs_for(base).to_dict(), **table})

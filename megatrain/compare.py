@@ -73,7 +73,8 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
     from .commands.train import synthetic_batches
     from .exec.optim import AdamWConfig
-    from .exec.trainer import StreamedTrainer, init_tiles
+    from .exec.trainer import StreamedTrainer
+    from .init import init_tiles
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")

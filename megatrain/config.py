@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Iterable
 from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
 from .presets import PRESETS
 from .schedule import ScheduleError
+from .tomlfile import read_toml
 
 DATA_FORMATS = ("auto", "text", "bin", "jsonl")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -303,16 +303,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     raw: dict = {}
     source = "defaults"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p} is not valid TOML: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{p} is not UTF-8 text: {e}") from None
+        source = str(path)
+        raw = read_toml(path, ConfigError, "config file")
     overrides = list(overrides)
     if overrides:
         # Check the file's keys and types alone first, so a mistake in it is reported against the file (the

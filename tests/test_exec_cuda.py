@@ -9,7 +9,8 @@ import torch
 from megatrain.builders import knobs_for
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.store import store_bytes
-from megatrain.exec.trainer import StreamedTrainer, init_tiles
+from megatrain.exec.trainer import StreamedTrainer
+from megatrain.init import init_tiles
 from megatrain.memory import plan_host_memory
 from megatrain.presets import PRESETS
 from megatrain.timeline import TIMELINE_COLUMNS

@@ -68,7 +68,7 @@ def run(args) -> int:
     import torch
 
     from ..compare import compare, kendall_tau, measure_steps, ranking
-    from ..exec.trainer import init_tiles
+    from ..init import init_tiles
     from ..schedule import ScheduleError
 
     if args.steps < 2:

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from ..builders import ScheduleKnobs, build_schedule, knobs_for
-from ..init import init_into, init_tiles  # noqa: F401  (init_tiles: re-exported for the tests' callers)
+from ..init import init_into
 from ..program import Program, lower
 from ..spec import ModelSpec
 from .backend import Backend, get_backend
