@@ -3,7 +3,8 @@ one GPU, with every schedule simulated before it is run.
 
 Schedule (DAG) -> lower() -> Program -> simulator / executor -> Timeline. See docs/design.md.
 """
-from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, ScheduleKnobs, build_schedule, knobs_for
+from .builders import build_schedule
+from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from .presets import PRESETS, get_model
 from .program import GpuMemoryPlan, Program, ProgramTask, lower
 from .schedule import Schedule, ScheduleError

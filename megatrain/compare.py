@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from .analysis import StepSummary, summarize
-from .builders import ScheduleKnobs
+from .knobs import ScheduleKnobs
 from .profiling.overhead import with_spans
 from .program import Program
 from .sim import HardwareProfile, load_profile, simulate

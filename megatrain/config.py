@@ -2,7 +2,7 @@
 
     [model]      which model (a preset or a local Hugging Face directory) and how its weights start
     [data]       where the tokens come from, sequence length, batch size, held-out split
-    [schedule]   a named schedule and any knob of megatrain.builders.ScheduleKnobs overriding it
+    [schedule]   a named schedule and any knob of megatrain.knobs.ScheduleKnobs overriding it
     [optimizer]  AdamW, learning-rate schedule, clipping
     [run]        steps, evaluation, checkpoints, logging, device
 
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
+from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
 from .presets import PRESETS
 from .schedule import ScheduleError
 from .tomlfile import read_toml

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .builders import ScheduleKnobs, gpu_updated_layers
+from .knobs import ScheduleKnobs, gpu_updated_layers
 from .program import GpuMemoryPlan, plan_gpu_memory
 from .spec import HEAD, ModelSpec
 

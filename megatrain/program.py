@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 
-from .builders import ScheduleKnobs, gpu_slot_bytes
+from .builders import gpu_slot_bytes
+
+from .knobs import ScheduleKnobs
 from .schedule import Schedule
 from .spec import ModelSpec
 from .tasks import Task, TaskKind

@@ -44,7 +44,7 @@ def add_train_arguments(parser) -> None:
 
 def config_from_args(args) -> RunConfig:
     """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
-    from .builders import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+    from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
 
     overrides = []
     for attr, key in _SHORTCUTS.items():

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from . import safetensors_io as stio
-from .builders import ScheduleKnobs
+from .knobs import ScheduleKnobs
 from .checkpoint import KINDS, STATE_FILE, CheckpointError, CheckpointManager, check_writable, key_unit, rng_state, \
     set_rng_state, unit_key
 from .config import ConfigError, OptimizerConfig, RunConfig
@@ -186,25 +186,6 @@ class _StoreTiles(Mapping):
         return len(self.store.units)
 
 
-class _Placeholder(Mapping):
-    """Initial tiles for StreamedTrainer that cost no memory (a stride-0 zero per unit): the weights are then
-    written in place into the store, so no second copy of the model is ever built."""
-
-    def __init__(self, spec: ModelSpec):
-        from .exec.layout import unit_layout
-
-        self.numel = {u: unit_layout(spec, u).numel for u in spec.units()}
-
-    def __getitem__(self, unit: int) -> torch.Tensor:
-        return torch.zeros(1).expand(self.numel[unit])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.numel)
-
-    def __len__(self) -> int:
-        return len(self.numel)
-
-
 @torch.no_grad()
 def evaluate(trainer, data: Data, num_batches: int, batch_size: int) -> float | None:
     """Mean loss on the first `num_batches` held-out batches (None without a held-out split): a plain fp32
@@ -339,8 +320,8 @@ class _Training:
         o = self.cfg.optimizer
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, max_grad_norm=o.grad_clip or None)
-        self.trainer = StreamedTrainer(self.spec, self.knobs, _Placeholder(self.spec), optim=optim,
-                                       backend=self.backend_name, cpu_threads=o.threads or None)
+        self.trainer = StreamedTrainer(self.spec, self.knobs, optim=optim, backend=self.backend_name,
+                                       cpu_threads=o.threads or None, init=False)  # _fill_weights fills the store
         self.trainer.schedule_name = self.cfg.schedule.name
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "

@@ -20,7 +20,7 @@ import time
 import psutil
 import torch
 
-from megatrain.builders import resolve_knobs
+from megatrain.knobs import resolve_knobs
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.memory import plan_memory

@@ -4,7 +4,9 @@ import json
 import pytest
 import torch
 
-from megatrain.builders import build_schedule, knobs_for
+from megatrain.builders import build_schedule
+
+from megatrain.knobs import knobs_for
 from megatrain.cli import main
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile, with_spans

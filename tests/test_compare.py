@@ -6,7 +6,9 @@ import math
 import pandas as pd
 import pytest
 
-from megatrain.builders import build_schedule, knobs_for
+from megatrain.builders import build_schedule
+
+from megatrain.knobs import knobs_for
 from megatrain.cli import main
 from megatrain.compare import compare, kendall_tau, measure_interleaved, ranking, task_group
 from megatrain.presets import PRESETS

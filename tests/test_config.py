@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.config import ConfigError, RunConfig, ScheduleConfig, load_config
 
 

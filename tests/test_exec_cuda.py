@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.builders import knobs_for
+from megatrain.knobs import knobs_for
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.store import store_bytes
 from megatrain.exec.trainer import StreamedTrainer

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from megatrain.builders import ScheduleKnobs, build_schedule, knobs_for
+from megatrain.builders import build_schedule
+
+from megatrain.knobs import ScheduleKnobs, knobs_for
 from megatrain.cli import main
 from megatrain.exec.backend import CpuBackend, ExecError
 from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm

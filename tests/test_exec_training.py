@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.exec import work as work_module
 from megatrain.exec.hf_io import state_dict_from_tiles
 from megatrain.exec.layout import unit_layout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.builders import knobs_for
+from megatrain.knobs import knobs_for
 from megatrain.exec.head import embed_forward, head_logits
 from megatrain.exec.hf_io import state_dict_from_tiles
 from megatrain.exec.layers import decoder_layer

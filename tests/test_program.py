@@ -1,7 +1,9 @@
 """Lowering a schedule to a Program: streams, per-stream order, waits, slots, memory, JSON, determinism."""
 import pytest
 
-from megatrain.builders import NAMED_SCHEDULES, ScheduleKnobs, build_schedule, knobs_for
+from megatrain.builders import build_schedule
+
+from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.memory import GiB, fit_report, grad_scratch_elements, plan_memory
 from megatrain.presets import PRESETS
 from megatrain.program import STREAMS, Program, lower, plan_gpu_memory

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.builders import (NAMED_SCHEDULES, ScheduleKnobs, build_schedule, gpu_updated_layers, knobs_for,
-                                retained_grad_layers)
+from megatrain.builders import build_schedule
+from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, gpu_updated_layers, knobs_for, retained_grad_layers
 from megatrain.presets import PRESETS
 from megatrain.schedule import ScheduleError
 from megatrain.spec import EMBED, HEAD

@@ -5,7 +5,9 @@ import math
 import pandas as pd
 import pytest
 
-from megatrain.builders import build_schedule, knobs_for
+from megatrain.builders import build_schedule
+
+from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.program import Program, ProgramTask, lower
 from megatrain.sim import CopyCurve, HardwareProfile, SimulationError, simulate

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from megatrain.analysis import critical_path, gpu_memory_curve, idle_gaps, summarize
-from megatrain.builders import build_schedule, knobs_for
+from megatrain.builders import build_schedule
+from megatrain.knobs import knobs_for
 from megatrain.cli import main
 from megatrain.presets import PRESETS
 from megatrain.program import STREAMS, lower

@@ -252,7 +252,7 @@ def test_run_that_does_not_fit_stops_before_allocating(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # nothing created
     # GPU side (planned for the cuda backend, no GPU needed): the knobs that shrink the working set.
     big = PRESETS["llama3-8b"]
-    from megatrain.builders import knobs_for
+    from megatrain.knobs import knobs_for
 
     with pytest.raises(MemoryFitError, match=r"GPU: DOES NOT FIT.*\n.*micro_batches=2") as e:
         check_memory(big, 8, 4096, knobs_for("overlap"), "cuda", host_bytes=2**40, gpu_bytes=8 * 2**30)

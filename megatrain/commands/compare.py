@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..builders import DEFAULT_SCHEDULE, resolve_knobs
+from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..cli import UserError
 from ..presets import get_model
 from .simulate import parse_sweeps, slug, variants

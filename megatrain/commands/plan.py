@@ -1,7 +1,7 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from ..builders import DEFAULT_SCHEDULE, resolve_knobs
+from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..memory import GiB, fit_report, format_plan, plan_memory
 from ..presets import get_model
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..builders import DEFAULT_SCHEDULE, resolve_knobs
+from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..cli import UserError
 from ..presets import get_model
 

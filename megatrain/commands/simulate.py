@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..builders import DEFAULT_SCHEDULE, build_schedule, parse_knob_value, resolve_knobs
+from ..builders import build_schedule
+
+from ..knobs import DEFAULT_SCHEDULE, parse_knob_value, resolve_knobs
 from ..cli import UserError
 from ..presets import get_model
 from ..program import lower

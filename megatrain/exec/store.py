@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..builders import ScheduleKnobs, gpu_updated_layers
+from ..knobs import ScheduleKnobs, gpu_updated_layers
 from ..memory import grad_scratch_elements
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
@@ -35,7 +35,7 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def gpu_optimizer_units(spec: ModelSpec, knobs: ScheduleKnobs) -> set[int]:
-    """Layers whose update the schedule runs on the GPU (`builders.gpu_updated_layers`)."""
+    """Layers whose update the schedule runs on the GPU (`knobs.gpu_updated_layers`)."""
     return set(gpu_updated_layers(spec, knobs))
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from ..builders import ScheduleKnobs, build_schedule, knobs_for
+from ..builders import build_schedule
+
+from ..knobs import ScheduleKnobs, knobs_for
 from ..init import init_into
 from ..program import Program, lower
 from ..spec import ModelSpec
@@ -69,7 +71,7 @@ class StreamedTrainer:
     def __init__(self, spec: ModelSpec, schedule: str | ScheduleKnobs = "overlap",
                  tiles: dict[int, torch.Tensor] | None = None, *, optim: AdamWConfig | None = None,
                  backend: str | Backend = "auto", timeout_s: float = 300.0, seed: int = 0,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, init: bool = True):
         self.spec = spec
         self.schedule_name = schedule if isinstance(schedule, str) else "custom"
         self.knobs = knobs_for(schedule) if isinstance(schedule, str) else schedule
@@ -78,7 +80,9 @@ class StreamedTrainer:
         self.cpu_threads = set_update_threads(self.backend, cpu_threads)
         self.timeout_s = timeout_s
         self.store = HostStore(spec, self.knobs, self.backend, tiles)
-        if tiles is None:  # seeded random init written straight into the store: no second copy of the model
+        # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,
+        # with init=False, zeros for the caller to fill (`store.master(unit)`, then `store.refresh_stream(unit)`).
+        if tiles is None and init:
             init_into(spec, self.store.master, seed)
             for unit in spec.units():
                 self.store.refresh_stream(unit)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..builders import ScheduleKnobs, knobs_for
+from ..knobs import ScheduleKnobs, knobs_for
 from ..exec.backend import get_backend
 from ..exec.layout import unit_layout
 from ..exec.trainer import set_update_threads

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..builders import ScheduleKnobs
+from ..knobs import ScheduleKnobs
 from ..exec.backend import Backend
 from ..program import Program
 from ..spec import ModelSpec

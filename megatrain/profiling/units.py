@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..builders import ScheduleKnobs
+from ..knobs import ScheduleKnobs
 from ..exec.backend import Backend
 from ..exec.head import embed_backward, embed_forward, head_loss_backward
 from ..exec.layers import decoder_layer, layer_backward

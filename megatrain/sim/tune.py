@@ -20,7 +20,9 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..builders import GPU_PLACEMENTS, ScheduleKnobs, build_schedule
+from ..builders import build_schedule
+
+from ..knobs import GPU_PLACEMENTS, ScheduleKnobs
 from ..program import lower, plan_gpu_memory
 from ..schedule import ScheduleError
 from ..spec import ModelSpec

@@ -1,0 +1,212 @@
+"""Schedule knobs: what shapes a training step's DAG, the named schedules, and how knobs are read from names,
+TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatrain/builders.py):
+
+    buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
+                       resident from the forward is reused by its backward instead of being fetched again
+    recompute_block    r: keep the input of every r-th layer; the backward of a block recomputes the inner
+                       layers (RECOMPUTE tasks) and holds the block's r layers resident at once
+    micro_batches      M micro-batches go through a layer per visit; gradients accumulate on the GPU
+    optimizer          after   : every update after the step's backward (and global norm)
+                       arrival : update a unit as soon as its gradients land (no exact clipping possible)
+                       overlap : updates of the previous step's gradients run while this step streams forward;
+                                 each PREFETCH(l) waits only for its own update
+                       gpu     : decoder layers updated on the GPU with streamed master and moments
+                       split   : the first `gpu_optimizer_fraction` of layers on the GPU, the rest on CPU threads
+                       overlap-split : "overlap" with `gpu_optimizer_fraction` of the layers, spread evenly over the
+                                 depth, updated on the GPU: S streams master + moments (+ gradients) into a state
+                                 slot, U updates them and writes the new weights straight into the layer's weight
+                                 slot (no PREFETCH for its forward), W sends master + moments (+ streaming copy) back
+    state_buffers      GPU state slots ("s0".."s{n-1}", 16 B/param of a layer each) for the GPU updates
+    state_lookahead    "overlap-split": a layer's state copy S is queued on h2d before the weight copies of the
+                       `state_lookahead` layers before it (so the link streams state while it waits for CPU updates)
+    retain_grads       the first `retain_grads` GPU-updated layers (forward order) keep their gradients on the GPU
+                       in a buffer of their own ("g<layer>") instead of sending them to the host and back: 4 B/param
+                       of GPU memory each, saves 4 B/param on each PCIe direction
+    weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
+    grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
+    clip               "exact": global-norm clipping over all gradients; "none"
+    offload_checkpoints  send checkpointed activations to the host and back (long context)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from .schedule import ScheduleError
+from .spec import DTYPE_BYTES, ModelSpec
+
+OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split")
+GPU_PLACEMENTS = ("gpu", "split", "overlap-split")  # placements that update layers on the GPU
+WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class ScheduleKnobs:
+    """Everything that shapes the step's DAG (see the module docstring)."""
+
+    buffers: int = 2
+    recompute_block: int = 1
+    micro_batches: int = 1
+    optimizer: str = "overlap"
+    gpu_optimizer_fraction: float = 0.5
+    weight_wire: str = "bf16"
+    grad_wire: str = "fp32"
+    clip: str = "exact"
+    offload_checkpoints: bool = False
+    compute_dtype: str = "bf16"
+    loss_chunk_tokens: int = 2048
+    state_buffers: int = 2
+    state_lookahead: int = 1
+    retain_grads: int = 0
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ScheduleError(f"schedule knob {name}={getattr(self, name)!r} is invalid; use {allowed}")
+
+        if not isinstance(self.buffers, int) or self.buffers < 1:
+            bad("buffers", "an integer >= 1")
+        if not isinstance(self.recompute_block, int) or self.recompute_block < 1:
+            bad("recompute_block", "an integer >= 1")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            bad("micro_batches", "an integer >= 1")
+        if self.optimizer not in OPTIMIZER_PLACEMENTS:
+            bad("optimizer", " | ".join(OPTIMIZER_PLACEMENTS))
+        if not 0.0 <= self.gpu_optimizer_fraction <= 1.0:
+            bad("gpu_optimizer_fraction", "a fraction in [0, 1]")
+        for name in ("weight_wire", "grad_wire", "compute_dtype"):
+            if getattr(self, name) not in WIRE_DTYPES:
+                bad(name, " | ".join(WIRE_DTYPES))
+        if self.clip not in ("exact", "none"):
+            bad("clip", "exact | none")
+        if self.optimizer == "arrival" and self.clip == "exact":
+            raise ScheduleError(
+                "optimizer='arrival' updates a layer before the later layers' gradients exist, so the global norm "
+                "that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' (updates overlap "
+                "the next forward and stay exact)"
+            )
+        if self.loss_chunk_tokens < 1:
+            bad("loss_chunk_tokens", "an integer >= 1")
+        if not isinstance(self.state_buffers, int) or self.state_buffers < 1:
+            bad("state_buffers", "an integer >= 1")
+        if not isinstance(self.state_lookahead, int) or self.state_lookahead < 0:
+            bad("state_lookahead", "an integer >= 0")
+        if not isinstance(self.retain_grads, int) or self.retain_grads < 0:
+            bad("retain_grads", "an integer >= 0")
+        if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:
+            raise ScheduleError(f"retain_grads={self.retain_grads} keeps gradients of GPU-updated layers on the GPU, "
+                                f"but optimizer={self.optimizer!r} updates every layer on the host; use one of "
+                                f"{', '.join(GPU_PLACEMENTS)}, or retain_grads=0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ScheduleKnobs:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ScheduleError(f"unknown schedule knob(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    def wire_bytes(self, which: str) -> int:
+        return DTYPE_BYTES[WIRE_DTYPES[getattr(self, which)]]
+
+
+# Named schedules users refer to on the command line and in notebooks.
+NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
+    "serial": ScheduleKnobs(buffers=1, optimizer="after"),
+    "double-buffer": ScheduleKnobs(buffers=2, optimizer="after"),
+    "overlap": ScheduleKnobs(buffers=3, optimizer="overlap"),
+    "arrival": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none"),
+    "gpu-adam": ScheduleKnobs(buffers=3, optimizer="gpu"),
+    "split-adam": ScheduleKnobs(buffers=3, optimizer="split"),
+    "overlap-split": ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.4),
+    "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
+}
+DEFAULT_SCHEDULE = "overlap"
+
+
+def knobs_for(name: str, **overrides) -> ScheduleKnobs:
+    """A named schedule, with knobs overridden (`knobs_for("overlap", buffers=2)`)."""
+    if name not in NAMED_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; named schedules: {', '.join(NAMED_SCHEDULES)}")
+    return replace(NAMED_SCHEDULES[name], **overrides)
+
+
+def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """Decoder layers whose AdamW update runs on the GPU, in forward order.
+
+    "gpu": all; "split": the first round(f * L); "overlap-split": round(f * L) spread evenly over the depth,
+    starting with layer 0, so that during the next forward the host threads and the GPU each update every few
+    layers and proceed side by side in forward order (layer 0 on the GPU: its state copy overlaps the host's
+    update of the embedding, which the forward needs first).
+    """
+    L = spec.num_layers
+    if knobs.optimizer == "gpu":
+        return list(range(L))
+    n = round(knobs.gpu_optimizer_fraction * L)
+    if knobs.optimizer == "split":
+        return list(range(n))
+    if knobs.optimizer == "overlap-split":
+        return [i * L // n for i in range(n)]
+    return []
+
+
+def retained_grad_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """GPU-updated layers whose gradients stay on the GPU (the first `retain_grads` of them, forward order)."""
+    gpu = gpu_updated_layers(spec, knobs)
+    if knobs.retain_grads > len(gpu):
+        raise ScheduleError(f"retain_grads={knobs.retain_grads} but only {len(gpu)} layer(s) are updated on the GPU "
+                            f"(optimizer={knobs.optimizer!r}, gpu_optimizer_fraction={knobs.gpu_optimizer_fraction}); "
+                            f"use retain_grads <= {len(gpu)} or a larger fraction")
+    return gpu[:knobs.retain_grads]
+
+
+def parse_knob_value(name: str, text: str):
+    """Convert `text` to the type of ScheduleKnobs field `name` ("3" -> 3, "true" -> True)."""
+    types = {f.name: f.type for f in fields(ScheduleKnobs)}
+    if name not in types:
+        raise ScheduleError(f"unknown schedule knob {name!r}; known: {', '.join(sorted(types))}")
+    kind = types[name] if isinstance(types[name], str) else types[name].__name__
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        expected = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
+        raise ScheduleError(f"schedule knob {name} expects {expected}, got {text!r}") from None
+
+
+def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
+    """Knobs from a named schedule or a TOML file (a [schedule] table of knob fields), then `knob=value` overrides.
+
+    Returns (display name, knobs).
+    """
+    from pathlib import Path
+
+    from .tomlfile import read_toml
+
+    if schedule in NAMED_SCHEDULES:
+        name, knobs = schedule, NAMED_SCHEDULES[schedule]
+    elif schedule.endswith(".toml") or Path(schedule).is_file():
+        path = Path(schedule)
+        data = read_toml(path, ScheduleError, "schedule file")
+        table = data.get("schedule", data)
+        base = table.pop("base", DEFAULT_SCHEDULE) if isinstance(table, dict) else DEFAULT_SCHEDULE
+        name, knobs = path.stem, ScheduleKnobs.from_dict({**knobs_for(base).to_dict(), **table})
+    else:
+        raise ScheduleError(f"unknown schedule {schedule!r}: give one of {', '.join(NAMED_SCHEDULES)} or a .toml file")
+    if isinstance(overrides, dict):
+        pairs = list(overrides.items())
+    else:
+        pairs = []
+        for item in overrides or []:
+            if "=" not in item:
+                raise ScheduleError(f"override {item!r} is not knob=value (e.g. buffers=3)")
+            k, v = item.split("=", 1)
+            pairs.append((k.strip(), parse_knob_value(k.strip(), v.strip())))
+    if pairs:
+        knobs = replace(knobs, **dict(pairs))
+        name = name + "[" + ",".join(f"{k}={v}" for k, v in pairs) + "]"
+    return name, knobs
