@@ -112,7 +112,8 @@ def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, bac
 
 
 # ---- fitting ----------------------------------------------------------------------------------------------------
-def _host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
+def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
+    """Knob changes that lower the host bytes, each with a label saying what it costs."""
     alts = []
     if knobs.grad_wire == "fp32":
         alts.append(("grad_wire=bf16 (gradients travel and land in bf16)", replace(knobs, grad_wire="bf16")))
@@ -125,7 +126,8 @@ def _host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
     return alts
 
 
-def _gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
+def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
+    """Knob changes that lower the GPU peak of `plan`, each with a label saying what it does."""
     k, alts = plan.knobs, []
     for m in (2, 4, 8, 16):
         if k.micro_batches < m and plan.batch % m == 0:
@@ -163,7 +165,7 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
         ok = False
         lines.append(f"{what}: DOES NOT FIT: needs {need / GiB:.1f} GiB, has {have / GiB:.1f} GiB, "
                      f"short by {(need - have) / GiB:.1f} GiB")
-        alts = _host_alternatives(plan.knobs) if what == "host" else _gpu_alternatives(plan)
+        alts = host_alternatives(plan.knobs) if what == "host" else gpu_alternatives(plan)
         for label, knobs in alts:
             alt = plan_memory(plan.spec, plan.batch, plan.seq, knobs)
             alt_need = alt.host.total_bytes if what == "host" else alt.gpu.peak_bytes

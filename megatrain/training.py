@@ -117,7 +117,7 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
 
 def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
     """fit_report for the CPU backend, where the device working set (buffers, activations) is host memory too."""
-    from .memory import _gpu_alternatives, _host_alternatives
+    from .memory import gpu_alternatives, host_alternatives
 
     def need(p: MemoryPlan) -> int:
         return p.host.total_bytes + p.gpu.peak_bytes
@@ -128,7 +128,7 @@ def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
     if total <= have:
         return True, [f"host: fits: needs {what} of {have / GiB:.1f} GiB ({100 * total / have:.0f}%)"]
     lines = [f"host: DOES NOT FIT: needs {what}, has {have / GiB:.1f} GiB, short by {(total - have) / GiB:.1f} GiB"]
-    for label, knobs in _host_alternatives(plan.knobs) + _gpu_alternatives(plan):
+    for label, knobs in host_alternatives(plan.knobs) + gpu_alternatives(plan):
         alt = need(plan_memory(plan.spec, plan.batch, plan.seq, knobs, "cpu"))
         lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
     return False, lines
