@@ -186,8 +186,10 @@ class _Builder:
         for v in visits:
             for t in v.readers:
                 visit_of[t] = v
-        # PREFETCHes are emitted just before the first reader of their visit, compute tasks in order.
-        fills_at = {v.first: v for v in visits if v.fill is not None and v.fill not in self.g}
+        # PREFETCHes are emitted just before the first reader of their visit (a visit reusing a resident copy
+        # has its fill already), activation prefetches just before the backward of their block.
+        fills_at = {v.first: v for v in visits}
+        block_start = {R(l0, 0) if l1 - l0 > 1 else B(l0, 0): l0 for l0, l1 in blocks}
         offload_after = {}  # position of a unit's last backward reader -> unit
         for v in visits:
             if v.backward:
@@ -206,10 +208,10 @@ class _Builder:
                 else:
                     self.add(fv.fill, slot=fv.slot, bytes=s.unit_params(fv.unit) * wire_w, flops=0.0, tokens=0,
                              params=s.unit_params(fv.unit))
-            work = self.compute_work(t.kind, t.unit)
-            if t.unit == EMBED:
-                work["flops"] = 0.0
-            self.add(t, slot=v.slot, weights=v.fill, **work)
+            if k.offload_checkpoints and t in block_start:
+                for m in range(M):
+                    self.add(Y(block_start[t], m), bytes=act, flops=0.0, tokens=0, params=0)
+            self.add(t, slot=v.slot, weights=v.fill, **self.compute_work(t.kind, t.unit))
             # F(l-1) (F(E) for l = 0) produces layer l's input: offload it when l keeps a checkpoint.
             if k.offload_checkpoints and t.kind is TaskKind.FORWARD and t.unit != HEAD \
                     and (t.unit + 1) in checkpoint_layers:
@@ -222,17 +224,6 @@ class _Builder:
                 else:
                     self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
                              tokens=0, params=s.unit_params(unit))
-        # Activation prefetches: emitted in program order before the block that needs them.
-        if k.offload_checkpoints:
-            for l0, l1 in reversed(blocks):
-                for m in range(M):
-                    self.add(Y(l0, m), bytes=act, flops=0.0, tokens=0, params=0)
-            # Keep Y's program order next to the backward of their block.
-            for l0, l1 in blocks:
-                first = R(l0, 0) if l1 - l0 > 1 else B(l0, 0)
-                for m in range(M):
-                    self.g.nodes[Y(l0, m)]["order"] = self.g.nodes[first]["order"] - 0.5 + m * 1e-3
-
         # Clip norm and the updates that use this step's gradients.
         if k.clip == "exact":
             self.add(NORM, device="cpu", params=s.num_params, flops=0.0, bytes=0, tokens=0)
