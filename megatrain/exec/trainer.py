@@ -105,6 +105,8 @@ class StreamedTrainer:
             if self._runtime is not None:
                 self._runtime.close()  # its stream threads belong to the old Program
             self._runtime = Runtime(self._program, self.backend, self._work, self.timeout_s)
+            # Updates of a step's gradients run in the next step (placement "overlap"): keep its plan pending.
+            self._defers_update = any(t.step_offset == -1 for t in self._program.tasks.values())
             self._shape = (batch, seq)
         return self._program
 
@@ -114,15 +116,14 @@ class StreamedTrainer:
         if ids.dim() != 2 or ids.shape != targets.shape:
             raise ValueError(f"ids and targets must both be (batch, seq); got {tuple(ids.shape)} and "
                              f"{tuple(targets.shape)}")
-        program = self.program(*ids.shape)
+        self.program(*ids.shape)
         index = self.step_count
         current = UpdatePlan(step=index, lr=self.optim.lr_at(index))
         self._work.begin_step(ids, targets, current, self._pending)
         t0 = time.perf_counter()
         timeline = self._runtime.run(step=index)
         dt = time.perf_counter() - t0
-        overlapped = any(t.step_offset == -1 for t in program.tasks.values())
-        self._pending = current if overlapped else None
+        self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline
         return StepResult(step=index, loss=self._work.loss(), tokens=self._work.n_valid, grad_norm=current.grad_norm,
