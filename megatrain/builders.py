@@ -61,14 +61,8 @@ class _Builder:
     # -- work quantities --
     def compute_work(self, kind: TaskKind, unit: int) -> dict:
         s, mb, seq = self.spec, self.mb, self.seq
-        fwd = s.unit_forward_flops(unit, mb, seq)
-        if unit == HEAD:  # FH does the head's forward and backward at once
-            flops = fwd + s.unit_backward_flops(unit, mb, seq)
-        elif kind is TaskKind.BACKWARD:  # recompute once + local backward
-            flops = fwd + s.unit_backward_flops(unit, mb, seq)
-        else:
-            flops = fwd
-        return dict(flops=flops, tokens=mb * seq, bytes=0, params=s.unit_params(unit))
+        return dict(flops=s.task_flops(kind.value, unit, mb, seq), tokens=mb * seq, bytes=0,
+                    params=s.unit_params(unit))
 
     def act_bytes(self) -> int:
         return self.mb * self.seq * self.spec.hidden_size * self.k.wire_bytes("compute_dtype")

@@ -171,6 +171,15 @@ class ModelSpec:
         """Local backward FLOPs (gradients of inputs and weights), twice the forward."""
         return 2.0 * self.unit_forward_flops(unit, batch, seq)
 
+    def task_flops(self, kind: str, unit: int, batch: int, seq: int) -> float:
+        """FLOPs of one compute task of a schedule (kind "F", "R" or "B" on `batch` sequences of `seq`): a forward
+        or recompute costs the forward; a backward recomputes once and differentiates (forward + backward); the
+        head's forward task is its forward and backward fused."""
+        fwd = self.unit_forward_flops(unit, batch, seq)
+        if kind == "B" or unit == HEAD:
+            return fwd + self.unit_backward_flops(unit, batch, seq)
+        return fwd
+
     def model_flops_per_token(self) -> float:
         """6·N, the convention of BENCHMARKS.md (recompute and attention not counted)."""
         return 6.0 * self.num_params

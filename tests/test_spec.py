@@ -101,3 +101,11 @@ def test_hf_config_round_trip():
         s = PRESETS[name]
         back = spec_from_hf_config(s.to_hf_config(), name=s.name)
         assert back == s
+
+
+def test_task_flops_follow_the_recompute_once_rule():
+    s = PRESETS["bench-3b"]
+    fwd = s.unit_forward_flops(3, 2, 512)
+    assert s.task_flops("F", 3, 2, 512) == s.task_flops("R", 3, 2, 512) == fwd
+    assert s.task_flops("B", 3, 2, 512) == 3 * fwd  # recompute once + backward (2x): 8N per token with F
+    assert s.task_flops("F", HEAD, 2, 512) == 3 * s.unit_forward_flops(HEAD, 2, 512)  # loss fwd + bwd fused

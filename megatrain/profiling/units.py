@@ -131,7 +131,5 @@ def measure_unit(spec: ModelSpec, uclass: str, knobs: ScheduleKnobs, seq: int, b
 
 
 def analytic_flops(spec: ModelSpec, uclass: str, kind: str, batch: int, seq: int) -> float:
-    """FLOPs the Program gives such a task (builders.compute_work): F / R = forward; B and FH = forward + 2x."""
-    unit = UNIT_OF_CLASS[uclass]
-    fwd = spec.unit_forward_flops(unit, batch, seq)
-    return fwd + spec.unit_backward_flops(unit, batch, seq) if (kind == "B" or uclass == "head") else fwd
+    """FLOPs the Program gives such a task (`ModelSpec.task_flops`, what the builder uses)."""
+    return spec.task_flops(kind, UNIT_OF_CLASS[uclass], batch, seq)
