@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from .builders import gpu_slot_bytes
-
 from .knobs import ScheduleKnobs
 from .schedule import Schedule
 from .spec import ModelSpec

@@ -40,14 +40,30 @@ from pathlib import Path
 import torch
 
 from . import safetensors_io as stio
-from .knobs import ScheduleKnobs
-from .checkpoint import KINDS, STATE_FILE, CheckpointError, CheckpointManager, check_writable, key_unit, rng_state, \
-    set_rng_state, unit_key
+from .checkpoint import (
+    KINDS,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointManager,
+    check_writable,
+    key_unit,
+    rng_state,
+    set_rng_state,
+    unit_key,
+)
 from .config import ConfigError, OptimizerConfig, RunConfig
 from .data import Data, open_data
+from .knobs import ScheduleKnobs
 from .memory import GiB, MemoryPlan, fit_report, plan_memory
-from .metrics import METRIC_KEYS, MetricsLogger, check_tensorboard, format_step_line, gpu_peak_bytes, host_rss_bytes, \
-    reset_gpu_peak
+from .metrics import (
+    METRIC_KEYS,
+    MetricsLogger,
+    check_tensorboard,
+    format_step_line,
+    gpu_peak_bytes,
+    host_rss_bytes,
+    reset_gpu_peak,
+)
 from .spec import ModelSpec
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",

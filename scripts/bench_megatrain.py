@@ -20,9 +20,9 @@ import time
 import psutil
 import torch
 
-from megatrain.knobs import resolve_knobs
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.trainer import StreamedTrainer
+from megatrain.knobs import resolve_knobs
 from megatrain.memory import plan_memory
 from megatrain.presets import get_model
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from megatrain.builders import build_schedule
-
-from megatrain.knobs import knobs_for
 from megatrain.cli import main
+from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile, with_spans
 from megatrain.profiling.copies import MiB, copy_sizes, fit_curve

@@ -7,10 +7,9 @@ import pandas as pd
 import pytest
 
 from megatrain.builders import build_schedule
-
-from megatrain.knobs import knobs_for
 from megatrain.cli import main
 from megatrain.compare import compare, kendall_tau, measure_interleaved, ranking, task_group
+from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile
 from megatrain.program import lower

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.knobs import knobs_for
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.store import store_bytes
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.init import init_tiles
+from megatrain.knobs import knobs_for
 from megatrain.memory import plan_host_memory
 from megatrain.presets import PRESETS
 from megatrain.timeline import TIMELINE_COLUMNS

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from megatrain.builders import build_schedule
-
-from megatrain.knobs import ScheduleKnobs, knobs_for
 from megatrain.cli import main
 from megatrain.exec.backend import CpuBackend, ExecError
 from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
 from megatrain.exec.runtime import Runtime
 from megatrain.exec.store import HostStore, store_bytes
 from megatrain.exec.trainer import StreamedTrainer
-from megatrain.init import init_tiles
 from megatrain.exec.work import StepWork
+from megatrain.init import init_tiles
+from megatrain.knobs import ScheduleKnobs, knobs_for
 from megatrain.memory import plan_host_memory
 from megatrain.presets import PRESETS
 from megatrain.program import lower

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.knobs import knobs_for
 from megatrain.exec.head import embed_forward, head_logits
 from megatrain.exec.hf_io import state_dict_from_tiles
 from megatrain.exec.layers import decoder_layer
@@ -20,6 +19,7 @@ from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.init import init_tiles
+from megatrain.knobs import knobs_for
 from megatrain.spec import EMBED, HEAD, ModelSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

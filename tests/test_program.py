@@ -2,7 +2,6 @@
 import pytest
 
 from megatrain.builders import build_schedule
-
 from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.memory import GiB, fit_report, grad_scratch_elements, plan_memory
 from megatrain.presets import PRESETS

@@ -6,7 +6,6 @@ import pandas as pd
 import pytest
 
 from megatrain.builders import build_schedule
-
 from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.program import Program, ProgramTask, lower

@@ -7,8 +7,8 @@ import pytest
 
 from megatrain.analysis import critical_path, gpu_memory_curve, idle_gaps, summarize
 from megatrain.builders import build_schedule
-from megatrain.knobs import knobs_for
 from megatrain.cli import main
+from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.program import STREAMS, lower
 from megatrain.sim import simulate

@@ -6,12 +6,20 @@ import re
 import pytest
 
 from megatrain.builders import build_schedule
-
 from megatrain.knobs import knobs_for
 from megatrain.presets import PRESETS
 from megatrain.program import lower
-from megatrain.sim import (ComputeTable, CopyCurve, CostModel, HardwareProfile, ProfileError, load_profile,
-                           model_signature, shipped_profiles, simulate)
+from megatrain.sim import (
+    ComputeTable,
+    CopyCurve,
+    CostModel,
+    HardwareProfile,
+    ProfileError,
+    load_profile,
+    model_signature,
+    shipped_profiles,
+    simulate,
+)
 
 DEBUG = PRESETS["debug"]
 

@@ -25,8 +25,16 @@ from megatrain.metrics import METRIC_KEYS, MetricsLogger, format_step_line, read
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
 from megatrain.timeline import TIMELINE_COLUMNS
-from megatrain.training import MemoryFitError, RunSummary, add_train_arguments, check_memory, config_from_args, \
-    lr_schedule, run_from_args, run_training
+from megatrain.training import (
+    MemoryFitError,
+    RunSummary,
+    add_train_arguments,
+    check_memory,
+    config_from_args,
+    lr_schedule,
+    run_from_args,
+    run_training,
+)
 
 DEBUG = PRESETS["debug"]
 

@@ -17,20 +17,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..cli import UserError
+from ..knobs import resolve_knobs
 from ..presets import get_model
+from . import add_run_arguments
 from .simulate import parse_sweeps, slug, variants
 
 
 def register(sub) -> None:
     p = sub.add_parser("compare", help="run real steps and the simulator on the same Program; compare task by task")
-    p.add_argument("--model", default="debug", help="preset name or HF model dir / config.json")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE,
-                   help="named schedule or TOML file; several, comma-separated, are compared and ranked")
-    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+    add_run_arguments(p, model="debug", batch=4, seq=64,
+                      schedule_help="named schedule or TOML file; several, comma-separated, are compared and ranked")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="compare every value (repeat to sweep several knobs)")
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant (the first is a warm-up)")

@@ -1,9 +1,10 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
+from ..knobs import resolve_knobs
 from ..memory import GiB, fit_report, format_plan, plan_memory
 from ..presets import get_model
+from . import add_run_arguments
 
 
 def machine_memory() -> tuple[int | None, int | None]:
@@ -24,11 +25,7 @@ def machine_memory() -> tuple[int | None, int | None]:
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="memory plan of a run: host and GPU bytes, fit, knobs that help")
-    p.add_argument("--model", default="debug", help="preset name or HF model dir / config.json")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="named schedule or TOML file")
-    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+    add_run_arguments(p, model="debug", batch=8, seq=2048)
     p.add_argument("--host-gib", type=float, help="host memory to check against (default: this machine's)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to check against (default: this machine's GPU)")
     p.set_defaults(func=run)

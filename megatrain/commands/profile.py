@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..cli import UserError
+from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..presets import get_model
 
 

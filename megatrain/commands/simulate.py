@@ -19,26 +19,22 @@ from pathlib import Path
 import pandas as pd
 
 from ..builders import build_schedule
-
-from ..knobs import DEFAULT_SCHEDULE, parse_knob_value, resolve_knobs
 from ..cli import UserError
+from ..knobs import parse_knob_value, resolve_knobs
 from ..presets import get_model
 from ..program import lower
 from ..schedule import ScheduleError
 from ..sim import ProfileError, SimResult, SimulationError, load_profile, simulate
 from ..viz import gantt, write_chrome_trace
+from . import add_run_arguments
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="predict step time and GPU idle time of schedules (no GPU needed)")
-    p.add_argument("--model", default="bench-3b", help="preset name or HF model dir / config.json")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="named schedule or TOML file ([schedule] table)")
+    add_run_arguments(p, model="bench-3b", batch=8, seq=2048)
     p.add_argument("--profile", default="h200-measured",
                    help="hardware profile: h200-measured (run 7 of docs/calibration.md), h200 (BENCHMARKS.md numbers), "
                         "cpu, or a profile JSON path")
-    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")

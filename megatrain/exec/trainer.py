@@ -20,9 +20,8 @@ import pandas as pd
 import torch
 
 from ..builders import build_schedule
-
-from ..knobs import ScheduleKnobs, knobs_for
 from ..init import init_into
+from ..knobs import ScheduleKnobs, knobs_for
 from ..program import Program, lower
 from ..spec import ModelSpec
 from .backend import Backend, get_backend

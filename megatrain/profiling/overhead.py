@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..knobs import ScheduleKnobs
 from ..exec.backend import Backend
+from ..knobs import ScheduleKnobs
 from ..program import Program
 from ..spec import ModelSpec
 

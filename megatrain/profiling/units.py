@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..knobs import ScheduleKnobs
 from ..exec.backend import Backend
 from ..exec.head import embed_backward, embed_forward, head_loss_backward
 from ..exec.layers import decoder_layer, layer_backward
 from ..exec.layout import unit_layout
 from ..exec.rope import rope_cos_sin
 from ..exec.store import TORCH_DTYPES
+from ..knobs import ScheduleKnobs
 from ..sim.profile import ComputeTable, model_signature
 from ..spec import EMBED, HEAD, ModelSpec
 from .bench import Worker, median

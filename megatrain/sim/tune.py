@@ -21,7 +21,6 @@ from typing import Iterable
 import pandas as pd
 
 from ..builders import build_schedule
-
 from ..knobs import GPU_PLACEMENTS, ScheduleKnobs
 from ..program import lower, plan_gpu_memory
 from ..schedule import ScheduleError
