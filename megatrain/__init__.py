@@ -22,5 +22,17 @@ __all__ = [
     "GpuMemoryPlan", "Program", "ProgramTask", "lower", "Schedule", "ScheduleError", "EMBED", "HEAD", "ModelSpec",
     "SpecError", "load_hf_config", "spec_from_hf_config", "Task", "TaskKind", "TIMELINE_COLUMNS", "make_timeline",
     "StepSummary", "summarize", "HardwareProfile", "SimResult", "SimulationError", "load_profile", "simulate",
-    "chrome_trace", "gantt", "write_chrome_trace",
+    "chrome_trace", "gantt", "write_chrome_trace", "StreamedTrainer", "AdamWConfig", "run_training", "load_config",
 ]
+
+# The executor and the training loop import torch; `megatrain plan` / `simulate` should not wait for it.
+_LAZY = {"StreamedTrainer": ".exec.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training",
+         "load_config": ".config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
