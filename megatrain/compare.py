@@ -42,7 +42,7 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
                   name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
-    from .commands.train import synthetic_batches
+    from .data import synthetic_batches
     from .exec.optim import AdamWConfig
     from .exec.trainer import StreamedTrainer
 
@@ -71,7 +71,7 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
-    from .commands.train import synthetic_batches
+    from .data import synthetic_batches
     from .exec.optim import AdamWConfig
     from .exec.trainer import StreamedTrainer
     from .init import init_tiles

@@ -30,6 +30,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .spec import ModelSpec
+
 CORPUS_PATH = Path(__file__).parent / "corpus" / "python_reference.txt"
 BYTE_VOCAB_SIZE = 256
 _SCAN_CHUNK = 1 << 24  # tokens per chunk of the vocabulary scan (64 MiB of uint32)
@@ -327,3 +329,16 @@ def open_data(cfg, vocab_size: int) -> Data:
                             f"{cfg.seq_len + 1}; raise data.eval_fraction or set it to 0")
     loader = TrainLoader(Windows(train, cfg.seq_len), cfg.batch_size, cfg.seed, cfg.shuffle)
     return Data(loader, eval_windows)
+
+
+# ---- synthetic tokens ----------------------------------------------------------------------------------------
+def synthetic_batches(spec: ModelSpec, batch: int, seq: int, seed: int = 0) -> Iterator[tuple]:
+    """Endless learnable token batches: arithmetic progressions mod vocab_size with random start and stride 1..4.
+    Yields (ids, targets), each a (batch, seq) int64 tensor, targets = ids shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.arange(seq + 1)
+    while True:
+        start = torch.randint(0, spec.vocab_size, (batch, 1), generator=g)
+        stride = torch.randint(1, 5, (batch, 1), generator=g)
+        tokens = (start + stride * steps) % spec.vocab_size  # (B, T+1)
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -62,7 +62,7 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
                          steps: int, cpu_threads: int | None = None) -> dict:
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
-    from ..commands.train import synthetic_batches
+    from ..data import synthetic_batches
     from ..exec.optim import AdamWConfig
     from ..exec.trainer import StreamedTrainer
 
