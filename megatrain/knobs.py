@@ -26,6 +26,9 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
     clip               "exact": global-norm clipping over all gradients; "none"
     offload_checkpoints  send checkpointed activations to the host and back (long context)
+    compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
+                       residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
+                       setting so that the simulator has compiled compute tables
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class ScheduleKnobs:
     state_buffers: int = 2
     state_lookahead: int = 1
     retain_grads: int = 0
+    compile_layers: bool = False
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -89,6 +93,8 @@ class ScheduleKnobs:
             bad("state_buffers", "an integer >= 1")
         if not isinstance(self.state_lookahead, int) or self.state_lookahead < 0:
             bad("state_lookahead", "an integer >= 0")
+        if not isinstance(self.compile_layers, bool):
+            bad("compile_layers", "true | false")
         if not isinstance(self.retain_grads, int) or self.retain_grads < 0:
             bad("retain_grads", "an integer >= 0")
         if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:

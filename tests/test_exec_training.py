@@ -230,7 +230,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
     count advances) and training goes on exactly as a plain loop that skipped it."""
     bad_step = 5
     calls = {"n": 0}
-    real = work_module.layer_backward
+    real_forward, real = work_module.layer_functions(False)
     spec = SPECS["llama"]
     per_step = spec.num_layers  # one layer_backward per layer per step (1 micro-batch)
 
@@ -241,7 +241,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
         calls["n"] += 1
         return out
 
-    monkeypatch.setattr(work_module, "layer_backward", poisoned)
+    monkeypatch.setattr(work_module, "layer_functions", lambda compiled: (real_forward, poisoned))
     results, state = train("llama", knobs_for(schedule, **FP32))
     assert [r.skipped for r in results] == [i == bad_step for i in range(STEPS)]
     assert results[bad_step].update.applied_units == [] and results[bad_step - 1].update.applied_units

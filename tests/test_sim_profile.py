@@ -157,3 +157,20 @@ def test_profile_without_a_dtype_rate_is_an_error():
 def test_infinite_rates_survive_json():
     p = base_profile(gpu_adam_params_per_s=math.inf)
     assert HardwareProfile.from_json(p.to_json()).gpu_adam_params_per_s == math.inf
+
+
+def test_compiled_layer_tables_are_used_only_by_programs_that_compile_their_layers():
+    """compile_layers=true picks the compiled tables; eager Programs keep the eager ones; a profile without
+    compiled tables predicts a compiling Program with the eager timings and warns once that it does."""
+    sig = model_signature(DEBUG)
+    eager = ComputeTable(sig, "F", "layer", 16, (64,), (4e-3,))
+    compiled = ComputeTable(sig, "F", "layer", 16, (64,), (3e-3,), compiled=True)
+    both = base_profile(compute_tables=(eager, compiled), task_overhead_s={})
+    plain = lower(build_schedule(DEBUG, 4, 16, "overlap"))
+    fused = lower(build_schedule(DEBUG, 4, 16, knobs_for("overlap", compile_layers=True)))
+    assert CostModel(plain, both).compute_s(plain.tasks["F0.0"]) == pytest.approx(4e-3)
+    assert CostModel(fused, both).compute_s(fused.tasks["F0.0"]) == pytest.approx(3e-3)
+    assert HardwareProfile.from_json(both.to_json()) == both  # the flag survives JSON
+    only_eager = base_profile(name="eager-only", compute_tables=(eager,), task_overhead_s={})
+    with pytest.warns(UserWarning, match="no compiled-layer compute tables"):
+        assert CostModel(fused, only_eager).compute_s(fused.tasks["F0.0"]) == pytest.approx(4e-3)

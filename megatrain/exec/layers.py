@@ -14,7 +14,8 @@ before it returns. Forward (1x) + recompute (1x) + backward (2x) = 4 forward-equ
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from .rope import apply_rope
 # SDPA grew `enable_gqa` in torch 2.5: K/V heads are shared by query groups inside the kernel instead of being
 # materialized n_rep times (HF does the same when no mask is passed).
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+LayerFn = Callable[..., Tensor]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -84,13 +88,14 @@ def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, 
 
 
 def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
-                   grad_out: Tensor, grad_acc: Mapping[str, Tensor]) -> Tensor:
+                   grad_out: Tensor, grad_acc: Mapping[str, Tensor], layer: LayerFn | None = None) -> Tensor:
     """Local backward of one layer from its checkpointed input; returns grad_x (B, T, d) in x.dtype.
 
     Recomputes the layer once with leaves `w[name].detach().requires_grad_()` (same storage as the slot, no copy)
     and adds each weight gradient into `grad_acc[name]` (typically fp32 views of the slot's gradient area), so
     calling it once per micro-batch accumulates. The autograd graph is local to this call: `torch.autograd.grad`
-    frees it, and no tensor returned or written holds on to it.
+    frees it, and no tensor returned or written holds on to it. `layer` is the forward to differentiate
+    (`decoder_layer`, or its compiled form from `compiled_layer_functions`).
     """
     missing = [n for n in w if n not in grad_acc]
     if missing:
@@ -103,10 +108,43 @@ def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor,
     with torch.enable_grad():
         x_leaf = x.detach().requires_grad_()
         leaves = {n: w[n].detach().requires_grad_() for n in names}  # views of the same storage
-        out = decoder_layer(leaves, x_leaf, cos, sin, spec)
+        out = (layer or decoder_layer)(leaves, x_leaf, cos, sin, spec)
         grads = torch.autograd.grad(out, [x_leaf, *(leaves[n] for n in names)], grad_out.to(out.dtype))
     del out, leaves, x_leaf
     with torch.no_grad():
         for n, g in zip(names, grads[1:]):
             grad_acc[n].add_(g)  # fp32 += (fp32 | bf16) in place
     return grads[0].to(x.dtype)
+
+
+_compiled_layer: LayerFn | None = None
+
+
+def layer_functions(compiled: bool) -> tuple[LayerFn, LayerFn]:
+    """(forward, local backward) of a decoder layer: eager, or compiled (`compiled_layer_functions`)."""
+    return compiled_layer_functions() if compiled else (decoder_layer, layer_backward)
+
+
+def compiled_layer_functions() -> tuple[LayerFn, LayerFn]:
+    """(forward, local backward) with the decoder layer compiled by `torch.compile` (Inductor).
+
+    The compiled layer fuses what eager mode runs as separate memory-bound kernels (RMSNorm's fp32 statistics,
+    rotate-half RoPE, SiLU * up, residual adds) in the forward and in the backward AOTAutograd derives; the matmuls
+    and SDPA attention stay the same kernels. The compiled graph is shared by every layer and call of the process:
+    weights are inputs, not constants, so a new slot or layer does not recompile, only a new activation shape
+    (batch, sequence length) or dtype does. Fusion reorders fp32 arithmetic inside the norms, so results agree
+    with the eager layer to rounding, not bitwise.
+    """
+    global _compiled_layer
+    if _compiled_layer is None:
+        import torch._dynamo
+
+        # One graph per activation shape and grad mode (the profiler times several token counts): allow many,
+        # and fail loudly past the limit rather than fall back to eager and silently change the timings.
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in 2.6
+        setattr(cfg, limit, max(getattr(cfg, limit), 64))
+        if hasattr(cfg, "fail_on_recompile_limit_hit"):
+            cfg.fail_on_recompile_limit_hit = True
+        _compiled_layer = torch.compile(decoder_layer, dynamic=False)
+    return _compiled_layer, partial(layer_backward, layer=_compiled_layer)

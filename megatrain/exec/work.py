@@ -25,7 +25,7 @@ from ..program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend, ExecError
 from .head import embed_backward, embed_forward, head_loss_backward
-from .layers import decoder_layer, layer_backward
+from .layers import layer_functions
 from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
 from .rope import rope_cos_sin
 from .store import TORCH_DTYPES, HostRegion, HostStore
@@ -68,6 +68,7 @@ class StepWork:
         self.compute_dtype = TORCH_DTYPES[k.compute_dtype]
         self.wire_dtype = TORCH_DTYPES[k.weight_wire]
         self.exact_norm = "N" in program.tasks
+        self.layer_forward, self.layer_backward = layer_functions(k.compile_layers)
         if cfg.max_grad_norm is not None and not self.exact_norm:
             raise ValueError(f"max_grad_norm={cfg.max_grad_norm} needs a schedule with clip='exact'; this one has "
                              f"clip={k.clip!r} (set max_grad_norm=None, or use an exact-clipping schedule)")
@@ -238,7 +239,7 @@ class StepWork:
             x = embed_forward(w["embed_tokens.weight"], self.ids[m], self.compute_dtype)  # (mb, T, d)
             nxt = 0
         else:
-            x = decoder_layer(w, self.hidden[m], self.cos, self.sin, self.spec)  # (mb, T, d)
+            x = self.layer_forward(w, self.hidden[m], self.cos, self.sin, self.spec)  # (mb, T, d)
             nxt = u + 1
         self.hidden[m] = x
         if nxt in self.checkpoint_layers:
@@ -246,7 +247,8 @@ class StepWork:
 
     def recompute(self, t: ProgramTask) -> None:
         x = self._layer_input(t.unit, t.micro, pop=False)
-        self.recomputed[(t.unit + 1, t.micro)] = decoder_layer(self._weights(t), x, self.cos, self.sin, self.spec)
+        self.recomputed[(t.unit + 1, t.micro)] = self.layer_forward(self._weights(t), x, self.cos, self.sin,
+                                                                    self.spec)
 
     def backward(self, t: ProgramTask) -> None:
         u, m = t.unit, t.micro
@@ -254,8 +256,8 @@ class StepWork:
             embed_backward(self.grad_hidden.pop(m), self.ids[m], self._grads(t)["embed_tokens.weight"])
             return
         x = self._layer_input(u, m, pop=True)
-        self.grad_hidden[m] = layer_backward(self._weights(t), x, self.cos, self.sin, self.spec,
-                                             self.grad_hidden[m], self._grads(t))
+        self.grad_hidden[m] = self.layer_backward(self._weights(t), x, self.cos, self.sin, self.spec,
+                                                  self.grad_hidden[m], self._grads(t))
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def clip_norm(self, t: ProgramTask) -> None:

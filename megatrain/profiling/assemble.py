@@ -68,8 +68,8 @@ def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str
 def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
                   info: dict) -> HardwareProfile:
     """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
-    tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")})
-              for t in m["compute_tables"]]
+    tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")},
+                           compiled=t.get("compiled", False)) for t in m["compute_tables"]]
     h2d = CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
     d2h = CopyCurve(tuple(m["d2h"]["sizes_bytes"]), tuple(m["d2h"]["Bps"]), m["d2h"]["latency_s"])
     rt, adam = m["runtime"], m["cpu_adam"]
@@ -91,7 +91,9 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
         "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
         "compute_tables": f"measured: the executor's task bodies on slot-like buffers, {'/'.join(dtypes)}, "
-                          f"weight wire {req.knobs.weight_wire}, from the compute stream's thread.",
+                          f"weight wire {req.knobs.weight_wire}, decoder layer "
+                          f"{'compiled (torch.compile)' if req.knobs.compile_layers else 'eager'}, from the compute "
+                          f"stream's thread.",
         "cpu_convert_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
                                     "the runtime's threads; charged to a CPU update once per bf16 wire (weights, "
                                     "gradients).",

@@ -18,7 +18,7 @@ import torch
 
 from ..exec.backend import Backend
 from ..exec.head import embed_backward, embed_forward, head_loss_backward
-from ..exec.layers import decoder_layer, layer_backward
+from ..exec.layers import layer_functions
 from ..exec.layout import unit_layout
 from ..exec.rope import rope_cos_sin
 from ..exec.store import TORCH_DTYPES
@@ -39,6 +39,7 @@ class UnitSlot:
         self.layout = unit_layout(spec, unit)
         self.wire = TORCH_DTYPES[knobs.weight_wire]
         self.compute = TORCH_DTYPES[knobs.compute_dtype]
+        self.compiled = knobs.compile_layers and unit not in (EMBED, HEAD)  # only the decoder layer is compiled
         n = self.layout.numel
         master = torch.empty(n, dtype=torch.float32, device=backend.device)  # initialized where it lives
         gen = torch.Generator(device=backend.device).manual_seed(seed)
@@ -85,9 +86,10 @@ def unit_bodies(slot: UnitSlot, batch: int, seq: int, chunk_tokens: int, seed: i
         scale = 1.0 / ids.numel()
         return {"F": lambda: head_loss_backward(slot.weights(), x, ids, spec, chunk_tokens, scale, slot.grads())}
     cos, sin = rope_cos_sin(spec, seq, dev, cd)
+    layer_forward, layer_backward = layer_functions(slot.compiled)
 
     def forward():
-        return decoder_layer(slot.weights(), x, cos, sin, spec)
+        return layer_forward(slot.weights(), x, cos, sin, spec)
 
     def backward():
         return layer_backward(slot.weights(), x, cos, sin, spec, grad_out, slot.grads())
@@ -120,13 +122,15 @@ def measure_unit(spec: ModelSpec, uclass: str, knobs: ScheduleKnobs, seq: int, b
         for k in kinds:
             times = worker.time_for(bodies[k], budget_s / (len(batches) * len(kinds)), warmup=2)
             dur[k].append(median(times))
-            raw.append({"unit": uclass, "kind": k, "dtype": knobs.compute_dtype, "seq": seq, "tokens": b * seq,
+            raw.append({"unit": uclass, "kind": k, "dtype": knobs.compute_dtype, "compiled": slot.compiled,
+                        "seq": seq, "tokens": b * seq,
                         "median_s": median(times), "min_s": min(times), "reps": len(times)})
         del bodies
     del slot
     sig = model_signature(spec)
-    tables = [ComputeTable(sig, k, uclass, seq, tuple(b * seq for b in batches), tuple(dur[k]), knobs.compute_dtype)
-              for k in kinds]
+    compiled = knobs.compile_layers and uclass == "layer"
+    tables = [ComputeTable(sig, k, uclass, seq, tuple(b * seq for b in batches), tuple(dur[k]), knobs.compute_dtype,
+                           compiled) for k in kinds]
     return tables, raw
 
 

@@ -9,12 +9,14 @@ engine's fluid link model, which shares the PCIe bandwidth between directions.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from ..program import Program, ProgramTask
 from .profile import HardwareProfile, ProfileError, model_signature, unit_class
 
 COPY_STREAMS = ("h2d", "d2h")
+_WARNED_EAGER_FALLBACK: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class CostModel:
 
     def _compute_s(self, task: ProgramTask) -> float:
         p, uclass = self.profile, unit_class(task.unit)
-        tables = p.tables_for(self.signature, task.kind, uclass, self.dtype)
+        tables = self._tables(task.kind, uclass)
         seq = self.program.seq
         if tables:
             exact = [t for t in tables if t.seq == seq]
@@ -63,6 +65,20 @@ class CostModel:
             return task.flops / (p.matmul_rate(self.dtype) * p.efficiency[uclass])
         # Embedding gather (forward) / scatter-add (backward): activations read and written, fp32 gradient.
         return task.tokens * self.spec.hidden_size * 8 / p.gpu_memory_Bps
+
+    def _tables(self, kind: str, uclass: str):
+        """The profile's tables for a task: compiled-layer tables when the Program compiles its layers. Without
+        them the eager tables are used (a slower, conservative prediction), and the simulator says so once."""
+        compiled = self.program.knobs.compile_layers and uclass == "layer"
+        tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype, compiled)
+        if compiled and not tables:
+            tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype)
+            if tables and (self.profile.name, self.signature) not in _WARNED_EAGER_FALLBACK:
+                _WARNED_EAGER_FALLBACK.add((self.profile.name, self.signature))
+                warnings.warn(f"profile {self.profile.name} has no compiled-layer compute tables for "
+                              f"{self.signature}; predicting compile_layers=true with the eager timings (slower "
+                              f"than the compiled layer): profile with `--set compile_layers=true`", stacklevel=4)
+        return tables
 
     # ---- all tasks -------------------------------------------------------------------------------------------
     def duration_s(self, task: ProgramTask) -> float:

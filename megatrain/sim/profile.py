@@ -5,8 +5,9 @@ A profile holds
     duplex_Bps           the summed bandwidth cap when both directions move bytes at once
     matmul_flops_per_s   peak matmul rate by compute dtype, and `efficiency` by unit class (layer/embed/head):
                          the analytic fallback for a compute task is flops / (rate x efficiency)
-    compute_tables       measured compute times keyed by (model signature, task kind, unit class, seq, dtype),
-                         as a function of tokens; a table, where one matches, overrides the analytic fallback
+    compute_tables       measured compute times keyed by (model signature, task kind, unit class, seq, dtype,
+                         compiled layer or not), as a function of tokens; a table, where one matches, overrides the
+                         analytic fallback
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
     dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
@@ -122,6 +123,7 @@ class ComputeTable:
     tokens: tuple[int, ...]
     dur_s: tuple[float, ...]
     dtype: str = "bf16"
+    compiled: bool = False  # measured with the decoder layer compiled (knob compile_layers)
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -140,7 +142,7 @@ class ComputeTable:
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.kind, self.unit, self.dtype)
+        return (self.model, self.kind, self.unit, self.dtype, self.compiled)
 
     def at(self, tokens: int) -> float:
         xs, ys = self.tokens, self.dur_s
@@ -223,9 +225,9 @@ class HardwareProfile:
                                f"it has {sorted(self.matmul_flops_per_s)}")
         return self.matmul_flops_per_s[dtype]
 
-    def tables_for(self, model: str, kind: str, unit: str, dtype: str) -> list[ComputeTable]:
+    def tables_for(self, model: str, kind: str, unit: str, dtype: str, compiled: bool = False) -> list[ComputeTable]:
         """Measured tables that match, any seq."""
-        return self._tables.get((model, kind, unit, dtype), [])
+        return self._tables.get((model, kind, unit, dtype, compiled), [])
 
     def cpu_slowdown(self, copies: int) -> float:
         """How many times longer a CPU update takes while `copies` (0, 1, 2) copy directions move bytes."""
