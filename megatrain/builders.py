@@ -42,6 +42,9 @@ class _Builder:
         self.mb = batch // self.M
         self.gpu_layers = gpu_updated_layers(spec, knobs)
         self.retained = set(retained_grad_layers(spec, knobs))
+        # The order GPU updates take their state slots in: as gradients land (top down) for "arrival-split",
+        # forward order otherwise.
+        self.state_order = self.gpu_layers[::-1] if knobs.optimizer == "arrival-split" else list(self.gpu_layers)
         # "overlap-split": a GPU update of the previous step's gradients fills the layer's weight slot itself.
         self.update_fills = set(self.gpu_layers) if knobs.optimizer == "overlap-split" else set()
         self.g = nx.DiGraph()
@@ -146,7 +149,7 @@ class _Builder:
         wire_w, wire_g = k.wire_bytes("weight_wire"), k.wire_bytes("grad_wire")
         placement = k.optimizer
         gpu_layers = set(self.gpu_layers)
-        state_slot = {u: f"s{i % k.state_buffers}" for i, u in enumerate(self.gpu_layers)}
+        state_slot = {u: f"s{i % k.state_buffers}" for i, u in enumerate(self.state_order)}
 
         def update_params(unit):
             # A tied head's lm_head is the embedding: its update is the embedding's.
@@ -218,6 +221,12 @@ class _Builder:
                 else:
                     self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
                              tokens=0, params=s.unit_params(unit))
+                if placement == "arrival-split":  # the unit's update, as its gradients land
+                    if unit in gpu_layers:
+                        add_gpu_update(unit, 0)
+                    else:
+                        self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0,
+                                 bytes=0, tokens=0)
         # Clip norm and the updates that use this step's gradients.
         if k.clip == "exact":
             self.add(NORM, device="cpu", params=s.num_params, flops=0.0, bytes=0, tokens=0)
@@ -233,6 +242,8 @@ class _Builder:
                 self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0, bytes=0,
                          tokens=0)
 
+        if placement == "arrival-split":
+            self.order_arrival_updates(order, gpu_layers)
         # A state copy is queued on h2d ahead of the fills of the `state_lookahead` layers before its own: the
         # PREFETCHes of host-updated layers wait for their CPU update, and a copy queued behind them would idle
         # the link meanwhile.
@@ -240,6 +251,30 @@ class _Builder:
             ahead = layer - k.state_lookahead
             self.g.nodes[S(layer)]["order"] = fill_order[ahead if ahead >= 0 else EMBED] - 0.5 + layer * 1e-3
         self.connect(visits, order, blocks, gpu_layers)
+
+    def order_arrival_updates(self, order: list[Task], gpu_layers: set[int]) -> None:
+        """"arrival-split": where a GPU update's tasks sit in their streams' queues.
+
+        S(l) goes on h2d just before the backward fetch of layer l + 1 + state_lookahead, so master and moments
+        stream in while the layers above run their backward; U(l) goes on the compute stream after the next
+        layer's backward has been issued (the update waits for O(l), and the GPU should not idle meanwhile)."""
+        g, L = self.g, self.spec.num_layers
+        first_bwd = {}  # layer -> program order of its first backward compute task
+        for t in order:
+            if t.kind in (TaskKind.RECOMPUTE, TaskKind.BACKWARD) and t.unit >= 0:
+                first_bwd.setdefault(t.unit, g.nodes[t]["order"])
+        last_bwd = {}
+        for t in order:
+            if t.kind is TaskKind.BACKWARD:
+                last_bwd[t.unit] = g.nodes[t]["order"]
+        for layer in gpu_layers:
+            ahead = min(layer + 1 + self.k.state_lookahead, L - 1)
+            fetch = P(ahead, back=True)
+            at = g.nodes[fetch]["order"] if fetch in g else first_bwd[ahead]
+            g.nodes[S(layer)]["order"] = at - 0.5 + layer * 1e-3
+            below = layer - 1 if layer > 0 else EMBED
+            g.nodes[U(layer)]["order"] = last_bwd[below] + 0.25
+            g.nodes[W(layer)]["order"] = last_bwd[below] + 0.5
 
     def connect(self, visits, order, blocks, gpu_layers: set[int]) -> None:
         """Data, slot, accumulation, clipping and optimizer edges."""
@@ -314,7 +349,9 @@ class _Builder:
                 self.edge(t, P(u), "state")  # stream the weights only once they are updated
                 self.edge(t, O(u), "state")  # read the old gradients before this step's land
             elif u in gpu_layers:
-                self.edge(O(u), S(u))
+                # The update reads gradients that O landed on the host (and S brings back), or that O copied
+                # into the layer's own GPU buffer (kept gradients: S carries master and moments only).
+                self.edge(O(u), t if u in self.retained else S(u))
                 self.edge(S(u), t)
                 self.edge(t, W(u))
                 if NORM in g:
@@ -330,8 +367,7 @@ class _Builder:
                 self.edge(O(HEAD), U(EMBED))
             self.edge(U(EMBED), U(HEAD), "state")
         # State slot ring for GPU updates: refill a state slot only after its previous W.
-        gpu_units = [u for u in s.units() if u in gpu_layers]
-        for a, b in zip(gpu_units, gpu_units[k.state_buffers:]):
+        for a, b in zip(self.state_order, self.state_order[k.state_buffers:]):
             self.edge(W(a), S(b), "slot")
 
 

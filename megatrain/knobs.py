@@ -12,6 +12,10 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
                                  each PREFETCH(l) waits only for its own update
                        gpu     : decoder layers updated on the GPU with streamed master and moments
                        split   : the first `gpu_optimizer_fraction` of layers on the GPU, the rest on CPU threads
+                       arrival-split : "arrival" with `gpu_optimizer_fraction` of the layers, spread evenly over
+                                 the depth, updated on the GPU as their gradients land: S streams master + moments
+                                 in during the backward of the layers above, U updates them on the compute stream,
+                                 W sends them back; the host threads update the rest (no exact clipping)
                        overlap-split : "overlap" with `gpu_optimizer_fraction` of the layers, spread evenly over the
                                  depth, updated on the GPU: S streams master + moments (+ gradients) into a state
                                  slot, U updates them and writes the new weights straight into the layer's weight
@@ -37,8 +41,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from .schedule import ScheduleError
 from .spec import DTYPE_BYTES, ModelSpec
 
-OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split")
-GPU_PLACEMENTS = ("gpu", "split", "overlap-split")  # placements that update layers on the GPU
+OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
+GPU_PLACEMENTS = ("gpu", "split", "overlap-split", "arrival-split")
+ARRIVAL_PLACEMENTS = ("arrival", "arrival-split")  # a unit is updated as soon as its gradients land  # placements that update layers on the GPU
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -81,9 +86,9 @@ class ScheduleKnobs:
                 bad(name, " | ".join(WIRE_DTYPES))
         if self.clip not in ("exact", "none"):
             bad("clip", "exact | none")
-        if self.optimizer == "arrival" and self.clip == "exact":
+        if self.optimizer in ARRIVAL_PLACEMENTS and self.clip == "exact":
             raise ScheduleError(
-                "optimizer='arrival' updates a layer before the later layers' gradients exist, so the global norm "
+                f"optimizer={self.optimizer!r} updates a layer before the later layers' gradients exist, so the global norm "
                 "that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' (updates overlap "
                 "the next forward and stay exact)"
             )
@@ -126,6 +131,8 @@ NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
     "gpu-adam": ScheduleKnobs(buffers=3, optimizer="gpu"),
     "split-adam": ScheduleKnobs(buffers=3, optimizer="split"),
     "overlap-split": ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.4),
+    "arrival-split": ScheduleKnobs(buffers=3, optimizer="arrival-split", clip="none", weight_wire="fp32",
+                                   gpu_optimizer_fraction=0.25),
     "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
 }
 DEFAULT_SCHEDULE = "overlap"
@@ -154,6 +161,10 @@ def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
         return list(range(n))
     if knobs.optimizer == "overlap-split":
         return [i * L // n for i in range(n)]
+    if knobs.optimizer == "arrival-split":
+        # From the top, where the backward starts: the host threads fall behind the gradients as they land, and
+        # each GPU layer lets them catch up before the bottom layers, whose updates end the step.
+        return sorted(L - 1 - i * L // n for i in range(n))
     return []
 
 

@@ -215,14 +215,17 @@ def test_overlap_defers_the_last_update_until_flush():
     assert overlap.store.steps == after.store.steps == {u: 2 for u in DEBUG.units()}
 
 
-def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skipped(monkeypatch):
+@pytest.mark.parametrize("knobs", [knobs_for("arrival", **FP32),
+                                   knobs_for("arrival-split", gpu_optimizer_fraction=1.0, retain_grads=2, **FP32)],
+                         ids=["arrival", "arrival-split-all-gpu"])
+def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skipped(knobs, monkeypatch):
     """clip="none" ("arrival" updates a unit as soon as its gradients land): nothing can wait for a global norm,
-    so a unit whose own gradients are not finite is skipped and reported; the others are updated."""
+    so a unit whose own gradients are not finite is skipped and reported; the others are updated. A GPU update
+    ("arrival-split") decides the skip on the device, and the step's bookkeeping says the same afterwards."""
     from megatrain.exec import work as work_module
 
     real = work_module.layer_functions(False)[1]
-    tr = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=AdamWConfig(lr=1e-2, max_grad_norm=None),
-                         backend="cpu")
+    tr = StreamedTrainer(DEBUG, knobs, optim=AdamWConfig(lr=1e-2, max_grad_norm=None), backend="cpu")
     ids, targets = batch()
     tr.step(ids, targets)
     before = {u: tr.store.master(u).clone() for u in DEBUG.units()}

@@ -53,6 +53,9 @@ class UpdatePlan:
     skip: bool = False  # non-finite global norm: nothing is applied
     skipped_units: list[int] = field(default_factory=list)  # clip="none": units whose own gradients were not finite
     applied_units: list[int] = field(default_factory=list)
+    # clip="none", GPU updates at arrival: units whose skip the device decided; the host settles the bookkeeping
+    # (skipped_units, step counts) once the step's norms have landed
+    device_checked: list[int] = field(default_factory=list)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -68,12 +71,15 @@ def global_norm(unit_norms: list[float]) -> float:
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: int, decay_numel: int, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
+                 step: int, decay_numel: int, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0,
+                 found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step on a flat fp32 tile, in place. `step` is the step count including this one (1-based).
 
     param, grad, exp_avg, exp_avg_sq: (n,) fp32 on one device; weight decay applies to param[:decay_numel].
     Clipping is folded into the kernel (it divides the gradient by `grad_scale` and writes the scaled gradient
     back, as an in-place clip would), which saves a full read-write pass: the update is memory-bound on the host.
+    found_inf: a () fp32 tensor on the tile's device; where it is nonzero the kernel leaves the tile unchanged
+    (a skip decided on the device, without the host waiting for the gradients' norm).
     """
     if grad.dtype != torch.float32 or param.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 tiles; got param {param.dtype}, grad {grad.dtype}")
@@ -89,4 +95,4 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         steps = [torch.full((), float(step), dtype=torch.float32, device=param.device)]
         torch._fused_adamw_([param[lo:hi]], [grad[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps,
                             lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=cfg.eps, amsgrad=False,
-                            maximize=False, grad_scale=grad_scale, found_inf=None)
+                            maximize=False, grad_scale=grad_scale, found_inf=found_inf)

@@ -122,6 +122,7 @@ class StreamedTrainer:
         t0 = time.perf_counter()
         timeline = self._runtime.run(step=index)
         dt = time.perf_counter() - t0
+        self._work.settle_device_skips(current)
         self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline

@@ -80,6 +80,8 @@ class StepWork:
         self.unit_index = {u: i for i, u in enumerate(store.units)}
         # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
         self.unit_norms = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=backend.pins_host_memory)
+        # The same norms on the device, for GPU updates that must skip non-finite gradients without a host wait.
+        self.device_norms = torch.zeros(len(store.units), dtype=torch.float32, device=backend.device)
         self.act_host: dict[tuple[int, int], torch.Tensor] = {}
         self._act_region: HostRegion | None = None
         if k.offload_checkpoints:
@@ -206,6 +208,7 @@ class StepWork:
         wire = g if landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device: half the bytes
         # The norm of what lands (and is applied), computed where the gradients are, in fp32.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
+        self.device_norms[i:i + 1].copy_(norm)
         self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
         if t.fills:  # kept on the GPU for its update there: a device copy, in the values the wire would carry
             self.slots[t.fills].g.copy_(wire, non_blocking=True)
@@ -282,9 +285,11 @@ class StepWork:
         units = [EMBED, HEAD] if self.spec.tie_word_embeddings and unit == EMBED else [unit]
         return all(math.isfinite(float(self.unit_norms[self.unit_index[u]])) for u in units)
 
-    def _should_apply(self, unit: int, plan: UpdatePlan | None) -> UpdatePlan | None:
+    def _should_apply(self, unit: int, plan: UpdatePlan | None, on_device: bool = False) -> UpdatePlan | None:
         if plan is None or plan.skip or unit in plan.skipped_units:
             return None
+        if not self.exact_norm and on_device:  # the kernel skips it if need be (`_device_skip`)
+            return plan
         if not self.exact_norm and not self._unit_finite(unit):
             plan.skipped_units.append(unit)
             return None
@@ -292,7 +297,10 @@ class StepWork:
 
     def update(self, t: ProgramTask) -> None:
         """AdamW on one unit: on the host tiles (cpu stream) or on a GPU state slot (compute stream)."""
-        plan = self._should_apply(t.unit, self._plan(t))
+        # A GPU update of this step's gradients without a global norm ("arrival-split") cannot read the unit's norm
+        # on the host yet (it is still landing): the device decides the skip.
+        on_device = t.stream != "cpu" and t.step_offset == 0 and not self.exact_norm
+        plan = self._should_apply(t.unit, self._plan(t), on_device)
         if t.stream == "cpu":
             if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
                 self._host_update(t.unit, plan)
@@ -301,15 +309,34 @@ class StepWork:
         master, m, v, g = self._state_views(t)
         if plan is not None:
             store.steps[u] += 1
+            found_inf = self._device_skip(u) if on_device else None
             adamw_update(master, self._kept_grads(u, g), m, v, store.steps[u], store.decay_numel(u), plan.lr,
-                         self.cfg, plan.clip_coef)
+                         self.cfg, plan.clip_coef, found_inf)
             plan.applied_units.append(u)
+            if on_device:
+                plan.device_checked.append(u)
             if store.stream_tile(u) is not None:  # stage the new streaming copy for W (the gradients are spent)
                 g.view(torch.bfloat16)[:master.numel()].copy_(master)
         if t.fills:  # "overlap-split": the (updated) master is the weights of this layer's forward
             slot = self.slots[t.fills]
             slot.w[:master.numel()].copy_(master)  # cast to the wire dtype, as the host's streaming copy is
             slot.unit = u
+
+    def _device_skip(self, unit: int) -> torch.Tensor:
+        """() fp32 on the device: 1 where the unit's gradient norm (landed by its OFFLOAD) is not finite."""
+        units = [EMBED, HEAD] if self.spec.tie_word_embeddings and unit == EMBED else [unit]
+        norms = self.device_norms[[self.unit_index[u] for u in units]]
+        return (~torch.isfinite(norms)).any().float()
+
+    def settle_device_skips(self, plan: UpdatePlan) -> None:
+        """After the step: units whose GPU update the device skipped get the bookkeeping of a host skip (in
+        skipped_units, not applied, step count not advanced)."""
+        for u in plan.device_checked:
+            if not self._unit_finite(u):
+                self.store.steps[u] -= 1
+                plan.applied_units.remove(u)
+                plan.skipped_units.append(u)
+        plan.device_checked.clear()
 
     def _host_update(self, u: int, plan: UpdatePlan) -> None:
         store = self.store
