@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .knobs import DEFAULT_SCHEDULE, ScheduleKnobs, gpu_updated_layers, knobs_for, retained_grad_layers
+from .knobs import (
+    ARRIVAL_PLACEMENTS,
+    DEFAULT_SCHEDULE,
+    ScheduleKnobs,
+    gpu_updated_layers,
+    knobs_for,
+    resident_units,
+    retained_grad_layers,
+)
 from .schedule import Schedule, ScheduleError
 from .spec import EMBED, HEAD, ModelSpec
 from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
@@ -42,6 +50,7 @@ class _Builder:
         self.mb = batch // self.M
         self.gpu_layers = gpu_updated_layers(spec, knobs)
         self.retained = set(retained_grad_layers(spec, knobs))
+        self.resident = set(resident_units(spec, knobs))
         # The order GPU updates take their state slots in: as gradients land (top down) for "arrival-split",
         # forward order otherwise.
         self.state_order = self.gpu_layers[::-1] if knobs.optimizer == "arrival-split" else list(self.gpu_layers)
@@ -115,6 +124,10 @@ class _Builder:
         ring: list[_Visit | None] = [None] * self.k.buffers
         fwd_embed = None
         for v in visits:
+            if v.unit in self.resident:  # its own buffer for the whole run: nothing to fill or evict
+                v.slot = resident_slot(v.unit)
+                v.fill = v.previous = None
+                continue
             if v.unit in (EMBED, HEAD):
                 v.slot = "embed" if v.unit == EMBED else "head"
                 if v.unit == EMBED and v.backward:
@@ -150,6 +163,9 @@ class _Builder:
         placement = k.optimizer
         gpu_layers = set(self.gpu_layers)
         state_slot = {u: f"s{i % k.state_buffers}" for i, u in enumerate(self.state_order)}
+
+        def n_of(unit):
+            return s.unit_params(unit)
 
         def update_params(unit):
             # A tied head's lm_head is the embedding: its update is the embedding's.
@@ -196,7 +212,7 @@ class _Builder:
         checkpoint_layers = {l0 for l0, _ in blocks}
         for i, t in enumerate(order):
             v = visit_of[t]
-            if i in fills_at and fills_at[i].fill not in self.g:
+            if i in fills_at and fills_at[i].fill is not None and fills_at[i].fill not in self.g:
                 fv = fills_at[i]
                 if not fv.backward:
                     fill_order[fv.unit] = self._order
@@ -208,21 +224,27 @@ class _Builder:
             if k.offload_checkpoints and t in block_start:
                 for m in range(M):
                     self.add(Y(block_start[t], m), bytes=act, flops=0.0, tokens=0, params=0)
-            self.add(t, slot=v.slot, weights=v.fill, **self.compute_work(t.kind, t.unit))
+            self.add(t, slot=v.slot, weights=v.fill, **self.compute_work(t.kind, t.unit), **self.resident_attr(t.unit))
             # F(l-1) (F(E) for l = 0) produces layer l's input: offload it when l keeps a checkpoint.
             if k.offload_checkpoints and t.kind is TaskKind.FORWARD and t.unit != HEAD \
                     and (t.unit + 1) in checkpoint_layers:
                 self.add(X(t.unit + 1, t.micro), bytes=act, flops=0.0, tokens=0, params=0)
             if i in offload_after:
                 unit = offload_after[i]
-                if unit in self.retained:  # a device-to-device copy into the layer's own gradient buffer
+                if unit in self.resident:  # the norm of the gradients where they are; nothing moves
+                    self.add(O(unit), slot=v.slot, weights=None, bytes=0, flops=0.0, tokens=0,
+                             params=s.unit_params(unit), resident=True)
+                elif unit in self.retained:  # a device-to-device copy into the layer's own gradient buffer
                     self.add(O(unit), slot=v.slot, weights=v.fill, fills=f"g{unit}", bytes=0, flops=0.0,
                              tokens=0, params=s.unit_params(unit))
                 else:
                     self.add(O(unit), slot=v.slot, weights=v.fill, bytes=s.unit_params(unit) * wire_g, flops=0.0,
                              tokens=0, params=s.unit_params(unit))
-                if placement == "arrival-split":  # the unit's update, as its gradients land
-                    if unit in gpu_layers:
+                if placement in ARRIVAL_PLACEMENTS:  # the unit's update, as its gradients land
+                    if unit in self.resident:
+                        self.add(U(unit), device="gpu", step_offset=0, slot=v.slot, weights=None, params=n_of(unit),
+                                 flops=0.0, bytes=0, tokens=0, resident=True)
+                    elif unit in gpu_layers:
                         add_gpu_update(unit, 0)
                     else:
                         self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0,
@@ -237,12 +259,8 @@ class _Builder:
                 else:
                     self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0,
                              bytes=0, tokens=0)
-        elif placement == "arrival":
-            for unit in [HEAD, *reversed(range(L)), EMBED]:
-                self.add(U(unit), device="cpu", step_offset=0, params=update_params(unit), flops=0.0, bytes=0,
-                         tokens=0)
 
-        if placement == "arrival-split":
+        if placement in ARRIVAL_PLACEMENTS:
             self.order_arrival_updates(order, gpu_layers)
         # A state copy is queued on h2d ahead of the fills of the `state_lookahead` layers before its own: the
         # PREFETCHes of host-updated layers wait for their CPU update, and a copy queued behind them would idle
@@ -251,6 +269,9 @@ class _Builder:
             ahead = layer - k.state_lookahead
             self.g.nodes[S(layer)]["order"] = fill_order[ahead if ahead >= 0 else EMBED] - 0.5 + layer * 1e-3
         self.connect(visits, order, blocks, gpu_layers)
+
+    def resident_attr(self, unit: int) -> dict:
+        return {"resident": True} if unit in self.resident else {}
 
     def order_arrival_updates(self, order: list[Task], gpu_layers: set[int]) -> None:
         """"arrival-split": where a GPU update's tasks sit in their streams' queues.
@@ -267,6 +288,13 @@ class _Builder:
         for t in order:
             if t.kind is TaskKind.BACKWARD:
                 last_bwd[t.unit] = g.nodes[t]["order"]
+        for unit in self.resident:  # the update on the compute stream, after the next backward has been issued
+            nxt = {HEAD: L - 1, EMBED: None}.get(unit, unit - 1 if unit > 0 else EMBED)
+            if nxt is None:
+                continue  # the embedding's update is the last task of the step anyway
+            if nxt not in last_bwd:  # HEAD of a model without layers
+                continue
+            g.nodes[U(unit)]["order"] = last_bwd[nxt] + 0.25
         for layer in gpu_layers:
             ahead = min(layer + 1 + self.k.state_lookahead, L - 1)
             fetch = P(ahead, back=True)
@@ -283,7 +311,8 @@ class _Builder:
         # Weights into readers.
         for v in visits:
             for t in v.readers:
-                self.edge(v.fill, t)
+                if v.fill is not None:  # a resident unit's buffer is never filled within a step
+                    self.edge(v.fill, t)
             # Refill only after the previous occupant's readers (and the offload of its gradients) are done.
             if v.previous is not None:
                 prev = v.previous
@@ -403,4 +432,12 @@ def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
             sizes[f"s{i}"] = spec.layer_params * 16
     for layer in retained_grad_layers(spec, knobs):
         sizes[f"g{layer}"] = spec.layer_params * 4
+    for unit in resident_units(spec, knobs):  # fp32 master, m, v, gradient
+        sizes.pop("embed" if unit == EMBED else "head" if unit == HEAD else "", None)
+        sizes[resident_slot(unit)] = spec.unit_params(unit) * 16
     return sizes
+
+
+def resident_slot(unit: int) -> str:
+    """The GPU buffer of a resident unit: "embed" / "head" (as when streamed), "r<layer>" for a layer."""
+    return "embed" if unit == EMBED else "head" if unit == HEAD else f"r{unit}"

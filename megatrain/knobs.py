@@ -30,6 +30,11 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
     clip               "exact": global-norm clipping over all gradients; "none"
     offload_checkpoints  send checkpointed activations to the host and back (long context)
+    resident_embeddings  keep the embedding and the head on the GPU for the whole run, with their fp32 master,
+                       Adam moments and gradients (16 B/param): no copies for them, their update runs on the GPU as
+                       their gradients land; the host copy is brought up to date by `StreamedTrainer.flush()`
+                       (arrival placements; untied embeddings)
+    resident_layers    r: the same for decoder layers 0..r-1 (the last gradients to land, the first weights needed)
     compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
                        residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
                        setting so that the simulator has compiled compute tables
@@ -39,7 +44,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from .schedule import ScheduleError
-from .spec import DTYPE_BYTES, ModelSpec
+from .spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
 
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
 GPU_PLACEMENTS = ("gpu", "split", "overlap-split", "arrival-split")
@@ -66,6 +71,8 @@ class ScheduleKnobs:
     state_lookahead: int = 1
     retain_grads: int = 0
     compile_layers: bool = False
+    resident_embeddings: bool = False
+    resident_layers: int = 0
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -100,6 +107,14 @@ class ScheduleKnobs:
             bad("state_lookahead", "an integer >= 0")
         if not isinstance(self.compile_layers, bool):
             bad("compile_layers", "true | false")
+        if not isinstance(self.resident_embeddings, bool):
+            bad("resident_embeddings", "true | false")
+        if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
+            bad("resident_layers", "an integer >= 0")
+        if (self.resident_embeddings or self.resident_layers) and self.optimizer not in ARRIVAL_PLACEMENTS:
+            raise ScheduleError(f"resident_embeddings / resident_layers update their units on the GPU as the "
+                                f"gradients land, which needs an arrival placement; optimizer={self.optimizer!r}: use "
+                                f"optimizer='arrival' or 'arrival-split' (clip='none'), or no resident units")
         if not isinstance(self.retain_grads, int) or self.retain_grads < 0:
             bad("retain_grads", "an integer >= 0")
         if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:
@@ -166,6 +181,22 @@ def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
         # each GPU layer lets them catch up before the bottom layers, whose updates end the step.
         return sorted(L - 1 - i * L // n for i in range(n))
     return []
+
+
+def resident_units(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """Units that live on the GPU for the whole run (weights, Adam state, gradients): embedding and head with
+    `resident_embeddings`, layers 0..resident_layers-1."""
+    if knobs.resident_layers > spec.num_layers:
+        raise ScheduleError(f"resident_layers={knobs.resident_layers} but the model has {spec.num_layers} layers")
+    if knobs.resident_embeddings and spec.tie_word_embeddings:
+        raise ScheduleError("resident_embeddings is not supported with tied embeddings (the head's matrix is the "
+                            "embedding's, updated once for both); set resident_embeddings=false")
+    clash = set(range(knobs.resident_layers)) & set(gpu_updated_layers(spec, knobs))
+    if clash:
+        raise ScheduleError(f"layers {sorted(clash)} are both resident (resident_layers={knobs.resident_layers}) and "
+                            f"streamed for a GPU update (gpu_optimizer_fraction={knobs.gpu_optimizer_fraction}); "
+                            f"lower one of them")
+    return ([EMBED, HEAD] if knobs.resident_embeddings else []) + list(range(knobs.resident_layers))
 
 
 def retained_grad_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:

@@ -8,7 +8,9 @@ A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
     fills   str    a buffer a non-copy task fills besides reading `slot`: a GPU update of "overlap-split" writes
                    the new weights into the layer's weight slot; an OFFLOAD that keeps the gradients on the GPU
                    copies them into the layer's own buffer "g<layer>"
-    weights Task   for compute tasks: the PREFETCH whose copy of the weights it reads
+    weights Task   for compute tasks: the PREFETCH whose copy of the weights it reads (None when `resident`)
+    resident bool  the task's unit lives in its GPU buffer for the whole run (knobs resident_embeddings /
+                   resident_layers): nothing fills or evicts that buffer within a step
     step_offset int  OPTIMIZER (and its S, W): 0 = updates with this step's gradients, -1 = with the previous step's
     bytes, flops, tokens, params   the work, for the simulator's cost model
 
@@ -140,6 +142,8 @@ def validate(schedule: Schedule) -> None:
 
     for t in g.nodes:
         a = g.nodes[t]
+        if a.get("resident"):  # a buffer that holds its unit for the whole run: never filled, never evicted
+            continue
         if t.kind in COMPUTE_KINDS or t.kind in (TaskKind.OFFLOAD, TaskKind.STATE_OFFLOAD) or (
             t.kind is TaskKind.OPTIMIZER and a.get("device") == "gpu"
         ):

@@ -216,8 +216,9 @@ def test_overlap_defers_the_last_update_until_flush():
 
 
 @pytest.mark.parametrize("knobs", [knobs_for("arrival", **FP32),
-                                   knobs_for("arrival-split", gpu_optimizer_fraction=1.0, retain_grads=2, **FP32)],
-                         ids=["arrival", "arrival-split-all-gpu"])
+                                   knobs_for("arrival-split", gpu_optimizer_fraction=1.0, retain_grads=2, **FP32),
+                                   knobs_for("arrival", resident_layers=4, resident_embeddings=True, **FP32)],
+                         ids=["arrival", "arrival-split-all-gpu", "arrival-all-resident"])
 def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skipped(knobs, monkeypatch):
     """clip="none" ("arrival" updates a unit as soon as its gradients land): nothing can wait for a global norm,
     so a unit whose own gradients are not finite is skipped and reported; the others are updated. A GPU update
@@ -228,6 +229,7 @@ def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skippe
     tr = StreamedTrainer(DEBUG, knobs, optim=AdamWConfig(lr=1e-2, max_grad_norm=None), backend="cpu")
     ids, targets = batch()
     tr.step(ids, targets)
+    tr.flush()  # resident units: bring the host store up to date before reading it
     before = {u: tr.store.master(u).clone() for u in DEBUG.units()}
     calls = {"n": 0}
 
@@ -240,6 +242,7 @@ def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skippe
 
     monkeypatch.setattr(tr._work, "layer_backward", poison_layer_2)  # the StepWork the first step built
     r = tr.step(ids, targets)
+    tr.flush()
     assert not r.skipped and r.update.skipped_units == [2]
     assert sorted(r.update.applied_units) == sorted(u for u in DEBUG.units() if u != 2)
     assert torch.equal(tr.store.master(2), before[2]) and tr.store.steps[2] == 1
@@ -376,3 +379,25 @@ def test_compiled_layers_train_as_the_eager_layers_do():
     # step (lr = 1e-2), hence the tolerance of 1% of one step; the weights of a wrong layer differ by whole steps.
     for u in DEBUG.units():
         torch.testing.assert_close(fused.tiles()[u], eager.tiles()[u], rtol=0, atol=1e-4)
+
+
+def test_resident_units_reach_the_host_store_on_flush_and_survive_a_new_batch_shape():
+    """Resident units are updated on the device; the host store sees them after flush(), and a new batch shape
+    (a new Program, new buffers) continues from where the old buffers were, as a streamed-only run does."""
+    optim = AdamWConfig(lr=1e-2, max_grad_norm=None)
+    plain = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=optim, backend="cpu")
+    resident = StreamedTrainer(DEBUG, knobs_for("arrival", resident_embeddings=True, resident_layers=2, **FP32),
+                               optim=optim, backend="cpu")
+    ids, targets = batch()
+    for tr in (plain, resident):
+        tr.step(ids, targets)
+    stale = resident.store.master(EMBED).clone()
+    assert torch.equal(stale, resident.store.master(EMBED))
+    resident.flush()
+    assert not torch.equal(stale, resident.store.master(EMBED))  # the device's update reached the host
+    for tr in (plain, resident):
+        tr.step(ids[:2], targets[:2])  # a new Program: the resident buffers are written back, then reloaded
+        tr.step(ids, targets)
+    for u in DEBUG.units():
+        torch.testing.assert_close(resident.tiles()[u], plain.tiles()[u], rtol=1e-5, atol=1e-6)
+    assert resident.store.steps == plain.store.steps

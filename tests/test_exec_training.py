@@ -192,6 +192,12 @@ VARIANTS = {
                                                         micro_batches=2, **FP32)),
     "arrival-split-all-gpu": ("llama", knobs_for("arrival-split", gpu_optimizer_fraction=1.0, state_buffers=1,
                                                  **FP32)),
+    # units that live on the GPU for the whole run, updated there as their gradients land
+    "arrival-resident": ("llama", knobs_for("arrival", resident_embeddings=True, resident_layers=2, **FP32)),
+    "arrival-split-resident-mb2": ("llama", knobs_for("arrival-split", resident_embeddings=True, resident_layers=1,
+                                                      gpu_optimizer_fraction=0.25, retain_grads=1, micro_batches=2,
+                                                      **FP32)),
+    "qwen2/arrival-resident": ("qwen2", knobs_for("arrival", resident_embeddings=True, resident_layers=1, **FP32)),
     "overlap-chunked-loss": ("llama", knobs_for("overlap", loss_chunk_tokens=5, **FP32)),
     "tied/overlap": ("llama-tied", knobs_for("overlap", **FP32)),
     "tied/after-mb2": ("llama-tied", knobs_for("double-buffer", micro_batches=2, **FP32)),

@@ -99,6 +99,8 @@ class StreamedTrainer:
             sched = build_schedule(self.spec, batch, seq, self.knobs)
             sched.name = self.schedule_name
             self._program = lower(sched)
+            if self._work is not None:
+                self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
             self._work = None  # free the old slots before allocating new ones
             self._work = StepWork(self._program, self.store, self.backend, self.optim)
             if self._runtime is not None:
@@ -130,10 +132,14 @@ class StreamedTrainer:
                           skipped=current.skip, time_s=dt, timeline=timeline, update=current)
 
     def flush(self) -> UpdatePlan | None:
-        """Apply a pending update (placement "overlap": the last step's); a no-op when there is none."""
+        """Bring the host store up to date: apply a pending update (placement "overlap": the last step's), and
+        copy the units that live on the GPU (resident_embeddings / resident_layers) back to the host. Returns the
+        plan applied, or None."""
         plan, self._pending = self._pending, None
         if plan is not None:
             self._work.flush_update(plan)
+        if self._work is not None:
+            self._work.sync_resident_to_host()
         return plan
 
     # ---- state ---------------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ..builders import resident_slot
+from ..knobs import resident_units
 from ..program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend, ExecError
@@ -34,14 +36,22 @@ class Slot:
     """One GPU buffer. Weight slots: `w` (numel,) in the wire dtype and `g` (numel,) fp32 for gradients.
     State slots ("s<i>", `state=True`): `raw` holds master, m, v and gradient of a layer, each (numel,) fp32; after
     the update the gradient area stages the new streaming copy for STATE_OFFLOAD. Kept-gradient buffers ("g<layer>",
-    `grad_only=True`): `g` (numel,) fp32 only.
+    `grad_only=True`): `g` (numel,) fp32 only. Resident units (`resident=True`): `w` is the fp32 master itself,
+    `g` its gradients, `m` and `v` the Adam moments, all (numel,) fp32, for the whole run.
 
     `w` and `g` are two allocations, not one: autograd's version counter belongs to a storage, so accumulating
     into a gradient area that shared the weights' storage would invalidate the weight views autograd saved."""
 
     def __init__(self, backend: Backend, numel: int, wire: torch.dtype, state: bool = False,
-                 grad_only: bool = False):
-        if state:
+                 grad_only: bool = False, resident: bool = False):
+        self.m = self.v = None
+        if resident:
+            self.w = backend.empty(4 * numel).view(torch.float32)
+            self.g = backend.empty(4 * numel).view(torch.float32)
+            moments = backend.empty(8 * numel).view(torch.float32)
+            self.m, self.v = moments[:numel], moments[numel:]
+            self.nbytes = 16 * numel
+        elif state:
             self.raw = backend.empty(16 * numel)
             self.w = self.g = None
             self.nbytes = 16 * numel
@@ -75,7 +85,9 @@ class StepWork:
         self.handlers = {"P": self.prefetch, "F": self.forward, "R": self.recompute, "B": self.backward,
                          "O": self.offload, "N": self.clip_norm, "U": self.update, "S": self.state_prefetch,
                          "W": self.state_offload, "X": self.act_offload, "Y": self.act_prefetch}
+        self.resident = resident_units(spec, k)
         self.slots = self._allocate_slots()
+        self.load_resident()
         self.checkpoint_layers = set(range(0, spec.num_layers, k.recompute_block))
         self.unit_index = {u: i for i, u in enumerate(store.units)}
         # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
@@ -96,7 +108,10 @@ class StepWork:
         numel = {u: self.store.layouts[u].numel for u in self.store.units}
         layer = numel[0] if self.spec.num_layers else 0
         slots = {}
-        for name in sorted(names):
+        for u in self.resident:
+            slots[resident_slot(u)] = Slot(self.backend, numel[u], torch.float32, resident=True)
+            slots[resident_slot(u)].unit = u
+        for name in sorted(names - set(slots)):
             if name[0] == "s" and name[1:].isdigit():  # master, m, v, gradient of one layer, all fp32
                 slots[name] = Slot(self.backend, layer, torch.float32, state=True)
             elif name[0] == "g" and name[1:].isdigit():  # a layer's gradients kept on the GPU, fp32
@@ -113,6 +128,28 @@ class StepWork:
         self._act_region = HostRegion(self.backend, self.compute_dtype, {i: n for i in range(len(keys))})
         self._act_region.pin(range(len(keys)))
         self.act_host = {key: self._act_region.tiles[i] for i, key in enumerate(keys)}
+
+    def load_resident(self) -> None:
+        """Bring the resident units' master weights and Adam moments from the host store to their GPU buffers."""
+        for u in self.resident:
+            slot = self.slots[resident_slot(u)]
+            slot.w.copy_(self.store.master(u))
+            slot.m.copy_(self.store.exp_avg(u))
+            slot.v.copy_(self.store.exp_avg_sq(u))
+        self.backend.synchronize()
+
+    def sync_resident_to_host(self) -> None:
+        """Write the resident units' master weights and moments back to the host store (whose copies of those
+        units are stale while the run goes on): before anyone reads the store, and before this StepWork goes."""
+        for u in self.resident:
+            slot = self.slots[resident_slot(u)]
+            self.store.master(u).copy_(slot.w)
+            self.store.exp_avg(u).copy_(slot.m)
+            self.store.exp_avg_sq(u).copy_(slot.v)
+        if self.resident:
+            self.backend.synchronize()
+            for u in self.resident:
+                self.store.refresh_stream(u)
 
     def gpu_bytes(self) -> int:
         """Bytes of all slot buffers (the Program's `memory.buffers_bytes`)."""
@@ -205,6 +242,11 @@ class StepWork:
         i = self.unit_index[t.unit]
         self.store.gradients_landing(t.unit)
         landing = self.store.grad(t.unit)
+        if t.unit in self.resident:  # the gradients stay where they are; only their norm is taken
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32).reshape(1)
+            self.device_norms[i:i + 1].copy_(norm)
+            self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
+            return
         wire = g if landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device: half the bytes
         # The norm of what lands (and is applied), computed where the gradients are, in fp32.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
@@ -315,7 +357,7 @@ class StepWork:
             plan.applied_units.append(u)
             if on_device:
                 plan.device_checked.append(u)
-            if store.stream_tile(u) is not None:  # stage the new streaming copy for W (the gradients are spent)
+            if store.stream_tile(u) is not None and u not in self.resident:  # stage the streaming copy for W
                 g.view(torch.bfloat16)[:master.numel()].copy_(master)
         if t.fills:  # "overlap-split": the (updated) master is the weights of this layer's forward
             slot = self.slots[t.fills]
@@ -362,6 +404,9 @@ class StepWork:
 
     def _state_views(self, t: ProgramTask) -> list[torch.Tensor]:
         n = self.store.layouts[t.unit].numel
+        if t.unit in self.resident:
+            slot = self._slot(t)
+            return [slot.w, slot.m, slot.v, slot.g]
         flat = self._slot(t).raw.view(torch.float32)
         return [flat[i * n:(i + 1) * n] for i in range(4)]  # master, m, v, gradient (or staging)
 
