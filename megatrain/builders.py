@@ -16,6 +16,7 @@ from .knobs import (
     ScheduleKnobs,
     gpu_updated_layers,
     knobs_for,
+    offloaded_checkpoints,
     resident_units,
     retained_grad_layers,
 )
@@ -51,6 +52,7 @@ class _Builder:
         self.gpu_layers = gpu_updated_layers(spec, knobs)
         self.retained = set(retained_grad_layers(spec, knobs))
         self.resident = set(resident_units(spec, knobs))
+        self.offloaded = set(offloaded_checkpoints(spec, knobs))
         # The order GPU updates take their state slots in: as gradients land (top down) for "arrival-split",
         # forward order otherwise.
         self.state_order = self.gpu_layers[::-1] if knobs.optimizer == "arrival-split" else list(self.gpu_layers)
@@ -221,13 +223,12 @@ class _Builder:
                 else:
                     self.add(fv.fill, slot=fv.slot, bytes=s.unit_params(fv.unit) * wire_w, flops=0.0, tokens=0,
                              params=s.unit_params(fv.unit))
-            if k.offload_checkpoints and t in block_start:
+            if t in block_start and block_start[t] in self.offloaded:
                 for m in range(M):
                     self.add(Y(block_start[t], m), bytes=act, flops=0.0, tokens=0, params=0)
             self.add(t, slot=v.slot, weights=v.fill, **self.compute_work(t.kind, t.unit), **self.resident_attr(t.unit))
             # F(l-1) (F(E) for l = 0) produces layer l's input: offload it when l keeps a checkpoint.
-            if k.offload_checkpoints and t.kind is TaskKind.FORWARD and t.unit != HEAD \
-                    and (t.unit + 1) in checkpoint_layers:
+            if t.kind is TaskKind.FORWARD and t.unit != HEAD and (t.unit + 1) in self.offloaded:
                 self.add(X(t.unit + 1, t.micro), bytes=act, flops=0.0, tokens=0, params=0)
             if i in offload_after:
                 unit = offload_after[i]
@@ -329,7 +330,7 @@ class _Builder:
             for m in range(M):
                 # Layer l0's checkpointed input: the output of F(l0-1), via the host when offloaded.
                 src = F(l0 - 1 if l0 else EMBED, m)
-                if k.offload_checkpoints:
+                if l0 in self.offloaded:
                     self.edge(src, X(l0, m))
                     self.edge(X(l0, m), Y(l0, m))
                     src = Y(l0, m)
@@ -347,12 +348,12 @@ class _Builder:
                 top = layer
             self.edge(B(0, m) if L else F(HEAD, m), B(EMBED, m))
         # Long context: bring a block's checkpoints back only once the block above has started its backward.
-        if k.offload_checkpoints:
-            prev_first = F(HEAD, 0)
-            for l0, l1 in reversed(blocks):
+        prev_first = F(HEAD, 0)
+        for l0, l1 in reversed(blocks):
+            if l0 in self.offloaded:
                 for m in range(M):
                     self.edge(prev_first, Y(l0, m), "slot")
-                prev_first = R(l0, 0) if l1 - l0 > 1 else B(l0, 0)
+            prev_first = R(l0, 0) if l1 - l0 > 1 else B(l0, 0)
         # Gradient accumulation over micro-batches into one buffer, then one offload per unit.
         for unit in s.units():
             producers = [F(HEAD, m) for m in range(M)] if unit == HEAD else [B(unit, m) for m in range(M)]

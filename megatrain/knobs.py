@@ -30,6 +30,8 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
     clip               "exact": global-norm clipping over all gradients; "none"
     offload_checkpoints  send checkpointed activations to the host and back (long context)
+    gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
+                       comes first, so they would be fetched back at once); the host holds the rest
     resident_embeddings  keep the embedding and the head on the GPU for the whole run, with their fp32 master,
                        Adam moments and gradients (16 B/param): no copies for them, their update runs on the GPU as
                        their gradients land; the host copy is brought up to date by `StreamedTrainer.flush()`
@@ -65,6 +67,7 @@ class ScheduleKnobs:
     grad_wire: str = "fp32"
     clip: str = "exact"
     offload_checkpoints: bool = False
+    gpu_checkpoints: int = 0
     compute_dtype: str = "bf16"
     loss_chunk_tokens: int = 2048
     state_buffers: int = 2
@@ -105,6 +108,12 @@ class ScheduleKnobs:
             bad("state_buffers", "an integer >= 1")
         if not isinstance(self.state_lookahead, int) or self.state_lookahead < 0:
             bad("state_lookahead", "an integer >= 0")
+        if not isinstance(self.gpu_checkpoints, int) or self.gpu_checkpoints < 0:
+            bad("gpu_checkpoints", "an integer >= 0")
+        if self.gpu_checkpoints and not self.offload_checkpoints:
+            raise ScheduleError(f"gpu_checkpoints={self.gpu_checkpoints} keeps some offloaded checkpoints on the GPU, "
+                                "but offload_checkpoints is false (every checkpoint is on the GPU already); set "
+                                "offload_checkpoints=true or gpu_checkpoints=0")
         if not isinstance(self.compile_layers, bool):
             bad("compile_layers", "true | false")
         if not isinstance(self.resident_embeddings, bool):
@@ -181,6 +190,15 @@ def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
         # each GPU layer lets them catch up before the bottom layers, whose updates end the step.
         return sorted(L - 1 - i * L // n for i in range(n))
     return []
+
+
+def offloaded_checkpoints(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
+    """Layers whose checkpointed input goes to the host (the first layer of each recompute block), bottom up:
+    none without offload_checkpoints; all but the top `gpu_checkpoints` blocks' with it."""
+    if not knobs.offload_checkpoints:
+        return []
+    starts = list(range(0, spec.num_layers, knobs.recompute_block))
+    return starts[:max(len(starts) - knobs.gpu_checkpoints, 0)]
 
 
 def resident_units(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .knobs import ScheduleKnobs, gpu_updated_layers
+from .knobs import ScheduleKnobs, gpu_updated_layers, offloaded_checkpoints
 from .program import GpuMemoryPlan, plan_gpu_memory
 from .spec import HEAD, ModelSpec
 
@@ -89,7 +89,7 @@ def plan_host_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs
         components["fp32 gradient scratch"] = 4 * grad_scratch_elements(spec)
     act = knobs.wire_bytes("compute_dtype")
     if knobs.offload_checkpoints:
-        n_ckpt = -(-spec.num_layers // knobs.recompute_block)
+        n_ckpt = len(offloaded_checkpoints(spec, knobs))
         components["offloaded checkpoints"] = n_ckpt * batch * seq * spec.hidden_size * act
     components["runtime overhead"] = RUNTIME_OVERHEAD_BYTES[backend]
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from .builders import gpu_slot_bytes
-from .knobs import ScheduleKnobs
+from .knobs import ScheduleKnobs, offloaded_checkpoints
 from .schedule import Schedule
 from .spec import ModelSpec
 from .tasks import Task, TaskKind
@@ -208,7 +208,8 @@ def plan_gpu_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs)
     and the head's logits chunk.
 
     - checkpoints: the input of every r-th layer for every micro-batch, in the compute dtype; with
-      `offload_checkpoints` only two blocks' worth stay on the GPU;
+      `offload_checkpoints` only two blocks' worth of the offloaded ones stay on the GPU, plus the
+      `gpu_checkpoints` kept there;
     - working set of a layer's recompute + backward (per micro-batch, r layers deep): inputs of the norms,
       q/k/v, attention output, the MLP's gate/up/activation, and the gradient flowing down (estimated from the
       tensors autograd saves; the measured peak is the check);
@@ -220,8 +221,9 @@ def plan_gpu_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs)
     d, f = spec.hidden_size, spec.intermediate_size
     r = knobs.recompute_block
     n_checkpoints = -(-spec.num_layers // r)
-    if knobs.offload_checkpoints:
-        n_checkpoints = min(n_checkpoints, 2)
+    if knobs.offload_checkpoints:  # two offloaded blocks' worth in flight, plus those kept on the GPU
+        offloaded = len(offloaded_checkpoints(spec, knobs))
+        n_checkpoints = min(offloaded, 2) + (n_checkpoints - offloaded)
     checkpoint = n_checkpoints * knobs.micro_batches * tokens_mb * d * act
     per_layer_saved = tokens_mb * (6 * d + 2 * (spec.q_dim + spec.kv_dim) + 4 * f) * act
     working = r * per_layer_saved + 2 * tokens_mb * d * 4  # + fp32 activation gradient in and out

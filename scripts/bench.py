@@ -48,7 +48,8 @@ def table(rows: list[dict], peers: dict[str, dict]) -> str:
             continue
         cells = [r["run"], f"{r['tokens_per_s']:,.0f}", f"{r['model_TFLOPs']:.1f}", f"{r['peak_gpu_GiB']:.1f}",
                  f"{r['host_rss_GiB']:.1f}", f"{r['gpu_idle_pct']:.1f}" if "gpu_idle_pct" in r else "-",
-                 f"{r['predicted_tokens_per_s']:,.0f}" if "predicted_tokens_per_s" in r else "-"]
+                 f"{r['predicted_tokens_per_s']:,.0f} ({r['predicted_tokens_per_s'] / r['tokens_per_s'] - 1:+.1%})"
+                 if "predicted_tokens_per_s" in r else "-"]
         for p, pr in peers.items():
             cells.append(f"{r['tokens_per_s'] / pr['tokens_per_s']:.2f}" if "tokens_per_s" in pr else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--log", default="bench.log")
+    ap.add_argument("--profile", default="h200-measured", help="hardware profile for megatrain's predicted column")
+    ap.add_argument("--timelines", help="folder to write each megatrain run's measured timeline CSV into")
     a = ap.parse_args()
     spec = get_model(a.model)
     shape = ["--batch", str(a.batch), "--seq", str(a.seq)]
@@ -83,7 +86,10 @@ def main() -> int:
             name, _, sets = item.partition(":")
             extra = [x for kv in sets.split(";") if kv for x in ("--set", kv)]
             cmd = [sys.executable, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
-                   *extra, "--steps", str(a.steps)]
+                   *extra, "--steps", str(a.steps), "--profile", a.profile]
+            if a.timelines:
+                Path(a.timelines).mkdir(parents=True, exist_ok=True)
+                cmd += ["--timeline", str(Path(a.timelines) / f"timeline-{len(rows)}.csv")]
             r = run_json(cmd, a.timeout, log)
             print(item, r, flush=True)
             rows.append({"run": f"megatrain {item}", **r})

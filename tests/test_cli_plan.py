@@ -18,3 +18,22 @@ def test_plan_user_errors_are_one_line(capsys):
     assert err.startswith("megatrain plan: error: unknown model 'nope'") and err.count("\n") == 1
     assert main(["plan", "--set", "buffers=zero"]) == 2
     assert "expects an integer" in capsys.readouterr().err
+
+
+def test_gpu_checkpoints_move_checkpoints_from_host_to_gpu_in_the_plan():
+    """Keeping the top n offloaded checkpoints on the GPU shrinks the host plan by n checkpoints and grows the GPU
+    plan by as many; the DAG loses their X/Y copies."""
+    from megatrain.builders import build_schedule
+    from megatrain.knobs import knobs_for
+    from megatrain.memory import plan_memory
+    from megatrain.presets import PRESETS
+
+    spec, batch, seq = PRESETS["debug"], 2, 64
+    one = batch * seq * spec.hidden_size * 2  # a bf16 checkpoint
+    base = plan_memory(spec, batch, seq, knobs_for("long-context"))
+    kept = plan_memory(spec, batch, seq, knobs_for("long-context", gpu_checkpoints=2))
+    assert base.host.total_bytes - kept.host.total_bytes == 2 * one
+    assert kept.gpu.peak_bytes - base.gpu.peak_bytes == 2 * one
+    ids = {t.id for t in build_schedule(spec, batch, seq, knobs_for("long-context", gpu_checkpoints=2)).graph}
+    top = spec.num_layers - 1
+    assert f"X{top}.0" not in ids and f"X{top - 1}.0" not in ids and "X1.0" in ids

@@ -175,6 +175,7 @@ VARIANTS = {
     "overlap-buffers1": ("llama", knobs_for("overlap", buffers=1, **FP32)),
     "overlap-buffers2": ("llama", knobs_for("overlap", buffers=2, **FP32)),
     "overlap-recompute2-mb2": ("llama", knobs_for("overlap", recompute_block=2, micro_batches=2, **FP32)),
+    "long-context-2-on-gpu": ("llama", knobs_for("long-context", gpu_checkpoints=2, **FP32)),
     "long-context-recompute2-mb2": ("llama", knobs_for("long-context", recompute_block=2, micro_batches=2,
                                                        **FP32)),
     "gpu-adam-mb2": ("llama", knobs_for("gpu-adam", micro_batches=2, **FP32)),

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..builders import resident_slot
-from ..knobs import resident_units
+from ..knobs import offloaded_checkpoints, resident_units
 from ..program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend, ExecError
@@ -124,7 +124,7 @@ class StepWork:
     def _allocate_act_host(self) -> None:
         M, p = self.knobs.micro_batches, self.program
         n = (p.batch // M) * p.seq * self.spec.hidden_size
-        keys = [(l0, m) for l0 in sorted(self.checkpoint_layers) for m in range(M)]
+        keys = [(l0, m) for l0 in offloaded_checkpoints(self.spec, self.knobs) for m in range(M)]
         self._act_region = HostRegion(self.backend, self.compute_dtype, {i: n for i in range(len(keys))})
         self._act_region.pin(range(len(keys)))
         self.act_host = {key: self._act_region.tiles[i] for i, key in enumerate(keys)}
