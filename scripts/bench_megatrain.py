@@ -27,6 +27,18 @@ from megatrain.memory import plan_memory
 from megatrain.presets import get_model
 
 
+def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float:
+    """300 s, or three simulated steps when a step is predicted to take longer than 100 s."""
+    if not profile:
+        return 300.0
+    from megatrain.builders import build_schedule
+    from megatrain.program import lower
+    from megatrain.sim import load_profile, simulate
+
+    step_s = simulate(lower(build_schedule(spec, batch, seq, knobs)), load_profile(profile)).step_s
+    return max(300.0, 3 * step_s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="bench-3b")
@@ -42,6 +54,9 @@ def main() -> None:
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
     p.add_argument("--gpu-limit-gib", type=float, default=16.0, help="planned GPU peak limit for --tune")
+    p.add_argument("--timeout-s", type=float,
+                   help="the runtime's wait timeout (default: 300 s, or 3x the simulated step when that is longer: "
+                        "a 524k-token step waits minutes for one task legitimately)")
     a = p.parse_args()
 
     spec = get_model(a.model)
@@ -60,7 +75,8 @@ def main() -> None:
     plan = plan_memory(spec, a.batch, a.seq, knobs)
     t0 = time.perf_counter()
     optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
-    trainer = StreamedTrainer(spec, knobs, optim=optim, backend="cuda")
+    timeout_s = a.timeout_s or _default_timeout_s(spec, a.batch, a.seq, knobs, a.profile)
+    trainer = StreamedTrainer(spec, knobs, optim=optim, backend="cuda", timeout_s=timeout_s)
     init_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, spec.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]
