@@ -33,11 +33,17 @@ def run(backend: str, knobs):
     return trainer, results
 
 
+VARIANTS = {"overlap-split-kept": ("overlap-split", dict(retain_grads=1)),
+            "arrival-split-kept": ("arrival-split", dict(gpu_optimizer_fraction=0.5, retain_grads=1)),
+            "arrival-resident": ("arrival", dict(resident_embeddings=True, resident_layers=2)),
+            "arrival-compiled-resident": ("arrival", dict(compile_layers=True, resident_embeddings=True,
+                                                           resident_layers=1))}
+
+
 @pytest.mark.parametrize("name", ["serial", "overlap", "gpu-adam", "split-adam", "long-context", "arrival",
-                                  "overlap-split", "overlap-split-kept"])
+                                  "overlap-split", *VARIANTS])
 def test_cuda_backend_gives_the_cpu_backends_numbers(name):
-    extra = dict(retain_grads=1) if name == "overlap-split-kept" else {}
-    name = name.removesuffix("-kept")
+    name, extra = VARIANTS.get(name, (name, {}))
     knobs = knobs_for(name, compute_dtype="fp32", weight_wire="fp32", micro_batches=2, **extra)
     cpu_tr, cpu = run("cpu", knobs)
     gpu_trainer, gpu = run("cuda", knobs)
