@@ -158,6 +158,10 @@ NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
     "arrival-split": ScheduleKnobs(buffers=3, optimizer="arrival-split", clip="none", weight_wire="fp32",
                                    gpu_optimizer_fraction=0.25),
     "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
+    # The fastest without clipping (docs/performance.md): updates as gradients land, fp32 master streamed, the
+    # layer compiled, embedding and head on the GPU for the whole run; add resident_layers as GPU memory allows.
+    "arrival-resident": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none", weight_wire="fp32",
+                                      compile_layers=True, resident_embeddings=True),
 }
 DEFAULT_SCHEDULE = "overlap"
 

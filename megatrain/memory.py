@@ -145,6 +145,12 @@ def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
         alts.append((f"buffers={k.buffers - 1}", replace(k, buffers=k.buffers - 1)))
     if k.retain_grads:
         alts.append(("retain_grads=0 (GPU-updated layers' gradients go through the host)", replace(k, retain_grads=0)))
+    if k.resident_layers:
+        fewer = k.resident_layers // 2
+        alts.append((f"resident_layers={fewer} (16 B/param less per layer streamed instead)",
+                     replace(k, resident_layers=fewer)))
+    if k.resident_embeddings:
+        alts.append(("resident_embeddings=false (embedding and head streamed)", replace(k, resident_embeddings=False)))
     if k.state_buffers > 2 and gpu_updated_layers(plan.spec, k):
         alts.append(("state_buffers=2", replace(k, state_buffers=2)))
     return alts

@@ -163,7 +163,9 @@ FP32 = dict(compute_dtype="fp32", weight_wire="fp32")
 
 @pytest.mark.parametrize("name", sorted(NAMED_SCHEDULES))
 def test_every_named_schedule_trains_like_a_plain_adamw_loop(name):
-    knobs = knobs_for(name, **FP32)
+    # The compiled layer agrees with the eager one to rounding, which Adam amplifies past this test's 1e-3 of the
+    # parameters' movement; test_compiled_layers_train_as_the_eager_layers_do covers it.
+    knobs = knobs_for(name, compile_layers=False, **FP32)
     results, state = train("llama", knobs)
     assert results[-1].loss < results[0].loss - 0.3, "the model did not learn the synthetic sequences"
     assert_same_training(results, state, reference("llama", clip=knobs.clip == "exact"), "llama", name)
