@@ -146,3 +146,29 @@ def test_profile_user_errors_are_one_line(argv, message, capsys, tmp_path):
 def test_profile_on_cuda_without_a_gpu_says_so(capsys):
     assert main(["profile", "--model", "debug", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_in_step_cpu_rate_undoes_the_contention_the_update_ran_under():
+    """A host update of 1e8 parameters took 30 ms inside a step: 10 ms alone, 10 ms beside one copy direction,
+    10 ms beside both. With slowdowns 1.2 / 1.5 it did 10 + 10/1.2 + 10/1.5 ms of work, minus the fixed cost:
+    that is the rate the simulator must be given to reproduce the 30 ms."""
+    import pandas as pd
+
+    from megatrain.profiling.assemble import in_step_cpu_rate
+    from megatrain.profiling.overhead import cpu_update_samples
+
+    program = lower(build_schedule(PRESETS["debug"], 2, 16, knobs_for("arrival")))
+    u = next(t for t in program.tasks.values() if t.kind == "U" and t.stream == "cpu")
+    step = pd.DataFrame({"task": [u.id, "h2d-a", "d2h-a"], "stream": ["cpu", "h2d", "d2h"],
+                         "start_s": [0.0, 0.010, 0.020], "end_s": [0.030, 0.030, 0.040]})
+    [s] = cpu_update_samples([step], program)
+    assert (s["t0_s"], s["t1_s"], s["t2_s"]) == pytest.approx((0.010, 0.010, 0.010))
+    s["params"] = 100_000_000
+    m = {"runtime": {"cpu_update_samples": [s], "weight_wire": "fp32", "grad_wire": "fp32"},
+         "cpu_adam": {"fixed_s": 0.001}}
+    work = 0.010 + 0.010 / 1.2 + 0.010 / 1.5 - 0.001
+    assert in_step_cpu_rate(m, {1: 1.2, 2: 1.5}, 1e10) == pytest.approx(1e8 / work)
+    m["runtime"]["weight_wire"] = "bf16"  # one conversion pass of 1e8 / 1e10 s is part of the update too
+    assert in_step_cpu_rate(m, {1: 1.2, 2: 1.5}, 1e10) == pytest.approx(1e8 / (work - 0.01))
+    m["runtime"]["cpu_update_samples"] = []
+    assert in_step_cpu_rate(m, {}, 1e10) is None

@@ -40,7 +40,7 @@ from ..spec import EMBED, HEAD, ModelSpec
 from . import copies, rates, units
 from .assemble import build_profile
 from .bench import Progress, Worker, median
-from .overhead import measure_runtime_gaps
+from .overhead import cpu_update_samples, measure_runtime_gaps
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
 
@@ -325,6 +325,8 @@ def _host_wait(m, backend, w):
 
 def _runtime(m, spec, req, backend, threads, steps):
     r = measure_runtime_gaps(spec, req.batch, req.seqs[0], _run_knobs(req, backend), backend, steps, threads)
+    r["cpu_update_samples"] = cpu_update_samples(r["timelines"][1:], r["program"])
+    r["weight_wire"], r["grad_wire"] = r["program"].knobs.weight_wire, r["program"].knobs.grad_wire
     r.pop("timelines"), r.pop("program")
     m["runtime"] = r
     gaps = ", ".join(f"{s} {v * 1e6:.0f} us" for s, v in r["gap_by_stream_s"].items())

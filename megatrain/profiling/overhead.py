@@ -86,3 +86,38 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
             "gap_by_stream_and_release_s": by_release,
             "norm_span_s": float(norm["span_s"].mean()) if len(norm) else 0.0,
             "timelines": timelines, "program": program}
+
+
+def _intervals(step: pd.DataFrame, stream: str) -> list[tuple[float, float]]:
+    rows = step[step["stream"] == stream]
+    return sorted(zip(rows["start_s"], rows["end_s"]))
+
+
+def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of interval `a` covered by `spans` (disjoint: one in-order stream's tasks)."""
+    out = []
+    for s, e in spans:
+        lo, hi = max(a[0], s), min(a[1], e)
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def cpu_update_samples(timelines: list[pd.DataFrame], program: Program) -> list[dict]:
+    """Every host AdamW update (U on the cpu stream) of real steps: its parameters, its duration and how much of
+    that duration 0, 1 or 2 copy directions were moving bytes (`t0_s`, `t1_s`, `t2_s`): the in-step rate, with
+    the contention it ran under, that `assemble` turns into the profile's CPU update rate."""
+    samples = []
+    for step in timelines:
+        h2d, d2h = _intervals(step, "h2d"), _intervals(step, "d2h")
+        for task, start, end in zip(step["task"], step["start_s"], step["end_s"]):
+            t = program.tasks.get(task)
+            if t is None or t.kind != "U" or t.stream != "cpu" or end <= start:
+                continue
+            on_h2d, on_d2h = _overlap((start, end), h2d), _overlap((start, end), d2h)
+            both = sum(hi - lo for piece in on_h2d for lo, hi in _overlap(piece, on_d2h))
+            one = sum(hi - lo for lo, hi in on_h2d) + sum(hi - lo for lo, hi in on_d2h) - 2 * both
+            dur = end - start
+            samples.append({"task": task, "params": t.params, "dur_s": dur, "t0_s": max(dur - one - both, 0.0),
+                            "t1_s": one, "t2_s": both})
+    return samples
