@@ -172,3 +172,16 @@ def test_in_step_cpu_rate_undoes_the_contention_the_update_ran_under():
     assert in_step_cpu_rate(m, {1: 1.2, 2: 1.5}, 1e10) == pytest.approx(1e8 / (work - 0.01))
     m["runtime"]["cpu_update_samples"] = []
     assert in_step_cpu_rate(m, {}, 1e10) is None
+
+
+def test_runtime_steps_run_any_schedule_and_sample_the_host_updates():
+    """The profiler's real steps run the profiled schedule, including one without clipping ("arrival"), and
+    record every host update with the copies it overlapped."""
+    from megatrain.exec.backend import get_backend
+    from megatrain.profiling.overhead import cpu_update_samples, measure_runtime_gaps
+
+    r = measure_runtime_gaps(PRESETS["debug"], 2, 16, knobs_for("arrival"), get_backend("cpu"), steps=2)
+    samples = cpu_update_samples(r["timelines"][1:], r["program"])
+    units = PRESETS["debug"].with_layers(2).units()
+    assert sorted(s["task"] for s in samples) == sorted(f"U{'E' if u == -1 else 'H' if u == -2 else u}" for u in units)
+    assert all(abs(s["t0_s"] + s["t1_s"] + s["t2_s"] - s["dur_s"]) < 1e-9 for s in samples)

@@ -67,7 +67,8 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
     from ..exec.trainer import StreamedTrainer
 
     cut = spec.with_layers(min(spec.num_layers, 2))
-    trainer = StreamedTrainer(cut, knobs, optim=AdamWConfig(lr=1e-5), backend=backend, seed=0,
+    optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+    trainer = StreamedTrainer(cut, knobs, optim=optim, backend=backend, seed=0,
                               cpu_threads=cpu_threads)
     batches = synthetic_batches(cut, batch, seq)
     timelines = [trainer.step(*next(batches)).timeline for _ in range(max(2, steps))]
