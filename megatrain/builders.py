@@ -160,7 +160,7 @@ class _Builder:
             ring[i] = v
 
     def emit(self, visits: list[_Visit], order: list[Task], blocks) -> None:
-        s, k, M, L = self.spec, self.k, self.M, self.spec.num_layers
+        s, k, M = self.spec, self.k, self.M
         wire_w, wire_g = k.wire_bytes("weight_wire"), k.wire_bytes("grad_wire")
         placement = k.optimizer
         gpu_layers = set(self.gpu_layers)
@@ -211,7 +211,6 @@ class _Builder:
                 offload_after[v.last] = v.unit
         act = self.act_bytes()
         fill_order: dict[int, int] = {}  # unit -> program order of the fill of its forward visit
-        checkpoint_layers = {l0 for l0, _ in blocks}
         for i, t in enumerate(order):
             v = visit_of[t]
             if i in fills_at and fills_at[i].fill is not None and fills_at[i].fill not in self.g:

@@ -98,9 +98,9 @@ class ScheduleKnobs:
             bad("clip", "exact | none")
         if self.optimizer in ARRIVAL_PLACEMENTS and self.clip == "exact":
             raise ScheduleError(
-                f"optimizer={self.optimizer!r} updates a layer before the later layers' gradients exist, so the global norm "
-                "that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' (updates overlap "
-                "the next forward and stay exact)"
+                f"optimizer={self.optimizer!r} updates a layer before the later layers' gradients exist, so the "
+                "global norm that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' "
+                "(updates overlap the next forward and stay exact)"
             )
         if self.loss_chunk_tokens < 1:
             bad("loss_chunk_tokens", "an integer >= 1")

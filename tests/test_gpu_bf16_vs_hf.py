@@ -97,7 +97,8 @@ def test_streamed_bf16_step_is_as_close_to_fp32_as_hf_bf16(arch, compiled):
 
     rows = [(k, rel_err(ours[k], ref[k]), rel_err(hf[k], ref[k])) for k in ref]
     worst = max(rows, key=lambda r: r[1] / max(r[2], FLOOR))
-    print(f"\n{arch} {'compiled' if compiled else 'eager'}: {len(rows)} tensors; vs fp32 HF: logits ours {rows[0][1]:.2e} / HF bf16 {rows[0][2]:.2e}, "
+    print(f"\n{arch} {'compiled' if compiled else 'eager'}: {len(rows)} tensors; vs fp32 HF: "
+          f"logits ours {rows[0][1]:.2e} / HF bf16 {rows[0][2]:.2e}, "
           f"loss {rows[1][1]:.2e} / {rows[1][2]:.2e}, worst ratio {worst[0]}: {worst[1]:.2e} / {worst[2]:.2e}")
     bad = [r for r in rows if r[1] > RATIO * max(r[2], FLOOR)]
     assert not bad, bad

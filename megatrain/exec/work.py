@@ -32,6 +32,7 @@ from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, glob
 from .rope import rope_cos_sin
 from .store import TORCH_DTYPES, HostRegion, HostStore
 
+
 class Slot:
     """One GPU buffer. Weight slots: `w` (numel,) in the wire dtype and `g` (numel,) fp32 for gradients.
     State slots ("s<i>", `state=True`): `raw` holds master, m, v and gradient of a layer, each (numel,) fp32; after
