@@ -81,12 +81,16 @@ class ScheduleKnobs:
         def bad(name, allowed):
             raise ScheduleError(f"schedule knob {name}={getattr(self, name)!r} is invalid; use {allowed}")
 
-        if not isinstance(self.buffers, int) or self.buffers < 1:
-            bad("buffers", "an integer >= 1")
-        if not isinstance(self.recompute_block, int) or self.recompute_block < 1:
-            bad("recompute_block", "an integer >= 1")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
-            bad("micro_batches", "an integer >= 1")
+        # bool is an int in Python: `True` is not a buffer count
+        for name, least in (("buffers", 1), ("recompute_block", 1), ("micro_batches", 1), ("loss_chunk_tokens", 1),
+                            ("state_buffers", 1), ("state_lookahead", 0), ("retain_grads", 0),
+                            ("gpu_checkpoints", 0), ("resident_layers", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                bad(name, f"an integer >= {least}")
+        for name in ("offload_checkpoints", "compile_layers", "resident_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true | false")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
             bad("optimizer", " | ".join(OPTIMIZER_PLACEMENTS))
         if not 0.0 <= self.gpu_optimizer_fraction <= 1.0:
@@ -102,30 +106,14 @@ class ScheduleKnobs:
                 "global norm that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' "
                 "(updates overlap the next forward and stay exact)"
             )
-        if self.loss_chunk_tokens < 1:
-            bad("loss_chunk_tokens", "an integer >= 1")
-        if not isinstance(self.state_buffers, int) or self.state_buffers < 1:
-            bad("state_buffers", "an integer >= 1")
-        if not isinstance(self.state_lookahead, int) or self.state_lookahead < 0:
-            bad("state_lookahead", "an integer >= 0")
-        if not isinstance(self.gpu_checkpoints, int) or self.gpu_checkpoints < 0:
-            bad("gpu_checkpoints", "an integer >= 0")
         if self.gpu_checkpoints and not self.offload_checkpoints:
             raise ScheduleError(f"gpu_checkpoints={self.gpu_checkpoints} keeps some offloaded checkpoints on the GPU, "
                                 "but offload_checkpoints is false (every checkpoint is on the GPU already); set "
                                 "offload_checkpoints=true or gpu_checkpoints=0")
-        if not isinstance(self.compile_layers, bool):
-            bad("compile_layers", "true | false")
-        if not isinstance(self.resident_embeddings, bool):
-            bad("resident_embeddings", "true | false")
-        if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
-            bad("resident_layers", "an integer >= 0")
         if (self.resident_embeddings or self.resident_layers) and self.optimizer not in ARRIVAL_PLACEMENTS:
             raise ScheduleError(f"resident_embeddings / resident_layers update their units on the GPU as the "
                                 f"gradients land, which needs an arrival placement; optimizer={self.optimizer!r}: use "
                                 f"optimizer='arrival' or 'arrival-split' (clip='none'), or no resident units")
-        if not isinstance(self.retain_grads, int) or self.retain_grads < 0:
-            bad("retain_grads", "an integer >= 0")
         if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:
             raise ScheduleError(f"retain_grads={self.retain_grads} keeps gradients of GPU-updated layers on the GPU, "
                                 f"but optimizer={self.optimizer!r} updates every layer on the host; use one of "
