@@ -166,9 +166,6 @@ class _Builder:
         gpu_layers = set(self.gpu_layers)
         state_slot = {u: f"s{i % k.state_buffers}" for i, u in enumerate(self.state_order)}
 
-        def n_of(unit):
-            return s.unit_params(unit)
-
         def update_params(unit):
             # A tied head's lm_head is the embedding: its update is the embedding's.
             if unit == HEAD and s.tie_word_embeddings:
@@ -242,7 +239,7 @@ class _Builder:
                              tokens=0, params=s.unit_params(unit))
                 if placement in ARRIVAL_PLACEMENTS:  # the unit's update, as its gradients land
                     if unit in self.resident:
-                        self.add(U(unit), device="gpu", step_offset=0, slot=v.slot, weights=None, params=n_of(unit),
+                        self.add(U(unit), device="gpu", step_offset=0, slot=v.slot, weights=None, params=s.unit_params(unit),
                                  flops=0.0, bytes=0, tokens=0, resident=True)
                     elif unit in gpu_layers:
                         add_gpu_update(unit, 0)

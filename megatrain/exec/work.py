@@ -241,18 +241,18 @@ class StepWork:
         n = self.store.layouts[t.unit].numel
         g = self._slot(t).g[:n]
         i = self.unit_index[t.unit]
-        self.store.gradients_landing(t.unit)
-        landing = self.store.grad(t.unit)
-        if t.unit in self.resident:  # the gradients stay where they are; only their norm is taken
-            norm = torch.linalg.vector_norm(g, dtype=torch.float32).reshape(1)
-            self.device_norms[i:i + 1].copy_(norm)
-            self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
-            return
-        wire = g if landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device: half the bytes
-        # The norm of what lands (and is applied), computed where the gradients are, in fp32.
+        resident = t.unit in self.resident  # its gradients stay where they are: only their norm is taken
+        if not resident:
+            self.store.gradients_landing(t.unit)
+            landing = self.store.grad(t.unit)
+        wire = g if resident or landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device
+        # The norm of what lands (and is applied), computed where the gradients are, in fp32; kept on the device
+        # too, for GPU updates that decide a skip there.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
         self.device_norms[i:i + 1].copy_(norm)
         self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
+        if resident:
+            return
         if t.fills:  # kept on the GPU for its update there: a device copy, in the values the wire would carry
             self.slots[t.fills].g.copy_(wire, non_blocking=True)
         else:
