@@ -239,8 +239,8 @@ class _Builder:
                              tokens=0, params=s.unit_params(unit))
                 if placement in ARRIVAL_PLACEMENTS:  # the unit's update, as its gradients land
                     if unit in self.resident:
-                        self.add(U(unit), device="gpu", step_offset=0, slot=v.slot, weights=None, params=s.unit_params(unit),
-                                 flops=0.0, bytes=0, tokens=0, resident=True)
+                        self.add(U(unit), device="gpu", step_offset=0, slot=v.slot, weights=None,
+                                 params=s.unit_params(unit), flops=0.0, bytes=0, tokens=0, resident=True)
                     elif unit in gpu_layers:
                         add_gpu_update(unit, 0)
                     else:
@@ -271,20 +271,19 @@ class _Builder:
         return {"resident": True} if unit in self.resident else {}
 
     def order_arrival_updates(self, order: list[Task], gpu_layers: set[int]) -> None:
-        """"arrival-split": where a GPU update's tasks sit in their streams' queues.
+        """Arrival placements: where the GPU updates (resident units, "arrival-split" layers) sit in their queues.
 
         S(l) goes on h2d just before the backward fetch of layer l + 1 + state_lookahead, so master and moments
-        stream in while the layers above run their backward; U(l) goes on the compute stream after the next
-        layer's backward has been issued (the update waits for O(l), and the GPU should not idle meanwhile)."""
+        stream in while the layers above run their backward; a GPU U goes on the compute stream after the next
+        unit's backward has been issued (the update waits for its O, and the GPU should not idle meanwhile)."""
         g, L = self.g, self.spec.num_layers
-        first_bwd = {}  # layer -> program order of its first backward compute task
+        first_bwd, last_bwd = {}, {}  # unit -> program order of its first (layers) / last backward compute task
         for t in order:
-            if t.kind in (TaskKind.RECOMPUTE, TaskKind.BACKWARD) and t.unit >= 0:
-                first_bwd.setdefault(t.unit, g.nodes[t]["order"])
-        last_bwd = {}
-        for t in order:
-            if t.kind is TaskKind.BACKWARD:
-                last_bwd[t.unit] = g.nodes[t]["order"]
+            if t.kind is TaskKind.RECOMPUTE or t.kind is TaskKind.BACKWARD:
+                if t.unit >= 0:
+                    first_bwd.setdefault(t.unit, g.nodes[t]["order"])
+                if t.kind is TaskKind.BACKWARD:
+                    last_bwd[t.unit] = g.nodes[t]["order"]
         for unit in self.resident:  # the update on the compute stream, after the next backward has been issued
             nxt = {HEAD: L - 1, EMBED: None}.get(unit, unit - 1 if unit > 0 else EMBED)
             if nxt is None:
@@ -429,8 +428,7 @@ def gpu_slot_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
             sizes[f"s{i}"] = spec.layer_params * 16
     for layer in retained_grad_layers(spec, knobs):
         sizes[f"g{layer}"] = spec.layer_params * 4
-    for unit in resident_units(spec, knobs):  # fp32 master, m, v, gradient
-        sizes.pop("embed" if unit == EMBED else "head" if unit == HEAD else "", None)
+    for unit in resident_units(spec, knobs):  # fp32 master, m, v, gradient (replaces a streamed embed/head buffer)
         sizes[resident_slot(unit)] = spec.unit_params(unit) * 16
     return sizes
 

@@ -366,10 +366,12 @@ class StepWork:
             slot.unit = u
 
     def _device_skip(self, unit: int) -> torch.Tensor:
-        """() fp32 on the device: 1 where the unit's gradient norm (landed by its OFFLOAD) is not finite."""
-        units = [EMBED, HEAD] if self.spec.tie_word_embeddings and unit == EMBED else [unit]
-        norms = self.device_norms[[self.unit_index[u] for u in units]]
-        return (~torch.isfinite(norms)).any().float()
+        """() fp32 on the device: 1 where the unit's gradient norm (landed by its OFFLOAD) is not finite.
+
+        A slice, not a list index (which would copy an index tensor to the device in the per-layer loop). GPU
+        updates are of decoder layers or of untied resident embeddings, so no tied pair has to be combined."""
+        i = self.unit_index[unit]
+        return (~torch.isfinite(self.device_norms[i:i + 1])).float().reshape(())
 
     def settle_device_skips(self, plan: UpdatePlan) -> None:
         """After the step: units whose GPU update the device skipped get the bookkeeping of a host skip (in
