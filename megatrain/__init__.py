@@ -3,17 +3,17 @@ one GPU, with every schedule simulated before it is run.
 
 Schedule (DAG) -> lower() -> Program -> simulator / executor -> Timeline. See docs/design.md.
 """
-from .analysis import StepSummary, summarize
-from .builders import build_schedule
-from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from .analysis.summary import StepSummary, summarize
+from .analysis.timeline import TIMELINE_COLUMNS, make_timeline
+from .analysis.viz import chrome_trace, gantt, write_chrome_trace
+from .ir.builders import build_schedule
+from .ir.dag import Schedule, ScheduleError
+from .ir.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from .ir.program import GpuMemoryPlan, Program, ProgramTask, lower
+from .ir.tasks import Task, TaskKind
 from .presets import PRESETS, get_model
-from .program import GpuMemoryPlan, Program, ProgramTask, lower
-from .schedule import Schedule, ScheduleError
 from .sim import HardwareProfile, SimResult, SimulationError, load_profile, simulate
 from .spec import EMBED, HEAD, ModelSpec, SpecError, load_hf_config, spec_from_hf_config
-from .tasks import Task, TaskKind
-from .timeline import TIMELINE_COLUMNS, make_timeline
-from .viz import chrome_trace, gantt, write_chrome_trace
 
 __version__ = "0.1.0"
 
@@ -26,8 +26,8 @@ __all__ = [
 ]
 
 # The executor and the training loop import torch; `megatrain plan` / `simulate` should not wait for it.
-_LAZY = {"StreamedTrainer": ".exec.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training",
-         "load_config": ".config"}
+_LAZY = {"StreamedTrainer": ".exec.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training.loop",
+         "load_config": ".training.config"}
 
 
 def __getattr__(name: str):

@@ -22,8 +22,8 @@ import torch
 
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.trainer import StreamedTrainer
-from megatrain.knobs import resolve_knobs
-from megatrain.memory import plan_memory
+from megatrain.ir.knobs import resolve_knobs
+from megatrain.ir.memory import plan_memory
 from megatrain.presets import get_model
 
 
@@ -31,8 +31,8 @@ def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float
     """300 s, or three simulated steps when a step is predicted to take longer than 100 s."""
     if not profile:
         return 300.0
-    from megatrain.builders import build_schedule
-    from megatrain.program import lower
+    from megatrain.ir.builders import build_schedule
+    from megatrain.ir.program import lower
     from megatrain.sim import load_profile, simulate
 
     step_s = simulate(lower(build_schedule(spec, batch, seq, knobs)), load_profile(profile)).step_s
@@ -113,7 +113,7 @@ def main() -> None:
         out["clipped_steps"] = f"{sum(n > 1.0 for n in norms)}/{len(norms)}"
     tl = results[med_i].timeline
     try:
-        from megatrain.analysis import summarize
+        from megatrain.analysis.summary import summarize
 
         s = summarize(tl, trainer.program(a.batch, a.seq))
         out["gpu_idle_pct"] = round(100 * s.gpu_idle_frac, 1)

@@ -4,15 +4,15 @@ import json
 import pytest
 import torch
 
-from megatrain.builders import build_schedule
 from megatrain.cli import main
-from megatrain.knobs import knobs_for
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.program import STREAMS, lower
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile, with_spans
 from megatrain.profiling.copies import MiB, copy_sizes, fit_curve
 from megatrain.profiling.rates import fit_fixed_and_rate, thread_counts
 from megatrain.profiling.units import token_batches
-from megatrain.program import STREAMS, lower
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import model_signature
 

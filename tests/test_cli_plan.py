@@ -23,9 +23,9 @@ def test_plan_user_errors_are_one_line(capsys):
 def test_gpu_checkpoints_move_checkpoints_from_host_to_gpu_in_the_plan():
     """Keeping the top n offloaded checkpoints on the GPU shrinks the host plan by n checkpoints and grows the GPU
     plan by as many; the DAG loses their X/Y copies."""
-    from megatrain.builders import build_schedule
-    from megatrain.knobs import knobs_for
-    from megatrain.memory import plan_memory
+    from megatrain.ir.builders import build_schedule
+    from megatrain.ir.knobs import knobs_for
+    from megatrain.ir.memory import plan_memory
     from megatrain.presets import PRESETS
 
     spec, batch, seq = PRESETS["debug"], 2, 64

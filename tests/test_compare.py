@@ -6,13 +6,13 @@ import math
 import pandas as pd
 import pytest
 
-from megatrain.builders import build_schedule
 from megatrain.cli import main
-from megatrain.compare import compare, kendall_tau, measure_interleaved, ranking, task_group
-from megatrain.knobs import knobs_for
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile
-from megatrain.program import lower
+from megatrain.profiling.compare import compare, kendall_tau, measure_interleaved, ranking, task_group
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import ComputeTable, model_signature
 from megatrain.spec import EMBED, HEAD

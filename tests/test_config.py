@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from megatrain.config import ConfigError, RunConfig, ScheduleConfig, load_config
-from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.training.config import ConfigError, RunConfig, ScheduleConfig, load_config
 
 
 def write(tmp_path, text: str):

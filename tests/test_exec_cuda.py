@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.store import store_bytes
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.init import init_tiles
-from megatrain.knobs import knobs_for
-from megatrain.memory import plan_host_memory
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.memory import plan_host_memory
 from megatrain.presets import PRESETS
-from megatrain.timeline import TIMELINE_COLUMNS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatrain.builders import build_schedule
+from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.cli import main
 from megatrain.exec.backend import CpuBackend, ExecError
 from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
@@ -18,12 +18,12 @@ from megatrain.exec.store import HostStore, store_bytes
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.exec.work import StepWork
 from megatrain.init import init_tiles
-from megatrain.knobs import ScheduleKnobs, knobs_for
-from megatrain.memory import plan_host_memory
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import ScheduleKnobs, knobs_for
+from megatrain.ir.memory import plan_host_memory
+from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
-from megatrain.program import lower
 from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.timeline import TIMELINE_COLUMNS
 
 DEBUG = PRESETS["debug"]
 TIED = ModelSpec(**{**DEBUG.to_dict(), "name": "debug-tied", "tie_word_embeddings": True,
@@ -325,7 +325,7 @@ def test_bf16_compute_tracks_fp32_compute(wire):
 
 def test_bf16_gradients_update_in_chunks_through_one_scratch_buffer(monkeypatch):
     """The update converts bf16 gradients chunk by chunk; chunking changes nothing (AdamW is elementwise)."""
-    import megatrain.memory as memory
+    import megatrain.ir.memory as memory
 
     knobs = knobs_for("overlap", grad_wire="bf16", compute_dtype="fp32")
     g = torch.Generator().manual_seed(3)

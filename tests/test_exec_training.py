@@ -25,7 +25,7 @@ from megatrain.exec.hf_io import state_dict_from_tiles
 from megatrain.exec.layout import unit_layout
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.trainer import StreamedTrainer
-from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
 

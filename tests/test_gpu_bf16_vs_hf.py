@@ -19,7 +19,7 @@ from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.trainer import StreamedTrainer
 from megatrain.init import init_tiles
-from megatrain.knobs import knobs_for
+from megatrain.ir.knobs import knobs_for
 from megatrain.spec import EMBED, HEAD, ModelSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

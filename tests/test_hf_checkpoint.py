@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from megatrain.exec.hf_io import state_dict_from_tiles, tiles_from_state_dict
 from megatrain.exec.layout import unit_layout
-from megatrain.hf_checkpoint import CheckpointError, export_hf, load_hf, load_hf_into, load_hf_tiles
 from megatrain.presets import PRESETS
 from megatrain.spec import HEAD, ModelSpec, load_hf_config
+from megatrain.training.hf_checkpoint import CheckpointError, export_hf, load_hf, load_hf_into, load_hf_tiles
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ RSS_SCRIPT = textwrap.dedent("""
     import json, sys, psutil, torch
     import safetensors, safetensors.torch
     from megatrain.exec.layout import unit_layout
-    from megatrain.hf_checkpoint import load_hf_into
+    from megatrain.training.hf_checkpoint import load_hf_into
     from megatrain.spec import load_hf_config
     def hwm():
         line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))

@@ -1,11 +1,11 @@
 """Lowering a schedule to a Program: streams, per-stream order, waits, slots, memory, JSON, determinism."""
 import pytest
 
-from megatrain.builders import build_schedule
-from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.memory import GiB, fit_report, grad_scratch_elements, plan_memory
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.ir.memory import GiB, fit_report, grad_scratch_elements, plan_memory
+from megatrain.ir.program import STREAMS, Program, lower, plan_gpu_memory
 from megatrain.presets import PRESETS
-from megatrain.program import STREAMS, Program, lower, plan_gpu_memory
 
 DEBUG = PRESETS["debug"]
 

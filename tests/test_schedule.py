@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.builders import build_schedule
-from megatrain.knobs import NAMED_SCHEDULES, ScheduleKnobs, gpu_updated_layers, knobs_for, retained_grad_layers
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, gpu_updated_layers, knobs_for, retained_grad_layers
+from megatrain.ir.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, W
 from megatrain.presets import PRESETS
-from megatrain.schedule import ScheduleError
 from megatrain.spec import EMBED, HEAD
-from megatrain.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, W
 
 GOLDEN = Path(__file__).parent / "golden"
 DEBUG = PRESETS["debug"]  # 4 layers

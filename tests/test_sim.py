@@ -5,10 +5,10 @@ import math
 import pandas as pd
 import pytest
 
-from megatrain.builders import build_schedule
-from megatrain.knobs import knobs_for
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.program import Program, ProgramTask, lower
 from megatrain.presets import PRESETS
-from megatrain.program import Program, ProgramTask, lower
 from megatrain.sim import CopyCurve, HardwareProfile, SimulationError, simulate
 
 DEBUG = PRESETS["debug"]
@@ -226,7 +226,7 @@ def test_overlap_split_takes_its_layers_updates_off_the_host_threads():
 
 
 def test_best_gpu_fraction_follows_the_slower_of_host_threads_and_pcie():
-    from megatrain.program import plan_gpu_memory
+    from megatrain.ir.program import plan_gpu_memory
     from megatrain.sim import best_gpu_fraction
 
     start = knobs_for("overlap")

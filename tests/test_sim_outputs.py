@@ -5,14 +5,14 @@ import time
 import pandas as pd
 import pytest
 
-from megatrain.analysis import critical_path, gpu_memory_curve, idle_gaps, summarize
-from megatrain.builders import build_schedule
+from megatrain.analysis.summary import critical_path, gpu_memory_curve, idle_gaps, summarize
+from megatrain.analysis.viz import chrome_trace, gantt, write_chrome_trace
 from megatrain.cli import main
-from megatrain.knobs import knobs_for
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.program import STREAMS, lower
 from megatrain.presets import PRESETS
-from megatrain.program import STREAMS, lower
 from megatrain.sim import simulate
-from megatrain.viz import chrome_trace, gantt, write_chrome_trace
 
 DEBUG = PRESETS["debug"]
 

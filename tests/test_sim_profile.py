@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from megatrain.builders import build_schedule
-from megatrain.knobs import knobs_for
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.knobs import knobs_for
+from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
-from megatrain.program import lower
 from megatrain.sim import (
     ComputeTable,
     CopyCurve,

@@ -1,4 +1,4 @@
-"""The training loop (megatrain.training) end to end on the CPU backend with the debug model and the bundled corpus:
+"""The training loop (megatrain.training.loop) end to end on the CPU backend with the debug model and the bundled corpus:
 run directory outputs, learning-rate schedule, per-unit seeded init, gradient accumulation, eval against HF
 transformers, bit-exact resume (also after a crash past the last checkpoint), the memory check, and bad input
 that must fail with one clear error before anything is lost."""
@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain import safetensors_io as stio
-from megatrain import training
-from megatrain.checkpoint import CheckpointError, CheckpointManager
-from megatrain.config import ConfigError, OptimizerConfig, load_config
-from megatrain.data import DataError
+from megatrain.training import safetensors_io as stio
+from megatrain.training import loop as training
+from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.init import init_into, init_tiles, unit_seed
-from megatrain.metrics import METRIC_KEYS, MetricsLogger, format_step_line, read_metrics
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.timeline import TIMELINE_COLUMNS
-from megatrain.training import (
+from megatrain.training.checkpoint import CheckpointError, CheckpointManager
+from megatrain.training.config import ConfigError, OptimizerConfig, load_config
+from megatrain.training.data import DataError
+from megatrain.training.loop import (
     MemoryFitError,
     RunSummary,
     add_train_arguments,
@@ -35,6 +34,7 @@ from megatrain.training import (
     run_from_args,
     run_training,
 )
+from megatrain.training.metrics import METRIC_KEYS, MetricsLogger, format_step_line, read_metrics
 
 DEBUG = PRESETS["debug"]
 
@@ -206,9 +206,9 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 
 def test_eval_loss_matches_transformers_on_the_trained_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megatrain.data import open_data
     from megatrain.exec.optim import AdamWConfig
     from megatrain.exec.trainer import StreamedTrainer
+    from megatrain.training.data import open_data
 
     cfg = tiny(tmp_path)
     data = open_data(cfg.data, DEBUG.vocab_size)
@@ -260,7 +260,7 @@ def test_run_that_does_not_fit_stops_before_allocating(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # nothing created
     # GPU side (planned for the cuda backend, no GPU needed): the knobs that shrink the working set.
     big = PRESETS["llama3-8b"]
-    from megatrain.knobs import knobs_for
+    from megatrain.ir.knobs import knobs_for
 
     with pytest.raises(MemoryFitError, match=r"GPU: DOES NOT FIT.*\n.*micro_batches=2") as e:
         check_memory(big, 8, 4096, knobs_for("overlap"), "cuda", host_bytes=2**40, gpu_bytes=8 * 2**30)

@@ -15,7 +15,7 @@ handle and OpenMP pool on its first task (+43 ms on the first forward of every s
 `megatrain profile`).
 Every wait has a timeout; a timeout or a failing task aborts all streams and raises `ExecError` naming the task,
 its stream, what it waited for and what every stream was doing. The start/done events give the measured Timeline,
-with the simulator's columns (`megatrain.timeline`).
+with the simulator's columns (`megatrain.analysis.timeline`).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
-from ..program import STREAMS, Program, ProgramTask
-from ..timeline import make_timeline
+from ..analysis.timeline import make_timeline
+from ..ir.program import STREAMS, Program, ProgramTask
 from .backend import Backend, ExecError, HostEvent
 
 POLL_S = 0.02  # how often a waiting thread checks for an abort

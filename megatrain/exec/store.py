@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..knobs import ScheduleKnobs, gpu_updated_layers
-from ..memory import grad_scratch_elements
+from ..ir.knobs import ScheduleKnobs, gpu_updated_layers
+from ..ir.memory import grad_scratch_elements
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
 from .layout import UnitLayout, unit_layout
@@ -48,8 +48,8 @@ def optimizer_offset(spec: ModelSpec, unit: int) -> int:
 
 def store_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
     """Exact payload bytes of the host store by component, without allocating: the memory planner's figures
-    (`megatrain.memory` is the one place that knows them; the store allocates exactly these)."""
-    from ..memory import NOT_STORE, plan_host_memory
+    (`megatrain.ir.memory` is the one place that knows them; the store allocates exactly these)."""
+    from ..ir.memory import NOT_STORE, plan_host_memory
 
     planned = plan_host_memory(spec, 1, 1, knobs, backend="cpu").components
     return {k: v for k, v in planned.items() if k not in NOT_STORE}

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from ..builders import build_schedule
 from ..init import init_into
-from ..knobs import ScheduleKnobs, knobs_for
-from ..program import Program, lower
+from ..ir.builders import build_schedule
+from ..ir.knobs import ScheduleKnobs, knobs_for
+from ..ir.program import Program, lower
 from ..spec import ModelSpec
 from .backend import Backend, get_backend
 from .hf_io import state_dict_from_tiles

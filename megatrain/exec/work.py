@@ -21,9 +21,9 @@ import math
 
 import torch
 
-from ..builders import resident_slot
-from ..knobs import offloaded_checkpoints, resident_units
-from ..program import Program, ProgramTask
+from ..ir.builders import resident_slot
+from ..ir.knobs import offloaded_checkpoints, resident_units
+from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend, ExecError
 from .head import embed_backward, embed_forward, head_loss_backward

@@ -34,7 +34,7 @@ import torch
 from ..exec.backend import get_backend
 from ..exec.layout import unit_layout
 from ..exec.trainer import set_update_threads
-from ..knobs import ScheduleKnobs, knobs_for
+from ..ir.knobs import ScheduleKnobs, knobs_for
 from ..sim.profile import HardwareProfile
 from ..spec import EMBED, HEAD, ModelSpec
 from . import copies, rates, units

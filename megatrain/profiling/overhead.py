@@ -15,8 +15,8 @@ from __future__ import annotations
 import pandas as pd
 
 from ..exec.backend import Backend
-from ..knobs import ScheduleKnobs
-from ..program import Program
+from ..ir.knobs import ScheduleKnobs
+from ..ir.program import Program
 from ..spec import ModelSpec
 
 
@@ -62,9 +62,9 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
                          steps: int, cpu_threads: int | None = None) -> dict:
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
-    from ..data import synthetic_batches
     from ..exec.optim import AdamWConfig
     from ..exec.trainer import StreamedTrainer
+    from ..training.data import synthetic_batches
 
     cut = spec.with_layers(min(spec.num_layers, 2))
     optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)

@@ -22,7 +22,7 @@ from ..exec.layers import layer_functions
 from ..exec.layout import unit_layout
 from ..exec.rope import rope_cos_sin
 from ..exec.store import TORCH_DTYPES
-from ..knobs import ScheduleKnobs
+from ..ir.knobs import ScheduleKnobs
 from ..sim.profile import ComputeTable, model_signature
 from ..spec import EMBED, HEAD, ModelSpec
 from .bench import Worker, median

@@ -8,8 +8,15 @@ See docs/simulator.md.
 """
 from .costs import CostModel
 from .engine import SimResult, SimulationError, simulate
-from .profile import (ComputeTable, CopyCurve, HardwareProfile, ProfileError, load_profile, model_signature,
-                      shipped_profiles)
+from .profile import (
+                      ComputeTable,
+                      CopyCurve,
+                      HardwareProfile,
+                      ProfileError,
+                      load_profile,
+                      model_signature,
+                      shipped_profiles,
+)
 from .tune import TuneResult, best_gpu_fraction
 
 __all__ = ["CostModel", "SimResult", "SimulationError", "simulate", "ComputeTable", "CopyCurve", "HardwareProfile",

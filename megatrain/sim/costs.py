@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..program import Program, ProgramTask
+from ..ir.program import Program, ProgramTask
 from .profile import HardwareProfile, ProfileError, model_signature, unit_class
 
 COPY_STREAMS = ("h2d", "d2h")

@@ -26,9 +26,9 @@ import networkx as nx
 import pandas as pd
 import simpy
 
-from ..analysis import StepSummary, summarize
-from ..program import STREAMS, Program
-from ..timeline import make_timeline
+from ..analysis.summary import StepSummary, summarize
+from ..analysis.timeline import make_timeline
+from ..ir.program import STREAMS, Program
 from .costs import CostModel
 from .profile import HardwareProfile, load_profile
 

@@ -20,10 +20,10 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..builders import build_schedule
-from ..knobs import GPU_PLACEMENTS, ScheduleKnobs
-from ..program import lower, plan_gpu_memory
-from ..schedule import ScheduleError
+from ..ir.builders import build_schedule
+from ..ir.dag import ScheduleError
+from ..ir.knobs import GPU_PLACEMENTS, ScheduleKnobs
+from ..ir.program import lower, plan_gpu_memory
 from ..spec import ModelSpec
 from .engine import SimResult, simulate
 from .profile import HardwareProfile, load_profile

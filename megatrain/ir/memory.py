@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..spec import HEAD, ModelSpec
 from .knobs import ScheduleKnobs, gpu_updated_layers, offloaded_checkpoints
 from .program import GpuMemoryPlan, plan_gpu_memory
-from .spec import HEAD, ModelSpec
 
 GiB = 2**30
 

@@ -30,9 +30,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .spec import ModelSpec
+from ..spec import ModelSpec
 
-CORPUS_PATH = Path(__file__).parent / "corpus" / "python_reference.txt"
+CORPUS_PATH = Path(__file__).parent.parent / "corpus" / "python_reference.txt"
 BYTE_VOCAB_SIZE = 256
 _SCAN_CHUNK = 1 << 24  # tokens per chunk of the vocabulary scan (64 MiB of uint32)
 

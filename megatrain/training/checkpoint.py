@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..exec.hf_io import CheckpointError
+from ..spec import EMBED, HEAD
 from . import safetensors_io as stio
-from .exec.hf_io import CheckpointError
-from .spec import EMBED, HEAD
 
 KINDS = ("master", "adam_m", "adam_v")
 STATE_FILE = "trainer_state.json"

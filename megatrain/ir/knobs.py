@@ -1,5 +1,5 @@
 """Schedule knobs: what shapes a training step's DAG, the named schedules, and how knobs are read from names,
-TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatrain/builders.py):
+TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatrain/ir/builders.py):
 
     buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
                        resident from the forward is reused by its backward instead of being fetched again
@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from .schedule import ScheduleError
-from .spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+from ..spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+from .dag import ScheduleError
 
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
 GPU_PLACEMENTS = ("gpu", "split", "overlap-split", "arrival-split")
@@ -243,7 +243,7 @@ def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict 
     """
     from pathlib import Path
 
-    from .tomlfile import read_toml
+    from ..tomlfile import read_toml
 
     if schedule in NAMED_SCHEDULES:
         name, knobs = schedule, NAMED_SCHEDULES[schedule]

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..cli import UserError
-from ..knobs import resolve_knobs
+from ..ir.knobs import resolve_knobs
 from ..presets import get_model
-from . import add_run_arguments
+from . import UserError
+from .common import add_run_arguments
 from .simulate import parse_sweeps, slug, variants
 
 
@@ -64,9 +64,9 @@ def _profile_for(args, spec, device: str, first_knobs, out: Path):
 def run(args) -> int:
     import torch
 
-    from ..compare import compare, kendall_tau, measure_steps, ranking
     from ..init import init_tiles
-    from ..schedule import ScheduleError
+    from ..ir.dag import ScheduleError
+    from ..profiling.compare import compare, kendall_tau, measure_steps, ranking
 
     if args.steps < 2:
         raise UserError(f"--steps {args.steps}: compare needs at least 2 steps (the first is a warm-up)")

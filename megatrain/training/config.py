@@ -2,7 +2,7 @@
 
     [model]      which model (a preset or a local Hugging Face directory) and how its weights start
     [data]       where the tokens come from, sequence length, batch size, held-out split
-    [schedule]   a named schedule and any knob of megatrain.knobs.ScheduleKnobs overriding it
+    [schedule]   a named schedule and any knob of megatrain.ir.knobs.ScheduleKnobs overriding it
     [optimizer]  AdamW, learning-rate schedule, clipping
     [run]        steps, evaluation, checkpoints, logging, device
 
@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
-from .presets import PRESETS
-from .schedule import ScheduleError
-from .tomlfile import read_toml
+from ..ir.dag import ScheduleError
+from ..ir.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
+from ..presets import PRESETS
+from ..tomlfile import read_toml
 
 DATA_FORMATS = ("auto", "text", "bin", "jsonl")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -70,7 +70,7 @@ class ModelConfig:
 
     def spec(self):
         """The ModelSpec this section describes (with `num_layers` applied)."""
-        from .presets import get_model
+        from ..presets import get_model
 
         spec = get_model(self.name)
         if self.num_layers:

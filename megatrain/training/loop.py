@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+from ..ir.knobs import ScheduleKnobs
+from ..ir.memory import GiB, MemoryPlan, fit_report, plan_memory
+from ..spec import ModelSpec
 from . import safetensors_io as stio
 from .checkpoint import (
     KINDS,
@@ -53,8 +56,6 @@ from .checkpoint import (
 )
 from .config import ConfigError, OptimizerConfig, RunConfig
 from .data import Data, open_data
-from .knobs import ScheduleKnobs
-from .memory import GiB, MemoryPlan, fit_report, plan_memory
 from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
@@ -64,7 +65,6 @@ from .metrics import (
     host_rss_bytes,
     reset_gpu_peak,
 )
-from .spec import ModelSpec
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
            "evaluate", "add_train_arguments", "config_from_args", "run_from_args"]
@@ -133,7 +133,7 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
 
 def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
     """fit_report for the CPU backend, where the device working set (buffers, activations) is host memory too."""
-    from .memory import gpu_alternatives, host_alternatives
+    from ..ir.memory import gpu_alternatives, host_alternatives
 
     def need(p: MemoryPlan) -> int:
         return p.host.total_bytes + p.gpu.peak_bytes
@@ -208,7 +208,7 @@ def evaluate(trainer, data: Data, num_batches: int, batch_size: int) -> float | 
     forward over the store's master weights (`hf_io.forward_logits`), after any pending update is applied."""
     import torch.nn.functional as F
 
-    from .exec.hf_io import forward_logits
+    from ..exec.hf_io import forward_logits
 
     if data.eval is None:
         return None
@@ -320,7 +320,7 @@ class _Training:
         self.program = self.trainer.program(self.batch, self.seq)
         self.predicted = None
         if run.simulate:
-            from .sim import simulate
+            from ..sim import simulate
 
             profile = run.profile or ("h200-measured" if self.backend_name == "cuda" else "cpu")
             self.predicted = simulate(self.program, profile)
@@ -330,8 +330,8 @@ class _Training:
                      f"GPU idle {100 * p.gpu_idle_frac:.1f}%")
 
     def _build_trainer(self) -> None:
-        from .exec.optim import AdamWConfig
-        from .exec.trainer import StreamedTrainer
+        from ..exec.optim import AdamWConfig
+        from ..exec.trainer import StreamedTrainer
 
         o = self.cfg.optimizer
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
@@ -353,7 +353,7 @@ class _Training:
             load_hf_into(m.name, self.spec, store.master, strict=not m.num_layers)
             what = f"loaded from {m.name}"
         else:
-            from .init import init_into
+            from ..init import init_into
 
             init_into(self.spec, store.master, seed=m.seed, std=m.init_std)
             what = f"random init (seed {m.seed}, std {m.init_std})"
@@ -438,7 +438,7 @@ class _Training:
     def _loop(self) -> RunSummary:
         from tqdm import tqdm
 
-        from .analysis import summarize
+        from ..analysis.summary import summarize
 
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
         start = trainer.step_count
@@ -528,8 +528,8 @@ class _Training:
     def _write_timelines(self, timelines: list) -> None:
         import pandas as pd
 
-        from .analysis import one_step
-        from .viz import gantt, write_chrome_trace
+        from ..analysis.summary import one_step
+        from ..analysis.viz import gantt, write_chrome_trace
 
         measured = pd.concat(timelines, ignore_index=True)
         measured.to_csv(self.run_dir / "timeline_measured.csv", index=False)
@@ -588,5 +588,5 @@ def _fresh_run_dir(path: Path) -> Path:
     return candidate
 
 
-# ---- command line (megatrain/train_cli.py; re-exported so `megatrain.training` is the one entry point) -------
-from .train_cli import add_train_arguments, config_from_args, run_from_args  # noqa: E402
+# ---- command line (megatrain/training/command.py; re-exported so `megatrain.training.loop` is the one entry point) -------
+from .command import add_train_arguments, config_from_args, run_from_args  # noqa: E402

@@ -1,4 +1,4 @@
-"""The `megatrain` command: one subcommand per module in `megatrain.commands`."""
+"""The `megatrain` command: one subcommand per module of this package (`register(subparsers)` each)."""
 from __future__ import annotations
 
 import argparse
@@ -20,17 +20,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"megatrain.commands.{name}").register(sub)
+        importlib.import_module(f"megatrain.cli.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .data import DataError
-    from .safetensors_io import SafetensorsFormatError
-    from .schedule import ScheduleError
-    from .spec import SpecError
+    from ..ir.dag import ScheduleError
+    from ..spec import SpecError
+    from ..training.checkpoint import CheckpointError
+    from ..training.config import ConfigError
+    from ..training.data import DataError
+    from ..training.safetensors_io import SafetensorsFormatError
 
     args = build_parser().parse_args(argv)
     try:

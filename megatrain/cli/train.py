@@ -1,4 +1,4 @@
-"""`megatrain train`: the training CLI (megatrain/train_cli.py, megatrain/training.py).
+"""`megatrain train`: the training CLI (megatrain/training/command.py, megatrain/training/loop.py).
 
     megatrain train                                   # the embedded default: debug model, bundled corpus
     megatrain train --config run.toml --set optimizer.lr=3e-4 --resume
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from ..train_cli import add_train_arguments, run_from_args
+    from ..training.command import add_train_arguments, run_from_args
 
     p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)")
     add_train_arguments(p)

@@ -1,6 +1,6 @@
 """Predicted vs measured: run real steps of a schedule, simulate the same Program, compare them task by task.
 
-    from megatrain.compare import measure_steps, compare
+    from megatrain.profiling.compare import measure_steps, compare
     program, steps = measure_steps(PRESETS["debug"], knobs_for("overlap", compute_dtype="fp32"), 4, 64, steps=8,
                                    device="cpu")
     c = compare(program, steps, "my-profile.json")
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from .analysis import StepSummary, summarize
-from .knobs import ScheduleKnobs
-from .profiling.overhead import with_spans
-from .program import Program
-from .sim import HardwareProfile, load_profile, simulate
-from .spec import EMBED, HEAD, ModelSpec
+from ..analysis.summary import StepSummary, summarize
+from ..ir.knobs import ScheduleKnobs
+from ..ir.program import Program
+from ..sim import HardwareProfile, load_profile, simulate
+from ..spec import EMBED, HEAD, ModelSpec
+from .overhead import with_spans
 
 
 def task_group(kind: str, unit) -> str:
@@ -42,9 +42,9 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
                   name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
-    from .data import synthetic_batches
-    from .exec.optim import AdamWConfig
-    from .exec.trainer import StreamedTrainer
+    from ..exec.optim import AdamWConfig
+    from ..exec.trainer import StreamedTrainer
+    from ..training.data import synthetic_batches
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -71,10 +71,10 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
-    from .data import synthetic_batches
-    from .exec.optim import AdamWConfig
-    from .exec.trainer import StreamedTrainer
-    from .init import init_tiles
+    from ..exec.optim import AdamWConfig
+    from ..exec.trainer import StreamedTrainer
+    from ..init import init_tiles
+    from ..training.data import synthetic_batches
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -170,7 +170,7 @@ class Comparison:
     def write(self, directory: str | Path, plots: bool = True) -> dict[str, Path]:
         """timeline_sim.csv, timeline_measured.csv (every step), tasks.csv, by_group.csv, compare.json,
         trace.json (predicted and measured stacked, one process each) and gantt.png (side by side)."""
-        from .viz import gantt, write_chrome_trace
+        from ..analysis.viz import gantt, write_chrome_trace
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)

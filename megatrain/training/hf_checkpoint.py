@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from ..exec.hf_io import CheckpointError
+from ..exec.layout import UnitLayout, unit_layout
+from ..spec import EMBED, HEAD, ModelSpec, load_hf_config
 from . import safetensors_io as stio
-from .exec.hf_io import CheckpointError
-from .exec.layout import UnitLayout, unit_layout
-from .spec import EMBED, HEAD, ModelSpec, load_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from .spec import EMBED, HEAD
+from ..spec import EMBED, HEAD
 
 
 class TaskKind(str, Enum):

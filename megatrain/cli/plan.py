@@ -1,10 +1,10 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from ..knobs import resolve_knobs
-from ..memory import GiB, fit_report, format_plan, plan_memory
+from ..ir.knobs import resolve_knobs
+from ..ir.memory import GiB, fit_report, format_plan, plan_memory
 from ..presets import get_model
-from . import add_run_arguments
+from .common import add_run_arguments
 
 
 def machine_memory() -> tuple[int | None, int | None]:

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..builders import build_schedule
-from ..cli import UserError
-from ..knobs import parse_knob_value, resolve_knobs
+from ..analysis.viz import gantt, write_chrome_trace
+from ..ir.builders import build_schedule
+from ..ir.dag import ScheduleError
+from ..ir.knobs import parse_knob_value, resolve_knobs
+from ..ir.program import lower
 from ..presets import get_model
-from ..program import lower
-from ..schedule import ScheduleError
 from ..sim import ProfileError, SimResult, SimulationError, load_profile, simulate
-from ..viz import gantt, write_chrome_trace
-from . import add_run_arguments
+from . import UserError
+from .common import add_run_arguments
 
 
 def register(sub) -> None:

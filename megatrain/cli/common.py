@@ -1,7 +1,7 @@
-"""Subcommands of the `megatrain` CLI, one module each (see megatrain/cli.py)."""
+"""Subcommands of the `megatrain` CLI, one module each (see megatrain/cli/__init__.py)."""
 from __future__ import annotations
 
-from ..knobs import DEFAULT_SCHEDULE
+from ..ir.knobs import DEFAULT_SCHEDULE
 
 
 def add_run_arguments(p, model: str, batch: int, seq: int,

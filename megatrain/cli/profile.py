@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..cli import UserError
-from ..knobs import DEFAULT_SCHEDULE, resolve_knobs
+from ..ir.knobs import DEFAULT_SCHEDULE, resolve_knobs
 from ..presets import get_model
+from . import UserError
 
 
 def _ints(text: str, what: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Builders: from a model, a batch and the schedule knobs (megatrain/knobs.py) to the DAG of one training step.
+"""Builders: from a model, a batch and the schedule knobs (megatrain/ir/knobs.py) to the DAG of one training step.
 
 The step streams the model unit by unit: embedding, layers 0..L-1, head (loss forward and backward fused,
 chunk by chunk), then layers L-1..0 backward and the embedding's backward. Every knob changes the graph; the
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from ..spec import EMBED, HEAD, ModelSpec
+from .dag import Schedule, ScheduleError
 from .knobs import (
     ARRIVAL_PLACEMENTS,
     DEFAULT_SCHEDULE,
@@ -20,8 +22,6 @@ from .knobs import (
     resident_units,
     retained_grad_layers,
 )
-from .schedule import Schedule, ScheduleError
-from .spec import EMBED, HEAD, ModelSpec
 from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
 
 

@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 
+from ..spec import ModelSpec
 from .builders import gpu_slot_bytes
+from .dag import Schedule
 from .knobs import ScheduleKnobs, offloaded_checkpoints
-from .schedule import Schedule
-from .spec import ModelSpec
 from .tasks import Task, TaskKind
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
@@ -107,7 +107,7 @@ class Program:
     # -- JSON --
     def to_dict(self) -> dict:
         return {
-            "format": "megatrain.program/1",
+            "format": "megatrain.ir.program/1",
             "name": self.name,
             "model": self.model.to_dict(),
             "batch": self.batch,
@@ -123,7 +123,7 @@ class Program:
 
     @classmethod
     def from_dict(cls, d: dict) -> Program:
-        if d.get("format") != "megatrain.program/1":
+        if d.get("format") != "megatrain.ir.program/1":
             raise ValueError(f"not a megatrain Program (format={d.get('format')!r})")
         tasks = {}
         for t in d["tasks"]:

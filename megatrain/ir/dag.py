@@ -24,7 +24,7 @@ from typing import Iterable
 
 import networkx as nx
 
-from .spec import ModelSpec
+from ..spec import ModelSpec
 from .tasks import COMPUTE_KINDS, Task, TaskKind
 
 

@@ -44,7 +44,7 @@ def add_train_arguments(parser) -> None:
 
 def config_from_args(args) -> RunConfig:
     """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
-    from .knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+    from ..ir.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
 
     overrides = []
     for attr, key in _SHORTCUTS.items():
@@ -54,7 +54,7 @@ def config_from_args(args) -> RunConfig:
         if attr == "schedule" and value not in NAMED_SCHEDULES:  # a TOML file of knobs: every knob explicit
             import tomllib
 
-            from .schedule import ScheduleError
+            from ..ir.dag import ScheduleError
 
             try:
                 _, knobs = resolve_knobs(value)
@@ -80,7 +80,7 @@ def config_from_args(args) -> RunConfig:
 def run_from_args(args) -> int:
     """`megatrain train`: build the config from the arguments and train; exit status 0, or 130 if interrupted.
     User mistakes raise ConfigError / DataError / CheckpointError (megatrain.cli prints them as one line)."""
-    from .training import run_training
+    from .loop import run_training
 
     cfg = config_from_args(args)
     try:
@@ -91,7 +91,7 @@ def run_from_args(args) -> int:
     if getattr(args, "timeline", None) and measured.is_file():
         import pandas as pd
 
-        from .analysis import one_step
+        from ..analysis.summary import one_step
 
         one_step(pd.read_csv(measured)).to_csv(args.timeline, index=False)
     return 0

@@ -1,0 +1,1 @@
+"""megatrain.analysis"""
