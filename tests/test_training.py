@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatrain.training import safetensors_io as stio
+from megatrain.training import fit
 from megatrain.training import loop as training
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.init import init_into, init_tiles, unit_seed
@@ -251,7 +252,7 @@ def test_export_at_end_and_training_from_a_hf_directory(tmp_path):
 
 # ---- memory check ----------------------------------------------------------------------------------------------
 def test_run_that_does_not_fit_stops_before_allocating(tmp_path, monkeypatch):
-    monkeypatch.setattr(training, "machine_capacity", lambda backend: (300 * 2**20, None))
+    monkeypatch.setattr(fit, "machine_capacity", lambda backend: (300 * 2**20, None))
     with pytest.raises(MemoryFitError) as e:
         train(tiny(tmp_path))
     msg = str(e.value)

@@ -30,18 +30,15 @@ after its step; applying that update then or at the start of the next step gives
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from ..ir.knobs import ScheduleKnobs
-from ..ir.memory import GiB, MemoryPlan, fit_report, plan_memory
-from ..spec import ModelSpec
+from ..ir.memory import GiB
 from . import safetensors_io as stio
 from .checkpoint import (
     KINDS,
@@ -54,8 +51,11 @@ from .checkpoint import (
     set_rng_state,
     unit_key,
 )
-from .config import ConfigError, OptimizerConfig, RunConfig
-from .data import Data, open_data
+from .config import ConfigError, RunConfig
+from .data import open_data
+from .evaluate import evaluate
+from .fit import MemoryFitError, check_memory, machine_capacity
+from .lr import lr_schedule
 from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
@@ -71,83 +71,6 @@ __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check
 
 KEEP_TIMELINE_STEPS = 10  # measured timelines kept for timeline_measured.csv (the last ones)
 
-
-class MemoryFitError(ConfigError):
-    """The run does not fit this machine's host or GPU memory; the message has the numbers and the knobs."""
-
-
-# ---- learning rate ---------------------------------------------------------------------------------------------
-def lr_schedule(opt: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
-    """lr(i) of optimizer step i (0-based): linear warmup over `warmup_steps` (step i uses (i+1)/warmup of the
-    peak), then `decay` from `lr` to `min_lr` over the remaining steps (the last step reaches min_lr)."""
-    peak, low, warm = opt.lr, opt.min_lr, opt.warmup_steps
-    span = max(1, total_steps - warm - 1)
-
-    def lr(i: int) -> float:
-        if i < warm:
-            return peak * (i + 1) / warm
-        if opt.decay == "constant":
-            return peak
-        progress = min(1.0, (i - warm) / span)
-        if opt.decay == "linear":
-            return peak + (low - peak) * progress
-        return low + 0.5 * (peak - low) * (1.0 + math.cos(math.pi * progress))
-
-    return lr
-
-
-# ---- memory check ----------------------------------------------------------------------------------------------
-def machine_capacity(backend: str) -> tuple[int, int | None]:
-    """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: what the OS reports
-    available plus what this process already holds (the planner counts the runtime's own footprint)."""
-    import psutil
-
-    host = psutil.virtual_memory().available + host_rss_bytes()
-    gpu = torch.cuda.mem_get_info()[0] if backend == "cuda" else None
-    return host, gpu
-
-
-def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
-                 host_bytes: int | None = None, gpu_bytes: int | None = None) -> tuple[MemoryPlan, list[str]]:
-    """Plan the run's memory and check it against this machine (or the given capacities).
-
-    Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
-    not fit. On the CPU backend the "GPU" buffers and activations live in host memory, so they count there.
-    """
-    plan = plan_memory(spec, batch, seq, knobs, backend)
-    have_host, have_gpu = machine_capacity(backend)
-    host_bytes = have_host if host_bytes is None else host_bytes
-    gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
-    if backend == "cpu":
-        ok, lines = _cpu_fit(plan, host_bytes)
-    else:
-        ok, lines = fit_report(plan, host_bytes, gpu_bytes)
-    if not ok:
-        raise MemoryFitError(
-            f"the run does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines) + "\n  set a knob with --set "
-            "schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train fewer layers "
-            "(model.num_layers); `megatrain plan` shows the full table")
-    return plan, lines
-
-
-def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
-    """fit_report for the CPU backend, where the device working set (buffers, activations) is host memory too."""
-    from ..ir.memory import gpu_alternatives, host_alternatives
-
-    def need(p: MemoryPlan) -> int:
-        return p.host.total_bytes + p.gpu.peak_bytes
-
-    total = need(plan)
-    what = (f"{total / GiB:.1f} GiB (store and runtime {plan.host.total_bytes / GiB:.1f} + device buffers and "
-            f"activations {plan.gpu.peak_bytes / GiB:.1f}, host memory on the CPU backend)")
-    if total <= have:
-        return True, [f"host: fits: needs {what} of {have / GiB:.1f} GiB ({100 * total / have:.0f}%)"]
-    lines = [f"host: DOES NOT FIT: needs {what}, has {have / GiB:.1f} GiB, short by {(total - have) / GiB:.1f} GiB"]
-    for label, knobs in host_alternatives(plan.knobs) + gpu_alternatives(plan):
-        alt = need(plan_memory(plan.spec, plan.batch, plan.seq, knobs, "cpu"))
-        lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
-    return False, lines
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------
@@ -184,50 +107,6 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     """
     return _Training(cfg, log, stop_at_step).run()
 
-
-class _StoreTiles(Mapping):
-    """The host store's fp32 master as {unit: full tile}, without copying: a tied head's tile (whose lm_head
-    is the embedding) is the only one assembled, when it is asked for."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def __getitem__(self, unit: int) -> torch.Tensor:
-        return self.store.full_tile(unit) if self.store.opt_lo[unit] else self.store.master(unit)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.store.units)
-
-    def __len__(self) -> int:
-        return len(self.store.units)
-
-
-@torch.no_grad()
-def evaluate(trainer, data: Data, num_batches: int, batch_size: int) -> float | None:
-    """Mean loss on the first `num_batches` held-out batches (None without a held-out split): a plain fp32
-    forward over the store's master weights (`hf_io.forward_logits`), after any pending update is applied."""
-    import torch.nn.functional as F
-
-    from ..exec.hf_io import forward_logits
-
-    if data.eval is None:
-        return None
-    trainer.flush()
-    spec, dev = trainer.spec, trainer.backend.device
-    tiles = _StoreTiles(trainer.store)
-    total, count = 0.0, 0
-    for batch in data.eval_batches(num_batches, batch_size):
-        B, T = batch.inputs.shape
-        rows = max(1, min(B, 2**28 // (T * spec.vocab_size * 4)))  # keep the fp32 logits near 256 MiB
-        for lo in range(0, B, rows):
-            ids, targets = batch.inputs[lo:lo + rows].to(dev), batch.targets[lo:lo + rows].to(dev)
-            logits = forward_logits(spec, tiles, ids)  # (b, T, V) fp32
-            total += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
-            count += int((targets != -100).sum())
-            del logits
-    if dev.type == "cuda":  # give the eval's activations back, so the training step finds the memory it planned
-        torch.cuda.empty_cache()
-    return total / count if count else None
 
 
 class _Training:

@@ -1,0 +1,69 @@
+"""Does a run fit this machine? The planner's host and GPU bytes against what the machine has, checked before
+anything is allocated, with the knobs that help when it does not."""
+from __future__ import annotations
+
+import torch
+
+from ..ir.knobs import ScheduleKnobs
+from ..ir.memory import GiB, MemoryPlan, fit_report, gpu_alternatives, host_alternatives, plan_memory
+from ..spec import ModelSpec
+from .config import ConfigError
+from .metrics import host_rss_bytes
+
+
+class MemoryFitError(ConfigError):
+    """The run does not fit this machine's host or GPU memory; the message has the numbers and the knobs."""
+
+
+
+# ---- memory check ----------------------------------------------------------------------------------------------
+def machine_capacity(backend: str) -> tuple[int, int | None]:
+    """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: what the OS reports
+    available plus what this process already holds (the planner counts the runtime's own footprint)."""
+    import psutil
+
+    host = psutil.virtual_memory().available + host_rss_bytes()
+    gpu = torch.cuda.mem_get_info()[0] if backend == "cuda" else None
+    return host, gpu
+
+
+def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
+                 host_bytes: int | None = None, gpu_bytes: int | None = None) -> tuple[MemoryPlan, list[str]]:
+    """Plan the run's memory and check it against this machine (or the given capacities).
+
+    Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
+    not fit. On the CPU backend the "GPU" buffers and activations live in host memory, so they count there.
+    """
+    plan = plan_memory(spec, batch, seq, knobs, backend)
+    have_host, have_gpu = machine_capacity(backend)
+    host_bytes = have_host if host_bytes is None else host_bytes
+    gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
+    if backend == "cpu":
+        ok, lines = _cpu_fit(plan, host_bytes)
+    else:
+        ok, lines = fit_report(plan, host_bytes, gpu_bytes)
+    if not ok:
+        raise MemoryFitError(
+            f"the run does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
+            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines) + "\n  set a knob with --set "
+            "schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train fewer layers "
+            "(model.num_layers); `megatrain plan` shows the full table")
+    return plan, lines
+
+
+def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
+    """fit_report for the CPU backend, where the device working set (buffers, activations) is host memory too."""
+    def need(p: MemoryPlan) -> int:
+        return p.host.total_bytes + p.gpu.peak_bytes
+
+    total = need(plan)
+    what = (f"{total / GiB:.1f} GiB (store and runtime {plan.host.total_bytes / GiB:.1f} + device buffers and "
+            f"activations {plan.gpu.peak_bytes / GiB:.1f}, host memory on the CPU backend)")
+    if total <= have:
+        return True, [f"host: fits: needs {what} of {have / GiB:.1f} GiB ({100 * total / have:.0f}%)"]
+    lines = [f"host: DOES NOT FIT: needs {what}, has {have / GiB:.1f} GiB, short by {(total - have) / GiB:.1f} GiB"]
+    for label, knobs in host_alternatives(plan.knobs) + gpu_alternatives(plan):
+        alt = need(plan_memory(plan.spec, plan.batch, plan.seq, knobs, "cpu"))
+        lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
+    return False, lines
+
