@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # The executor and the training loop import torch; `megatrain plan` / `simulate` should not wait for it.
-_LAZY = {"StreamedTrainer": ".exec.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training.loop",
+_LAZY = {"StreamedTrainer": ".training.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training.loop",
          "load_config": ".training.config"}
 
 

@@ -111,7 +111,7 @@ def test_the_simulator_prices_tasks_with_the_measured_numbers(calibration):
     assert dur["FH.0"] == pytest.approx(comp + table["head", "F"].at(128), rel=1e-9)
     assert dur["BE.0"] == pytest.approx(comp + table["embed", "B"].at(128), rel=1e-9)
     u = prog.tasks["U1"]
-    passes = (prog.knobs.weight_wire == "bf16") + (prog.knobs.grad_wire == "bf16")
+    passes = (prog.placement.weight_wire == "bf16") + (prog.placement.grad_wire == "bf16")
     refresh = passes * u.params / p.cpu_convert_params_per_s
     assert 0 < p.cpu_convert_params_per_s < float("inf")
     assert dur["U1"] == pytest.approx(p.task_overhead_s["cpu"] + u.params / p.cpu_adam_rate() + refresh, rel=1e-9)

@@ -17,7 +17,7 @@ def test_plan_user_errors_are_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("megatrain plan: error: unknown model 'nope'") and err.count("\n") == 1
     assert main(["plan", "--set", "buffers=zero"]) == 2
-    assert "expects an integer" in capsys.readouterr().err
+    assert "must be an integer" in capsys.readouterr().err
 
 
 def test_gpu_checkpoints_move_checkpoints_from_host_to_gpu_in_the_plan():

@@ -14,13 +14,15 @@ from megatrain.cli import main
 from megatrain.exec.backend import CpuBackend, ExecError
 from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
 from megatrain.exec.runtime import Runtime
-from megatrain.exec.store import HostStore, store_bytes
-from megatrain.exec.trainer import StreamedTrainer
+from megatrain.exec.store import HostStore
+from megatrain.ir.placement import resolve_host_layout
+from megatrain.training.trainer import StreamedTrainer
 from megatrain.exec.work import StepWork
 from megatrain.init import init_tiles
 from megatrain.ir.builders import build_schedule
+from megatrain.ir.dag import ScheduleError
 from megatrain.ir.knobs import ScheduleKnobs, knobs_for
-from megatrain.ir.memory import plan_host_memory
+from megatrain.ir.memory import NOT_STORE, plan_memory
 from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
@@ -41,7 +43,7 @@ def batch(seed=0):
 def prepared(knobs, timeout_s=5.0, program=None):
     """A runtime over a StepWork with one batch bound, as the trainer sets it up."""
     program = program or lower(build_schedule(DEBUG, B, T, knobs))
-    store = HostStore(DEBUG, knobs, CpuBackend(), init_tiles(DEBUG))
+    store = HostStore(DEBUG, resolve_host_layout(DEBUG, knobs), CpuBackend(), init_tiles(DEBUG))
     work = StepWork(program, store, CpuBackend(), AdamWConfig(lr=1e-3))
     work.begin_step(*batch(), UpdatePlan(step=0, lr=1e-3), None)
     return Runtime(program, CpuBackend(), work, timeout_s=timeout_s), program
@@ -125,11 +127,10 @@ def test_measured_timeline_has_the_simulator_columns_and_respects_order_and_wait
 @pytest.mark.parametrize("knobs", [ScheduleKnobs(), ScheduleKnobs(weight_wire="fp32", grad_wire="bf16"),
                                    ScheduleKnobs(optimizer="split", grad_wire="bf16")], ids=["bf16", "fp32", "split"])
 def test_store_bytes_match_the_memory_planner(spec, knobs):
-    store = HostStore(spec, knobs, CpuBackend(), init_tiles(spec))
+    store = HostStore(spec, resolve_host_layout(spec, knobs), CpuBackend(), init_tiles(spec))
     have = store.bytes_by_component()
-    assert have == store_bytes(spec, knobs)
-    planned = plan_host_memory(spec, B, T, knobs, backend="cpu").components
-    assert have == {k: v for k, v in planned.items() if k in have}
+    planned = plan_memory(spec, B, T, knobs, backend="cpu").host.components
+    assert have == {k: v for k, v in planned.items() if k not in NOT_STORE}  # every store component, exactly
     assert sum(have.values()) <= store.allocated_bytes() <= sum(have.values()) + 4096 * 6 * len(spec.units())
     assert store.pinned_bytes() == 0  # the CPU backend pins nothing
     per_param = sum(have[k] for k in ("fp32 master", "adam m (fp32)", "adam v (fp32)")) / spec.num_params
@@ -138,7 +139,7 @@ def test_store_bytes_match_the_memory_planner(spec, knobs):
 
 def test_store_round_trips_tiles_and_ties_the_head_to_the_embedding():
     tiles = init_tiles(TIED, seed=3)
-    store = HostStore(TIED, ScheduleKnobs(), CpuBackend(), tiles)
+    store = HostStore(TIED, resolve_host_layout(TIED, ScheduleKnobs()), CpuBackend(), tiles)
     out = store.tiles()
     for u in TIED.units():
         assert torch.equal(out[u], tiles[u])
@@ -152,7 +153,7 @@ def test_store_round_trips_tiles_and_ties_the_head_to_the_embedding():
 
 
 def test_tied_gradients_merge_once_per_landing():
-    store = HostStore(TIED, ScheduleKnobs(), CpuBackend(), init_tiles(TIED))
+    store = HostStore(TIED, resolve_host_layout(TIED, ScheduleKnobs()), CpuBackend(), init_tiles(TIED))
     vd = TIED.vocab_size * TIED.hidden_size
     store.grad(EMBED).fill_(1.0)
     store.grad(HEAD).fill_(2.0)
@@ -220,13 +221,13 @@ def test_overlap_defers_the_last_update_until_flush():
                                    knobs_for("arrival", resident_layers=4, resident_embeddings=True, **FP32)],
                          ids=["arrival", "arrival-split-all-gpu", "arrival-all-resident"])
 def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skipped(knobs, monkeypatch):
-    """clip="none" ("arrival" updates a unit as soon as its gradients land): nothing can wait for a global norm,
+    """clip=0 ("arrival" updates a unit as soon as its gradients land): nothing can wait for a global norm,
     so a unit whose own gradients are not finite is skipped and reported; the others are updated. A GPU update
     ("arrival-split") decides the skip on the device, and the step's bookkeeping says the same afterwards."""
-    from megatrain.exec import work as work_module
+    from megatrain.exec.layers import layer_functions
 
-    real = work_module.layer_functions(False)[1]
-    tr = StreamedTrainer(DEBUG, knobs, optim=AdamWConfig(lr=1e-2, max_grad_norm=None), backend="cpu")
+    real = layer_functions(False)[1]
+    tr = StreamedTrainer(DEBUG, knobs, optim=AdamWConfig(lr=1e-2), backend="cpu")
     ids, targets = batch()
     tr.step(ids, targets)
     tr.flush()  # resident units: bring the host store up to date before reading it
@@ -240,7 +241,7 @@ def test_without_a_global_norm_only_the_unit_with_non_finite_gradients_is_skippe
         calls["n"] += 1
         return out
 
-    monkeypatch.setattr(tr._work, "layer_backward", poison_layer_2)  # the StepWork the first step built
+    monkeypatch.setattr(tr._work.compute, "layer_backward", poison_layer_2)  # the StepWork the first step built
     r = tr.step(ids, targets)
     tr.flush()
     assert not r.skipped and r.update.skipped_units == [2]
@@ -256,10 +257,8 @@ def test_user_mistakes_get_clear_errors():
         tr.step(ids, torch.full_like(targets, -100))
     with pytest.raises(ValueError, match=r"must both be \(batch, seq\)"):
         tr.step(ids, targets[:, :-1])
-    arrival = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=AdamWConfig(max_grad_norm=1.0),
-                              backend="cpu")
-    with pytest.raises(ValueError, match="needs a schedule with clip='exact'"):
-        arrival.step(ids, targets)
+    with pytest.raises(ScheduleError, match="clip=1.0 needs the global gradient norm"):  # before any allocation
+        StreamedTrainer(DEBUG, knobs_for("arrival", clip=1.0, **FP32), backend="cpu")
 
 
 def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
@@ -270,11 +269,15 @@ def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.count("loss") >= 3 and "done: 3 steps" in out
     assert csv.read_text().splitlines()[0].split(",") == TIMELINE_COLUMNS
-    # clip='none' with the default clipping norm is one clear error naming both ways out
-    assert main(["train", "--schedule", "arrival", "--device", "cpu", "--steps", "1",
+    # Clipping is one setting, the schedule's: asking an arrival schedule to clip is one clear error naming both
+    # ways out, and the old optimizer.grad_clip says where it went.
+    assert main(["train", "--schedule", "arrival", "--set", "clip=1.0", "--device", "cpu", "--steps", "1",
                  "--out-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
-    assert "grad_clip" in err and err.count("\n") == 1
+    assert "clip=0" in err and "optimizer='overlap'" in err and err.count("\n") == 1
+    assert main(["train", "--set", "optimizer.grad_clip=0", "--device", "cpu", "--steps", "1",
+                 "--out-dir", str(tmp_path / "runs")]) == 2
+    assert "schedule.clip" in capsys.readouterr().err
 
 
 def test_host_rss_grows_by_the_planned_store_bytes():
@@ -286,9 +289,9 @@ def test_host_rss_grows_by_the_planned_store_bytes():
     tiles = init_tiles(spec)
     proc = psutil.Process()
     before = proc.memory_info().rss
-    store = HostStore(spec, knobs, CpuBackend(), tiles)
+    store = HostStore(spec, resolve_host_layout(spec, knobs), CpuBackend(), tiles)
     grown = proc.memory_info().rss - before
-    planned = plan_host_memory(spec, B, T, knobs, backend="cpu").store_bytes
+    planned = plan_memory(spec, B, T, knobs, backend="cpu").host.store_bytes
     print(f"\nstore of {spec.num_params / 1e6:.1f} M params: RSS +{grown / 2**20:.1f} MiB, "
           f"planned {planned / 2**20:.1f} MiB")
     assert abs(grown - planned) <= 0.05 * planned
@@ -325,16 +328,18 @@ def test_bf16_compute_tracks_fp32_compute(wire):
 
 def test_bf16_gradients_update_in_chunks_through_one_scratch_buffer(monkeypatch):
     """The update converts bf16 gradients chunk by chunk; chunking changes nothing (AdamW is elementwise)."""
-    import megatrain.ir.memory as memory
+    import megatrain.ir.placement as placement
 
     knobs = knobs_for("overlap", grad_wire="bf16", compute_dtype="fp32")
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, TIED.vocab_size, (B, T + 1), generator=g) for _ in range(3)]
 
     def train(chunk):
-        monkeypatch.setattr(memory, "GRAD_SCRATCH_ELEMENTS", chunk)
+        monkeypatch.setattr(placement, "GRAD_SCRATCH_ELEMENTS", chunk)
         trainer = StreamedTrainer(TIED, knobs, init_tiles(TIED), optim=AdamWConfig(lr=1e-2), backend="cpu")
-        assert trainer.store.bytes_by_component()["fp32 gradient scratch"] == 4 * memory.grad_scratch_elements(TIED)
+        scratch = trainer.store.layout.grad_scratch_elements
+        assert scratch == min(chunk, max(TIED.unit_params(u) for u in TIED.units()))
+        assert trainer.store.bytes_by_component()["fp32 gradient scratch"] == 4 * scratch
         for tokens in batches:
             trainer.step(tokens[:, :-1], tokens[:, 1:])
         return trainer.tiles()
@@ -374,7 +379,7 @@ def test_compiled_layers_train_as_the_eager_layers_do():
     fused = StreamedTrainer(DEBUG, knobs_for("overlap", compile_layers=True, **FP32), optim=optim, backend="cpu")
     for _ in range(3):
         assert fused.step(ids, targets).loss == pytest.approx(eager.step(ids, targets).loss, rel=1e-5)
-    assert fused._work.layer_forward is not eager._work.layer_forward  # the compiled layer actually ran
+    assert fused._work.compute.layer_forward is not eager._work.compute.layer_forward  # the compiled layer actually ran
     # Adam divides by sqrt(v): where a gradient is ~0 a rounding difference moves the weight by a fraction of a
     # step (lr = 1e-2), hence the tolerance of 1% of one step; the weights of a wrong layer differ by whole steps.
     for u in DEBUG.units():
@@ -384,7 +389,7 @@ def test_compiled_layers_train_as_the_eager_layers_do():
 def test_resident_units_reach_the_host_store_on_flush_and_survive_a_new_batch_shape():
     """Resident units are updated on the device; the host store sees them after flush(), and a new batch shape
     (a new Program, new buffers) continues from where the old buffers were, as a streamed-only run does."""
-    optim = AdamWConfig(lr=1e-2, max_grad_norm=None)
+    optim = AdamWConfig(lr=1e-2)
     plain = StreamedTrainer(DEBUG, knobs_for("arrival", **FP32), optim=optim, backend="cpu")
     resident = StreamedTrainer(DEBUG, knobs_for("arrival", resident_embeddings=True, resident_layers=2, **FP32),
                                optim=optim, backend="cpu")

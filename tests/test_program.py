@@ -3,8 +3,9 @@ import pytest
 
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.ir.memory import GiB, fit_report, grad_scratch_elements, plan_memory
-from megatrain.ir.program import STREAMS, Program, lower, plan_gpu_memory
+from megatrain.ir.memory import GiB, fit_report, plan_memory
+from megatrain.ir.placement import GRAD_SCRATCH_ELEMENTS, resolve
+from megatrain.ir.program import STREAMS, Program, lower
 from megatrain.presets import PRESETS
 
 DEBUG = PRESETS["debug"]
@@ -77,8 +78,9 @@ def test_host_bytes_per_parameter():
     lean = plan_memory(spec, 8, 2048, ScheduleKnobs(weight_wire="fp32", grad_wire="bf16")).host
     # 12 (master, m, v) + 2 (bf16 copy) + 4 (fp32 grads); streamed-only params add a little (untied: none)
     assert std.bytes_per_param == pytest.approx(18.0, rel=1e-9)
-    scratch = 4 * grad_scratch_elements(spec)  # bf16 gradients are converted through one fp32 buffer
-    assert lean.components["fp32 gradient scratch"] == scratch == 4 * 2**26
+    scratch = 4 * resolve(spec, 8, 2048, ScheduleKnobs(grad_wire="bf16")).host_layout.grad_scratch_elements
+    # bf16 gradients are converted through one fp32 buffer, at most GRAD_SCRATCH_ELEMENTS long
+    assert lean.components["fp32 gradient scratch"] == scratch == 4 * GRAD_SCRATCH_ELEMENTS
     assert lean.bytes_per_param == pytest.approx(14.0 + scratch / spec.num_params, rel=1e-9)
     assert lean.pinned_bytes == pytest.approx(spec.num_params * (4 + 2), rel=1e-9)
 
@@ -97,9 +99,9 @@ def test_fit_report_names_the_knob_that_helps():
 
 def test_memory_plan_counts_state_slots_and_kept_gradients():
     spec = PRESETS["bench-3b"]
-    base = plan_gpu_memory(spec, 8, 2048, knobs_for("overlap"))
+    base = plan_memory(spec, 8, 2048, knobs_for("overlap")).gpu
     knobs = knobs_for("overlap-split", gpu_optimizer_fraction=0.4, state_buffers=3, retain_grads=4)
-    plan = plan_gpu_memory(spec, 8, 2048, knobs)
+    plan = plan_memory(spec, 8, 2048, knobs).gpu
     # 11 of 28 layers on the GPU, spread from layer 0; the first 4 keep their gradients
     assert set(plan.slot_bytes) - set(base.slot_bytes) == {"s0", "s1", "s2", "g0", "g2", "g5", "g7"}
     assert plan.peak_bytes - base.peak_bytes == (3 * 16 + 4 * 4) * spec.layer_params
@@ -109,5 +111,5 @@ def test_memory_plan_counts_state_slots_and_kept_gradients():
 
 
 def test_named_overlap_split_fits_16_gib_on_bench_3b():
-    plan = plan_gpu_memory(PRESETS["bench-3b"], 8, 2048, knobs_for("overlap-split"))
+    plan = plan_memory(PRESETS["bench-3b"], 8, 2048, knobs_for("overlap-split")).gpu
     assert plan.peak_bytes <= 16 * GiB

@@ -6,7 +6,8 @@ import pytest
 
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, gpu_updated_layers, knobs_for, retained_grad_layers
+from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.ir.placement import resolve
 from megatrain.ir.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, W
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD
@@ -38,7 +39,7 @@ GOLDEN_CASES = {
     "overlap_mb2": ScheduleKnobs(buffers=3, optimizer="overlap", micro_batches=2),
     "recompute2": ScheduleKnobs(buffers=3, recompute_block=2, optimizer="after"),
     "gpu_adam": ScheduleKnobs(buffers=2, optimizer="gpu"),
-    "arrival": ScheduleKnobs(buffers=2, optimizer="arrival", clip="none"),
+    "arrival": ScheduleKnobs(buffers=2, optimizer="arrival", clip=0),
     "long_context": ScheduleKnobs(buffers=2, optimizer="overlap", offload_checkpoints=True),
     # layers 0 and 1 updated on the GPU (U fills w0 / w1), layer 0's gradients kept on the GPU (O0 -> g0)
     "overlap_split": ScheduleKnobs(buffers=2, optimizer="overlap-split", gpu_optimizer_fraction=0.67,
@@ -103,20 +104,20 @@ def test_optimizer_placements():
     over = small(ScheduleKnobs(optimizer="overlap"))
     assert over.graph.has_edge(U(0), P(0)) and over.attrs(U(0))["step_offset"] == -1
     assert not over.graph.has_edge(U(0), P(1))  # each prefetch waits only for its own layer's update
-    arr = small(ScheduleKnobs(optimizer="arrival", clip="none"))
+    arr = small(ScheduleKnobs(optimizer="arrival", clip=0))
     assert NORM not in arr.graph and arr.graph.has_edge(O(2), U(2))
     gpu = small(ScheduleKnobs(optimizer="gpu"))
     assert gpu.attrs(U(1))["device"] == "gpu" and gpu.attrs(U(EMBED))["device"] == "cpu"
     split = small(ScheduleKnobs(optimizer="split", gpu_optimizer_fraction=0.34), layers=3)
     assert [split.attrs(U(l))["device"] for l in range(3)] == ["gpu", "cpu", "cpu"]
-    with pytest.raises(ScheduleError, match="exact clipping"):
-        ScheduleKnobs(optimizer="arrival", clip="exact")
+    with pytest.raises(ScheduleError, match="needs the global gradient norm"):
+        small(ScheduleKnobs(optimizer="arrival", clip=1.0))
 
 
 def test_overlap_split_updates_spread_layers_on_the_gpu_and_fills_their_weight_slots():
     knobs = ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.5)
     spec = DEBUG.with_layers(6)
-    assert gpu_updated_layers(spec, knobs) == [0, 2, 4]  # every other layer, from layer 0
+    assert resolve(spec, 2, 8, knobs).gpu_streamed_layers == [0, 2, 4]  # every other layer, from layer 0
     s = build_schedule(spec, 2, 8, knobs)
     g, n = s.graph, spec.unit_params(0)
     for layer in range(6):
@@ -139,7 +140,7 @@ def test_overlap_split_updates_spread_layers_on_the_gpu_and_fills_their_weight_s
 def test_retained_gradients_stay_on_the_gpu_and_cut_the_copies():
     spec = DEBUG.with_layers(6)
     knobs = ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.5, retain_grads=2)
-    assert retained_grad_layers(spec, knobs) == [0, 2]
+    assert resolve(spec, 2, 8, knobs).kept_grad_layers == [0, 2]
     s = build_schedule(spec, 2, 8, knobs)
     n = spec.unit_params(0)
     assert s.attrs(O(0))["fills"] == "g0" and s.attrs(O(0))["bytes"] == 0
@@ -149,7 +150,7 @@ def test_retained_gradients_stay_on_the_gpu_and_cut_the_copies():
         build_schedule(spec, 2, 8, ScheduleKnobs(optimizer="overlap-split", gpu_optimizer_fraction=0.5,
                                                  retain_grads=4))
     with pytest.raises(ScheduleError, match="retain_grads"):
-        ScheduleKnobs(optimizer="overlap", retain_grads=1)
+        build_schedule(spec, 2, 8, ScheduleKnobs(optimizer="overlap", retain_grads=1))
 
 
 def test_wire_dtypes_change_copy_bytes():
@@ -161,8 +162,8 @@ def test_wire_dtypes_change_copy_bytes():
 
 
 def test_clip_none_removes_the_norm():
-    assert NORM in small(ScheduleKnobs(clip="exact")).graph
-    assert NORM not in small(ScheduleKnobs(clip="none")).graph
+    assert NORM in small(ScheduleKnobs(clip=1.0)).graph
+    assert NORM not in small(ScheduleKnobs(clip=0)).graph
 
 
 def test_tied_embeddings_route_head_gradients_to_the_embedding_update():

@@ -226,8 +226,8 @@ def test_overlap_split_takes_its_layers_updates_off_the_host_threads():
 
 
 def test_best_gpu_fraction_follows_the_slower_of_host_threads_and_pcie():
-    from megatrain.ir.program import plan_gpu_memory
-    from megatrain.sim import best_gpu_fraction
+    from megatrain.ir.memory import plan_memory
+    from megatrain.tune import best_gpu_fraction
 
     start = knobs_for("overlap")
     # Host AdamW free, PCIe slow: every GPU update only adds copies, so none.
@@ -241,7 +241,7 @@ def test_best_gpu_fraction_follows_the_slower_of_host_threads_and_pcie():
     assert best.result.step_s == pytest.approx(best.table.step_s.min())
     # A GPU memory limit caps the kept gradients (and the table holds only variants that fit).
     all_gpu = knobs_for("overlap-split", gpu_optimizer_fraction=1.0)
-    limit = plan_gpu_memory(DEBUG, 4, 16, dataclasses.replace(all_gpu, retain_grads=1)).peak_bytes
+    limit = plan_memory(DEBUG, 4, 16, dataclasses.replace(all_gpu, retain_grads=1)).gpu.peak_bytes
     capped = best_gpu_fraction(DEBUG, 4, 16, start, slow_host, gpu_bytes=limit)
     assert capped.knobs.retain_grads == 1 and (capped.table.gpu_peak_gib <= limit / 2**30).all()
     with pytest.raises(ValueError, match="no GPU share"):

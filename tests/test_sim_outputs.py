@@ -138,7 +138,7 @@ def test_cli_simulate_sweep_writes_artefacts_and_table(tmp_path, capsys):
 
 def test_cli_simulate_toml_schedule_and_errors(tmp_path, capsys):
     toml = tmp_path / "mine.toml"
-    toml.write_text('[schedule]\nbase = "overlap"\nbuffers = 2\n')
+    toml.write_text('[schedule]\nname = "overlap"\nbuffers = 2\n')
     rc = main(["simulate", "--model", "debug", "--batch", "2", "--seq", "16", "--schedule", str(toml),
                "--no-plots", "--out", str(tmp_path / "o")])
     assert rc == 0 and "mine" in capsys.readouterr().out

@@ -208,7 +208,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 def test_eval_loss_matches_transformers_on_the_trained_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.exec.trainer import StreamedTrainer
+    from megatrain.training.trainer import StreamedTrainer
     from megatrain.training.data import open_data
 
     cfg = tiny(tmp_path)
@@ -279,7 +279,7 @@ def parse(*argv):
 
 def test_command_line_arguments_map_onto_the_config(tmp_path):
     sched = tmp_path / "mine.toml"
-    sched.write_text('[schedule]\nbase = "serial"\nbuffers = 2\n')
+    sched.write_text('[schedule]\nname = "serial"\nbuffers = 2\n')
     cfg = config_from_args(parse("--model", "debug", "--steps", "7", "--batch", "4", "--seq", "16", "--lr", "0.01",
                                  "--schedule", str(sched), "--set", "recompute_block=1", "--set",
                                  "optimizer.min_lr=0.001", "--resume", "--no-progress", "--out-dir",

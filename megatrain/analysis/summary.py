@@ -243,8 +243,8 @@ def gpu_memory_curve(timeline: pd.DataFrame, program: Program, step: int | None 
     GPU between its ACT_OFFLOAD and ACT_PREFETCH); a backward's working set while it runs; the head's logits
     while the fused loss runs. A model of the allocations, not a measurement."""
     df = one_step(timeline, step)
-    mem, knobs, spec = program.memory, program.knobs, program.model
-    act = (program.batch // knobs.micro_batches) * program.seq * spec.hidden_size * knobs.wire_bytes("compute_dtype")
+    mem, placement, spec = program.memory, program.placement, program.model
+    act = placement.tokens_per_micro * spec.hidden_size * placement.wire_bytes("compute_dtype")
     start, end = dict(zip(df["task"], df["start_s"])), dict(zip(df["task"], df["end_s"]))
     events = [(0.0, 1, mem.buffers_bytes)]
 
@@ -252,8 +252,8 @@ def gpu_memory_curve(timeline: pd.DataFrame, program: Program, step: int | None 
         if tid in table:
             events.append((table[tid], order, sign * nbytes))
 
-    for l0 in range(0, spec.num_layers, knobs.recompute_block):
-        for m in range(knobs.micro_batches):
+    for l0 in placement.checkpoint_layers:
+        for m in range(placement.micro_batches):
             at(end, f"F{l0 - 1}.{m}" if l0 else f"FE.{m}", +1, act, 1)
             at(end, f"X{l0}.{m}", -1, act, 0)
             at(start, f"Y{l0}.{m}", +1, act, 1)

@@ -20,13 +20,13 @@ import torch
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """Hyper-parameters of the update; `lr` is a float or a function of the step index (0-based)."""
+    """Hyper-parameters of the update; `lr` is a float or a function of the step index (0-based). Clipping is the
+    schedule's (`clip`, the max global norm): it decides whether the step computes a global norm at all."""
 
     lr: float | Callable[[int], float] = 3e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
         b1, b2 = self.betas
@@ -35,8 +35,6 @@ class AdamWConfig:
         if self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(f"AdamW needs eps > 0 and weight_decay >= 0, got eps={self.eps}, "
                              f"weight_decay={self.weight_decay}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {self.max_grad_norm}")
 
     def lr_at(self, step: int) -> float:
         return float(self.lr(step) if callable(self.lr) else self.lr)

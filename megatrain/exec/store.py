@@ -25,8 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..ir.knobs import ScheduleKnobs, gpu_updated_layers
-from ..ir.memory import grad_scratch_elements
+from ..ir.placement import HostLayout
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
 from .layout import UnitLayout, unit_layout
@@ -34,25 +33,11 @@ from .layout import UnitLayout, unit_layout
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def gpu_optimizer_units(spec: ModelSpec, knobs: ScheduleKnobs) -> set[int]:
-    """Layers whose update the schedule runs on the GPU (`knobs.gpu_updated_layers`)."""
-    return set(gpu_updated_layers(spec, knobs))
-
-
 def optimizer_offset(spec: ModelSpec, unit: int) -> int:
     """Where the unit's own parameters start in its tile: 0, except the tied head (its lm_head is the embedding)."""
     if unit == HEAD and spec.tie_word_embeddings:
         return unit_layout(spec, HEAD).decay_numel
     return 0
-
-
-def store_bytes(spec: ModelSpec, knobs: ScheduleKnobs) -> dict[str, int]:
-    """Exact payload bytes of the host store by component, without allocating: the memory planner's figures
-    (`megatrain.ir.memory` is the one place that knows them; the store allocates exactly these)."""
-    from ..ir.memory import NOT_STORE, plan_host_memory
-
-    planned = plan_host_memory(spec, 1, 1, knobs, backend="cpu").components
-    return {k: v for k, v in planned.items() if k not in NOT_STORE}
 
 
 class HostRegion:
@@ -106,16 +91,16 @@ def _unpin_all(backend: Backend, views: list[torch.Tensor]) -> None:
 class HostStore:
     """Master weights, AdamW moments, streaming copies and gradient landing space of every unit."""
 
-    def __init__(self, spec: ModelSpec, knobs: ScheduleKnobs, backend: Backend | None = None,
+    def __init__(self, spec: ModelSpec, layout: HostLayout, backend: Backend | None = None,
                  tiles: Mapping[int, torch.Tensor] | None = None):
-        self.spec, self.knobs = spec, knobs
+        self.spec, self.layout = spec, layout
         self.backend = backend or CpuBackend()
         self.units = spec.units()  # EMBED, 0..L-1, HEAD: layers are consecutive tiles in every region
         self.layouts: dict[int, UnitLayout] = {u: unit_layout(spec, u) for u in self.units}
         self.opt_lo = {u: optimizer_offset(spec, u) for u in self.units}
-        self.gpu_units = gpu_optimizer_units(spec, knobs)
-        self.grad_dtype = TORCH_DTYPES[knobs.grad_wire]
-        self.wire_dtype = TORCH_DTYPES[knobs.weight_wire]
+        self.gpu_units = set(layout.gpu_streamed_units)
+        self.grad_dtype = TORCH_DTYPES[layout.grad_wire]
+        self.wire_dtype = TORCH_DTYPES[layout.weight_wire]
         own = {u: self.layouts[u].numel - self.opt_lo[u] for u in self.units}
         full = {u: self.layouts[u].numel for u in self.units}
 
@@ -123,10 +108,10 @@ class HostStore:
         self._m = HostRegion(self.backend, torch.float32, own)
         self._v = HostRegion(self.backend, torch.float32, own)
         self._grad = HostRegion(self.backend, self.grad_dtype, full)
-        self._stream = HostRegion(self.backend, torch.bfloat16, full) if knobs.weight_wire == "bf16" else None
+        self._stream = HostRegion(self.backend, torch.bfloat16, full) if layout.weight_wire == "bf16" else None
         # bf16 gradients are converted to fp32 for the update chunk by chunk in this one reused buffer.
-        self._scratch = (HostRegion(self.backend, torch.float32, {0: grad_scratch_elements(spec)})
-                         if self.grad_dtype != torch.float32 else None)
+        self._scratch = (HostRegion(self.backend, torch.float32, {0: layout.grad_scratch_elements})
+                         if layout.grad_scratch_elements else None)
         # A parallel fill first-touches every page from the update's own thread team, so the pages are spread over
         # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
         # the first step. It comes before pinning, because cudaHostRegister faults the pages from this one thread,
@@ -266,12 +251,12 @@ class HostStore:
             "adam m (fp32)": self._m,
             "adam v (fp32)": self._v,
             "bf16 streaming copy": self._stream,
-            f"gradients ({self.knobs.grad_wire})": self._grad,
+            f"gradients ({self.layout.grad_wire})": self._grad,
             **({"fp32 gradient scratch": self._scratch} if self._scratch is not None else {}),
         }
 
     def bytes_by_component(self) -> dict[str, int]:
-        """Payload bytes by component; equals `store_bytes(spec, knobs)` and the memory planner's figures."""
+        """Payload bytes by component; equal to the memory planner's figures (`ir.memory.plan_host_memory`)."""
         return {k: (r.payload_bytes if r else 0) for k, r in self._regions().items()}
 
     def allocated_bytes(self) -> int:

@@ -2,15 +2,15 @@
 
 A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
 
-    order   int    the builder's intended program order (lowering breaks ties with it)
+    order   int    the program order, 0..n-1 (lowering breaks ties with it; `builders.order_queues` sets it)
     device  str    "gpu" or "cpu": where the task runs (OPTIMIZER may be either)
     slot    str    GPU buffer the task reads or fills ("w0".."w{k-1}" ring, "embed", "head", "s0".."s{n-1}" state)
     fills   str    a buffer a non-copy task fills besides reading `slot`: a GPU update of "overlap-split" writes
                    the new weights into the layer's weight slot; an OFFLOAD that keeps the gradients on the GPU
                    copies them into the layer's own buffer "g<layer>"
     weights Task   for compute tasks: the PREFETCH whose copy of the weights it reads (None when `resident`)
-    resident bool  the task's unit lives in its GPU buffer for the whole run (knobs resident_embeddings /
-                   resident_layers): nothing fills or evicts that buffer within a step
+    resident bool  the task's unit lives in its GPU buffer for the whole run (a GPU_RESIDENT unit of the
+                   placement): nothing fills or evicts that buffer within a step
     step_offset int  OPTIMIZER (and its S, W): 0 = updates with this step's gradients, -1 = with the previous step's
     bytes, flops, tokens, params   the work, for the simulator's cost model
 
@@ -40,8 +40,9 @@ class Schedule:
     spec: ModelSpec
     batch: int
     seq: int
-    knobs: "object"  # ScheduleKnobs; typed loosely to keep this module free of the builders
+    knobs: "object"  # ScheduleKnobs the placement was resolved from (display only; None for a hand-made placement)
     name: str = "custom"
+    placement: "object" = None  # the Placement the builders built it from (megatrain/ir/placement.py)
     _ordered: list[Task] | None = field(default=None, repr=False)
 
     def tasks(self) -> list[Task]:

@@ -1,5 +1,7 @@
 """Schedule knobs: what shapes a training step's DAG, the named schedules, and how knobs are read from names,
-TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatrain/ir/builders.py):
+TOML files and `knob=value` overrides. What the knobs mean together is `placement.resolve`'s to say (it
+refuses combinations that conflict or where a knob would change nothing); each knob changes the step's DAG
+(megatrain/ir/builders.py) or how its tasks run:
 
     buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
                        resident from the forward is reused by its backward instead of being fetched again
@@ -20,15 +22,21 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
                                  depth, updated on the GPU: S streams master + moments (+ gradients) into a state
                                  slot, U updates them and writes the new weights straight into the layer's weight
                                  slot (no PREFETCH for its forward), W sends master + moments (+ streaming copy) back
-    state_buffers      GPU state slots ("s0".."s{n-1}", 16 B/param of a layer each) for the GPU updates
+    gpu_optimizer_fraction  split, overlap-split, arrival-split only: the share of the decoder layers updated on
+                       the GPU (default 0.5; unset elsewhere)
+    state_buffers      GPU state slots ("s0".."s{n-1}", 16 B/param of a layer each) for the GPU updates (default 2,
+                       at most the GPU-updated layers; unset without GPU-updated layers)
     state_lookahead    "overlap-split": a layer's state copy S is queued on h2d before the weight copies of the
-                       `state_lookahead` layers before it (so the link streams state while it waits for CPU updates)
+                       `state_lookahead` layers before it (so the link streams state while it waits for CPU updates);
+                       "arrival-split" with retain_grads: S is queued before the backward fetch of the layer that
+                       many above the next (default 1; unset elsewhere, where it would change nothing)
     retain_grads       the first `retain_grads` GPU-updated layers (forward order) keep their gradients on the GPU
                        in a buffer of their own ("g<layer>") instead of sending them to the host and back: 4 B/param
                        of GPU memory each, saves 4 B/param on each PCIe direction
     weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
-    clip               "exact": global-norm clipping over all gradients; "none"
+    clip               the max global gradient norm: exact clipping over all gradients (default 1.0), as
+                       torch.nn.utils.clip_grad_norm_; 0 = no global norm and no clipping (arrival placements)
     offload_checkpoints  send checkpointed activations to the host and back (long context)
     gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
                        comes first, so they would be fetched back at once); the host holds the rest
@@ -37,20 +45,23 @@ TOML files and `knob=value` overrides. Each knob changes the step's DAG (megatra
                        their gradients land; the host copy is brought up to date by `StreamedTrainer.flush()`
                        (arrival placements; untied embeddings)
     resident_layers    r: the same for decoder layers 0..r-1 (the last gradients to land, the first weights needed)
+    compute_dtype      "bf16" | "fp32": the layers' math and the activations (checkpoints in this dtype)
+    loss_chunk_tokens  tokens per chunk of the fused head + loss (the fp32 logits of one chunk live at once)
     compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
                        residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
                        setting so that the simulator has compiled compute tables
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from ..spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+from ..settings import SettingError, check_setting, field_types, parse_setting
+from ..spec import DTYPE_BYTES
 from .dag import ScheduleError
 
+# Presets of a timing and a rule for the GPU-updated layers (megatrain/ir/placement.py: OPTIMIZER_PRESETS).
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
-GPU_PLACEMENTS = ("gpu", "split", "overlap-split", "arrival-split")
-ARRIVAL_PLACEMENTS = ("arrival", "arrival-split")  # a unit is updated as soon as its gradients land  # placements that update layers on the GPU
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -62,62 +73,50 @@ class ScheduleKnobs:
     recompute_block: int = 1
     micro_batches: int = 1
     optimizer: str = "overlap"
-    gpu_optimizer_fraction: float = 0.5
+    gpu_optimizer_fraction: float | None = None  # split placements only (default 0.5)
     weight_wire: str = "bf16"
     grad_wire: str = "fp32"
-    clip: str = "exact"
+    clip: float = 1.0  # max global gradient norm (exact clipping); 0 = no global norm, no clipping
     offload_checkpoints: bool = False
     gpu_checkpoints: int = 0
     compute_dtype: str = "bf16"
     loss_chunk_tokens: int = 2048
-    state_buffers: int = 2
-    state_lookahead: int = 1
+    state_buffers: int | None = None  # GPU updates on streamed state only (default 2)
+    state_lookahead: int | None = None  # overlap-split, or arrival-split with retain_grads (default 1)
     retain_grads: int = 0
     compile_layers: bool = False
     resident_embeddings: bool = False
     resident_layers: int = 0
 
     def __post_init__(self):
+        """Each knob's own type and range. The rules between knobs live in `placement.resolve`."""
         def bad(name, allowed):
             raise ScheduleError(f"schedule knob {name}={getattr(self, name)!r} is invalid; use {allowed}")
 
         # bool is an int in Python: `True` is not a buffer count
-        for name, least in (("buffers", 1), ("recompute_block", 1), ("micro_batches", 1), ("loss_chunk_tokens", 1),
-                            ("state_buffers", 1), ("state_lookahead", 0), ("retain_grads", 0),
-                            ("gpu_checkpoints", 0), ("resident_layers", 0)):
+        for name, least, optional in (("buffers", 1, False), ("recompute_block", 1, False),
+                                      ("micro_batches", 1, False), ("loss_chunk_tokens", 1, False),
+                                      ("state_buffers", 1, True), ("state_lookahead", 0, True),
+                                      ("retain_grads", 0, False), ("gpu_checkpoints", 0, False),
+                                      ("resident_layers", 0, False)):
             value = getattr(self, name)
+            if optional and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                bad(name, f"an integer >= {least}")
+                bad(name, f"an integer >= {least}" + (" (or unset)" if optional else ""))
         for name in ("offload_checkpoints", "compile_layers", "resident_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true | false")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
             bad("optimizer", " | ".join(OPTIMIZER_PLACEMENTS))
-        if not 0.0 <= self.gpu_optimizer_fraction <= 1.0:
-            bad("gpu_optimizer_fraction", "a fraction in [0, 1]")
+        f = self.gpu_optimizer_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
+            bad("gpu_optimizer_fraction", "a fraction in [0, 1] (or unset)")
         for name in ("weight_wire", "grad_wire", "compute_dtype"):
             if getattr(self, name) not in WIRE_DTYPES:
                 bad(name, " | ".join(WIRE_DTYPES))
-        if self.clip not in ("exact", "none"):
-            bad("clip", "exact | none")
-        if self.optimizer in ARRIVAL_PLACEMENTS and self.clip == "exact":
-            raise ScheduleError(
-                f"optimizer={self.optimizer!r} updates a layer before the later layers' gradients exist, so the "
-                "global norm that exact clipping needs is unknown then; use clip='none', or optimizer='overlap' "
-                "(updates overlap the next forward and stay exact)"
-            )
-        if self.gpu_checkpoints and not self.offload_checkpoints:
-            raise ScheduleError(f"gpu_checkpoints={self.gpu_checkpoints} keeps some offloaded checkpoints on the GPU, "
-                                "but offload_checkpoints is false (every checkpoint is on the GPU already); set "
-                                "offload_checkpoints=true or gpu_checkpoints=0")
-        if (self.resident_embeddings or self.resident_layers) and self.optimizer not in ARRIVAL_PLACEMENTS:
-            raise ScheduleError(f"resident_embeddings / resident_layers update their units on the GPU as the "
-                                f"gradients land, which needs an arrival placement; optimizer={self.optimizer!r}: use "
-                                f"optimizer='arrival' or 'arrival-split' (clip='none'), or no resident units")
-        if self.retain_grads and self.optimizer not in GPU_PLACEMENTS:
-            raise ScheduleError(f"retain_grads={self.retain_grads} keeps gradients of GPU-updated layers on the GPU, "
-                                f"but optimizer={self.optimizer!r} updates every layer on the host; use one of "
-                                f"{', '.join(GPU_PLACEMENTS)}, or retain_grads=0")
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not 0 <= self.clip < math.inf:
+            bad("clip", "the max global gradient norm (a number > 0), or 0 for no clipping")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,16 +138,16 @@ NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
     "serial": ScheduleKnobs(buffers=1, optimizer="after"),
     "double-buffer": ScheduleKnobs(buffers=2, optimizer="after"),
     "overlap": ScheduleKnobs(buffers=3, optimizer="overlap"),
-    "arrival": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none"),
+    "arrival": ScheduleKnobs(buffers=3, optimizer="arrival", clip=0),
     "gpu-adam": ScheduleKnobs(buffers=3, optimizer="gpu"),
     "split-adam": ScheduleKnobs(buffers=3, optimizer="split"),
     "overlap-split": ScheduleKnobs(buffers=3, optimizer="overlap-split", gpu_optimizer_fraction=0.4),
-    "arrival-split": ScheduleKnobs(buffers=3, optimizer="arrival-split", clip="none", weight_wire="fp32",
+    "arrival-split": ScheduleKnobs(buffers=3, optimizer="arrival-split", clip=0, weight_wire="fp32",
                                    gpu_optimizer_fraction=0.25),
     "long-context": ScheduleKnobs(buffers=3, optimizer="overlap", offload_checkpoints=True),
     # The fastest without clipping (docs/performance.md): updates as gradients land, fp32 master streamed, the
     # layer compiled, embedding and head on the GPU for the whole run; add resident_layers as GPU memory allows.
-    "arrival-resident": ScheduleKnobs(buffers=3, optimizer="arrival", clip="none", weight_wire="fp32",
+    "arrival-resident": ScheduleKnobs(buffers=3, optimizer="arrival", clip=0, weight_wire="fp32",
                                       compile_layers=True, resident_embeddings=True),
 }
 DEFAULT_SCHEDULE = "overlap"
@@ -161,86 +160,45 @@ def knobs_for(name: str, **overrides) -> ScheduleKnobs:
     return replace(NAMED_SCHEDULES[name], **overrides)
 
 
-def gpu_updated_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
-    """Decoder layers whose AdamW update runs on the GPU, in forward order.
-
-    "gpu": all; "split": the first round(f * L); "overlap-split": round(f * L) spread evenly over the depth,
-    starting with layer 0, so that during the next forward the host threads and the GPU each update every few
-    layers and proceed side by side in forward order (layer 0 on the GPU: its state copy overlaps the host's
-    update of the embedding, which the forward needs first).
-    """
-    L = spec.num_layers
-    if knobs.optimizer == "gpu":
-        return list(range(L))
-    n = round(knobs.gpu_optimizer_fraction * L)
-    if knobs.optimizer == "split":
-        return list(range(n))
-    if knobs.optimizer == "overlap-split":
-        return [i * L // n for i in range(n)]
-    if knobs.optimizer == "arrival-split":
-        # From the top, where the backward starts: the host threads fall behind the gradients as they land, and
-        # each GPU layer lets them catch up before the bottom layers, whose updates end the step.
-        return sorted(L - 1 - i * L // n for i in range(n))
-    return []
-
-
-def offloaded_checkpoints(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
-    """Layers whose checkpointed input goes to the host (the first layer of each recompute block), bottom up:
-    none without offload_checkpoints; all but the top `gpu_checkpoints` blocks' with it."""
-    if not knobs.offload_checkpoints:
-        return []
-    starts = list(range(0, spec.num_layers, knobs.recompute_block))
-    return starts[:max(len(starts) - knobs.gpu_checkpoints, 0)]
-
-
-def resident_units(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
-    """Units that live on the GPU for the whole run (weights, Adam state, gradients): embedding and head with
-    `resident_embeddings`, layers 0..resident_layers-1."""
-    if knobs.resident_layers > spec.num_layers:
-        raise ScheduleError(f"resident_layers={knobs.resident_layers} but the model has {spec.num_layers} layers")
-    if knobs.resident_embeddings and spec.tie_word_embeddings:
-        raise ScheduleError("resident_embeddings is not supported with tied embeddings (the head's matrix is the "
-                            "embedding's, updated once for both); set resident_embeddings=false")
-    clash = set(range(knobs.resident_layers)) & set(gpu_updated_layers(spec, knobs))
-    if clash:
-        raise ScheduleError(f"layers {sorted(clash)} are both resident (resident_layers={knobs.resident_layers}) and "
-                            f"streamed for a GPU update (gpu_optimizer_fraction={knobs.gpu_optimizer_fraction}); "
-                            f"lower one of them")
-    return ([EMBED, HEAD] if knobs.resident_embeddings else []) + list(range(knobs.resident_layers))
-
-
-def retained_grad_layers(spec: ModelSpec, knobs: ScheduleKnobs) -> list[int]:
-    """GPU-updated layers whose gradients stay on the GPU (the first `retain_grads` of them, forward order)."""
-    gpu = gpu_updated_layers(spec, knobs)
-    if knobs.retain_grads > len(gpu):
-        raise ScheduleError(f"retain_grads={knobs.retain_grads} but only {len(gpu)} layer(s) are updated on the GPU "
-                            f"(optimizer={knobs.optimizer!r}, gpu_optimizer_fraction={knobs.gpu_optimizer_fraction}); "
-                            f"use retain_grads <= {len(gpu)} or a larger fraction")
-    return gpu[:knobs.retain_grads]
-
-
 def parse_knob_value(name: str, text: str):
-    """Convert `text` to the type of ScheduleKnobs field `name` ("3" -> 3, "true" -> True)."""
-    types = {f.name: f.type for f in fields(ScheduleKnobs)}
+    """`text` as the type of ScheduleKnobs field `name` ("3" -> 3, "on" -> True), in the one `--set` grammar of
+    every command (megatrain/settings.py)."""
+    types = field_types(ScheduleKnobs)
     if name not in types:
         raise ScheduleError(f"unknown schedule knob {name!r}; known: {', '.join(sorted(types))}")
-    kind = types[name] if isinstance(types[name], str) else types[name].__name__
     try:
-        if kind == "bool":
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-        return {"int": int, "float": float, "str": str}[kind](text)
-    except ValueError:
-        expected = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
-        raise ScheduleError(f"schedule knob {name} expects {expected}, got {text!r}") from None
+        return parse_setting(f"schedule knob {name}", text, types[name])
+    except SettingError as e:
+        raise ScheduleError(str(e)) from None
+
+
+def knobs_from_table(table: dict, source: str = "[schedule]") -> tuple[str, ScheduleKnobs]:
+    """(name, knobs) of a `[schedule]` table: `name` (a named schedule, default "overlap") and the knobs set on top
+    of it. The one dialect of schedule files and of the run config's `[schedule]` section."""
+    if not isinstance(table, dict):
+        raise ScheduleError(f"{source}: expected a table of schedule knobs, got {type(table).__name__}")
+    table = dict(table)
+    if "base" in table:
+        raise ScheduleError(f"{source}: 'base' is now 'name' (the named schedule the knobs start from): "
+                            f"write name = {table['base']!r}")
+    name = table.pop("name", DEFAULT_SCHEDULE)
+    if not isinstance(name, str) or name not in NAMED_SCHEDULES:
+        raise ScheduleError(f"{source}: name={name!r} is not a named schedule; use one of "
+                            f"{', '.join(NAMED_SCHEDULES)}")
+    types = field_types(ScheduleKnobs)
+    unknown = sorted(set(table) - set(types))
+    if unknown:
+        raise ScheduleError(f"{source}: unknown schedule knob(s) {unknown}; known: name, {', '.join(sorted(types))}")
+    try:
+        values = {k: check_setting(f"schedule.{k}", v, types[k]) for k, v in table.items()}
+    except SettingError as e:
+        raise ScheduleError(f"{source}: {e}") from None
+    return name, knobs_for(name, **values)
 
 
 def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
-    """Knobs from a named schedule or a TOML file (a [schedule] table of knob fields), then `knob=value` overrides.
-
-    Returns (display name, knobs).
-    """
+    """Knobs from a named schedule or a TOML file (a [schedule] table: `name` plus knobs), then `knob=value`
+    overrides. Returns (display name, knobs)."""
     from pathlib import Path
 
     from ..tomlfile import read_toml
@@ -250,9 +208,8 @@ def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict 
     elif schedule.endswith(".toml") or Path(schedule).is_file():
         path = Path(schedule)
         data = read_toml(path, ScheduleError, "schedule file")
-        table = data.get("schedule", data)
-        base = table.pop("base", DEFAULT_SCHEDULE) if isinstance(table, dict) else DEFAULT_SCHEDULE
-        name, knobs = path.stem, ScheduleKnobs.from_dict({**knobs_for(base).to_dict(), **table})
+        _, knobs = knobs_from_table(data.get("schedule", data), f"{path}: [schedule]")
+        name = path.stem
     else:
         raise ScheduleError(f"unknown schedule {schedule!r}: give one of {', '.join(NAMED_SCHEDULES)} or a .toml file")
     if isinstance(overrides, dict):
@@ -263,7 +220,8 @@ def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict 
             if "=" not in item:
                 raise ScheduleError(f"override {item!r} is not knob=value (e.g. buffers=3)")
             k, v = item.split("=", 1)
-            pairs.append((k.strip(), parse_knob_value(k.strip(), v.strip())))
+            k = k.strip().removeprefix("schedule.")
+            pairs.append((k, parse_knob_value(k, v)))
     if pairs:
         knobs = replace(knobs, **dict(pairs))
         name = name + "[" + ",".join(f"{k}={v}" for k, v in pairs) + "]"

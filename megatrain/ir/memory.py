@@ -1,5 +1,7 @@
 """Memory planner: host and GPU bytes of a run, whether they fit, and which knob helps when they do not.
 
+It reads a Placement (the one a Program carries), never the knobs: what lives where is the resolver's to say.
+
 Host bytes per parameter (unique parameters; a tied lm_head counts once):
 
     fp32 master 4 + Adam m 4 + Adam v 4                      = 12
@@ -9,38 +11,70 @@ Host bytes per parameter (unique parameters; a tied lm_head counts once):
 The streaming copy and the gradient landing space exist for every *streamed* parameter, so a tied model pays
 them twice for the shared matrix (the head streams its own copy). Pinned: what DMA touches — the streaming copy
 (or the master for fp32 wire), the gradients, the offloaded checkpoints, and the master and moments of units the
-GPU optimizer updates.
+GPU updates on streamed state.
 
-The GPU figure is `program.plan_gpu_memory` (buffers, checkpoints, working set, logits chunk).
+GPU bytes: the placement's buffer table (weight ring, embedding and head, state, kept-gradient and resident
+buffers), the activation checkpoints, and the larger of one layer's working set and the head's logits chunk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..spec import HEAD, ModelSpec
-from .knobs import ScheduleKnobs, gpu_updated_layers, offloaded_checkpoints
-from .program import GpuMemoryPlan, plan_gpu_memory
+from ..spec import ModelSpec
+from .dag import ScheduleError
+from .knobs import ScheduleKnobs
+from .placement import BufferKind, Placement, resolve
 
 GiB = 2**30
-
-# Gradients that land in bf16 are converted to fp32 for the update this many elements at a time, in one reused
-# host buffer (a fresh fp32 copy per update page-faulted ~0.9 GB per Llama-3-8B layer and made the update 1.5x
-# slower on the H200 host).
-GRAD_SCRATCH_ELEMENTS = 1 << 26
 
 # Components that are the host store itself (the rest of the host plan is outside it).
 NOT_STORE = ("offloaded checkpoints", "runtime overhead")
 
 
-def grad_scratch_elements(spec: ModelSpec) -> int:
-    """fp32 elements of the gradient conversion buffer: the largest unit's own parameters, at most a chunk."""
-    own = [spec.hidden_size if u == HEAD and spec.tie_word_embeddings else spec.unit_params(u) for u in spec.units()]
-    return min(max(own), GRAD_SCRATCH_ELEMENTS)
-
-
 # RSS of the process beyond the store: the torch/CUDA runtime, Python, the libraries. Measured on the GPU machine
-# (docs/memory.md): a CUDA process with torch imported and a context created.
+# (docs/benchmarks.md): a CUDA process with torch imported and a context created.
 RUNTIME_OVERHEAD_BYTES = {"cuda": int(1.5 * GiB), "cpu": int(0.5 * GiB)}
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """GPU bytes a Program needs: its buffers (by name), checkpoints, the working set of one task, head logits."""
+
+    slot_bytes: dict[str, int]
+    checkpoint_bytes: int
+    working_bytes: int
+    logits_bytes: int
+
+    @property
+    def buffers_bytes(self) -> int:
+        return sum(self.slot_bytes.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.buffers_bytes + self.checkpoint_bytes + max(self.working_bytes, self.logits_bytes)
+
+
+def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
+    """GPU bytes of a step: the buffers, the checkpointed activations, and the larger of a layer's working set
+    and the head's logits chunk.
+
+    - checkpoints: the input of every r-th layer for every micro-batch, in the compute dtype; of the offloaded
+      ones only two blocks' worth are on the GPU at a time (one coming back, one being consumed);
+    - working set of a layer's recompute + backward (per micro-batch, r layers deep): inputs of the norms,
+      q/k/v, attention output, the MLP's gate/up/activation, and the gradient flowing down (estimated from the
+      tensors autograd saves; the measured peak is the check);
+    - head: fp32 logits, their softmax and gradient for one chunk of `loss_chunk_tokens` tokens.
+    """
+    spec, act, tokens_mb = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, f = spec.hidden_size, spec.intermediate_size
+    offloaded = len(p.offloaded_checkpoints)
+    n_checkpoints = len(p.checkpoint_layers) - offloaded + min(offloaded, 2)
+    checkpoint = n_checkpoints * p.micro_batches * tokens_mb * d * act
+    per_layer_saved = tokens_mb * (6 * d + 2 * (spec.q_dim + spec.kv_dim) + 4 * f) * act
+    working = p.recompute_block * per_layer_saved + 2 * tokens_mb * d * 4  # + fp32 activation gradient in and out
+    chunk = min(p.loss_chunk_tokens, tokens_mb)
+    logits = 3 * chunk * spec.vocab_size * 4
+    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, logits)
 
 
 @dataclass(frozen=True)
@@ -66,55 +100,71 @@ class HostMemoryPlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    spec: ModelSpec
-    batch: int
-    seq: int
-    knobs: ScheduleKnobs
+    placement: Placement
     host: HostMemoryPlan
     gpu: GpuMemoryPlan
+    knobs: ScheduleKnobs | None = None  # the words the placement came from (the fit report varies them)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.placement.model
+
+    @property
+    def batch(self) -> int:
+        return self.placement.batch
+
+    @property
+    def seq(self) -> int:
+        return self.placement.seq
 
 
-def plan_host_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str = "cuda") -> HostMemoryPlan:
+def plan_host_memory(p: Placement, backend: str = "cuda") -> HostMemoryPlan:
+    """Host bytes of the store (what `exec.store.HostStore` allocates), offloaded checkpoints, runtime."""
+    spec = p.model
     n = spec.num_params
     streamed = sum(spec.unit_params(u) for u in spec.units())  # the head streams its own copy when tied
-    grad_bytes = knobs.wire_bytes("grad_wire")
     components = {
         "fp32 master": 4 * n,
         "adam m (fp32)": 4 * n,
         "adam v (fp32)": 4 * n,
-        "bf16 streaming copy": 2 * streamed if knobs.weight_wire == "bf16" else 0,
-        f"gradients ({knobs.grad_wire})": grad_bytes * streamed,
+        "bf16 streaming copy": 2 * streamed if p.weight_wire == "bf16" else 0,
+        f"gradients ({p.grad_wire})": p.wire_bytes("grad_wire") * streamed,
     }
-    if knobs.grad_wire == "bf16":
-        components["fp32 gradient scratch"] = 4 * grad_scratch_elements(spec)
-    act = knobs.wire_bytes("compute_dtype")
-    if knobs.offload_checkpoints:
-        n_ckpt = len(offloaded_checkpoints(spec, knobs))
-        components["offloaded checkpoints"] = n_ckpt * batch * seq * spec.hidden_size * act
+    if p.host_layout.grad_scratch_elements:
+        components["fp32 gradient scratch"] = 4 * p.host_layout.grad_scratch_elements
+    if p.offloaded_checkpoints:
+        components["offloaded checkpoints"] = (len(p.offloaded_checkpoints) * p.batch * p.seq * spec.hidden_size
+                                               * p.wire_bytes("compute_dtype"))
     components["runtime overhead"] = RUNTIME_OVERHEAD_BYTES[backend]
 
-    pinned = components["bf16 streaming copy"] + components[f"gradients ({knobs.grad_wire})"]
+    pinned = components["bf16 streaming copy"] + components[f"gradients ({p.grad_wire})"]
     pinned += components.get("offloaded checkpoints", 0)
-    if knobs.weight_wire == "fp32":
+    if p.weight_wire == "fp32":
         pinned += components["fp32 master"]
-    gpu_params = len(gpu_updated_layers(spec, knobs)) * spec.layer_params
+    gpu_params = sum(spec.unit_params(u) for u in p.gpu_streamed_layers)
     if gpu_params:  # master (already pinned with an fp32 wire) and moments of the GPU-updated layers
-        pinned += (0 if knobs.weight_wire == "fp32" else 4 * gpu_params) + 8 * gpu_params
+        pinned += (0 if p.weight_wire == "fp32" else 4 * gpu_params) + 8 * gpu_params
     if backend == "cpu":
         pinned = 0
     return HostMemoryPlan(components, pinned, n)
 
 
+def plan_placement(p: Placement, backend: str = "cuda", knobs: ScheduleKnobs | None = None) -> MemoryPlan:
+    """Host and GPU memory of a placement (`program.placement`)."""
+    return MemoryPlan(p, plan_host_memory(p, backend), plan_gpu_memory(p), knobs)
+
+
 def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str = "cuda") -> MemoryPlan:
     """Host and GPU memory of training `spec` at batch x seq with the schedule `knobs`."""
-    return MemoryPlan(spec, batch, seq, knobs, plan_host_memory(spec, batch, seq, knobs, backend),
-                      plan_gpu_memory(spec, batch, seq, knobs))
+    return plan_placement(resolve(spec, batch, seq, knobs), backend, knobs)
 
 
 # ---- fitting ----------------------------------------------------------------------------------------------------
 def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
     """Knob changes that lower the host bytes, each with a label saying what it costs."""
     alts = []
+    if knobs is None:
+        return alts
     if knobs.grad_wire == "fp32":
         alts.append(("grad_wire=bf16 (gradients travel and land in bf16)", replace(knobs, grad_wire="bf16")))
     if knobs.weight_wire == "bf16":
@@ -129,6 +179,8 @@ def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
 def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
     """Knob changes that lower the GPU peak of `plan`, each with a label saying what it does."""
     k, alts = plan.knobs, []
+    if k is None:  # a placement made by hand: no knobs to vary
+        return []
     for m in (2, 4, 8, 16):
         if k.micro_batches < m and plan.batch % m == 0:
             alts.append((f"micro_batches={m} (smaller working set per task)", replace(k, micro_batches=m)))
@@ -151,9 +203,18 @@ def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
                      replace(k, resident_layers=fewer)))
     if k.resident_embeddings:
         alts.append(("resident_embeddings=false (embedding and head streamed)", replace(k, resident_embeddings=False)))
-    if k.state_buffers > 2 and gpu_updated_layers(plan.spec, k):
+    if (k.state_buffers or 0) > 2:
         alts.append(("state_buffers=2", replace(k, state_buffers=2)))
     return alts
+
+
+def alternative_plans(plan: MemoryPlan, alts: list[tuple[str, ScheduleKnobs]], backend: str = "cuda"):
+    """(label, MemoryPlan) of each alternative the resolver accepts (a change may break another knob's rule)."""
+    for label, knobs in alts:
+        try:
+            yield label, plan_memory(plan.spec, plan.batch, plan.seq, knobs, backend)
+        except ScheduleError:
+            continue
 
 
 def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) -> tuple[bool, list[str]]:
@@ -172,8 +233,7 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
         lines.append(f"{what}: DOES NOT FIT: needs {need / GiB:.1f} GiB, has {have / GiB:.1f} GiB, "
                      f"short by {(need - have) / GiB:.1f} GiB")
         alts = host_alternatives(plan.knobs) if what == "host" else gpu_alternatives(plan)
-        for label, knobs in alts:
-            alt = plan_memory(plan.spec, plan.batch, plan.seq, knobs)
+        for label, alt in alternative_plans(plan, alts):
             alt_need = alt.host.total_bytes if what == "host" else alt.gpu.peak_bytes
             verdict = "fits" if alt_need <= have else "still short"
             lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict})")
@@ -182,25 +242,47 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
     return ok, lines
 
 
+def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
+    """(label, bytes) of every GPU component: one row per buffer kind, the checkpoints, and the working set; the
+    rows add up to `plan.gpu.peak_bytes`."""
+    p, g = plan.placement, plan.gpu
+    rows = []
+    labels = {BufferKind.WEIGHTS: "weights + grads", BufferKind.STATE: "master+m+v+grad",
+              BufferKind.KEPT_GRADS: "fp32 grads", BufferKind.RESIDENT: "resident master+m+v+grad"}
+    ring = [b for b in p.buffers if b.kind is BufferKind.WEIGHTS and b.unit is None]
+    if ring:
+        rows.append((f"layer ring ({len(ring)} x {labels[BufferKind.WEIGHTS]})", sum(b.nbytes for b in ring)))
+    for b in p.buffers:
+        if b.kind is BufferKind.WEIGHTS and b.unit is not None:
+            rows.append((f"{b.name} buffer ({labels[b.kind]})", b.nbytes))
+    for kind, what in ((BufferKind.STATE, "state buffers"), (BufferKind.KEPT_GRADS, "kept-gradient buffers"),
+                       (BufferKind.RESIDENT, "resident buffers")):
+        group = [b for b in p.buffers if b.kind is kind]
+        if group:
+            names = ", ".join(b.name for b in group)
+            rows.append((f"{what} ({names}: {labels[kind]})", sum(b.nbytes for b in group)))
+    rows.append(("activation checkpoints", g.checkpoint_bytes))
+    which = "layer working set" if g.working_bytes >= g.logits_bytes else "head logits chunk"
+    rows.append((f"working set (the larger: {which})", max(g.working_bytes, g.logits_bytes)))
+    return rows
+
+
 def format_plan(plan: MemoryPlan) -> str:
-    """A readable table of host and GPU memory by component."""
+    """A readable table of host and GPU memory by component; each table's rows add up to its total."""
     s, h, g = plan.spec, plan.host, plan.gpu
     out = [f"model {s.name}: {s.num_params / 1e9:.3f} B parameters, {s.num_layers} layers; "
            f"batch {plan.batch} x seq {plan.seq}",
-           "", f"{'host memory':<34}{'GiB':>10}{'B/param':>10}"]
+           "", f"{'host memory':<56}{'GiB':>10}{'B/param':>10}"]
     for name, b in h.components.items():
-        out.append(f"  {name:<32}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
-    out.append(f"  {'total':<32}{h.total_bytes / GiB:>10.2f}{h.total_bytes / h.num_params:>10.2f}")
-    out.append(f"  {'of which pinned':<32}{h.pinned_bytes / GiB:>10.2f}")
-    out += ["", f"{'GPU memory':<34}{'GiB':>10}"]
-    ring = {k: v for k, v in g.slot_bytes.items() if k.startswith("w")}
-    if ring:
-        out.append(f"  {f'layer buffers ({len(ring)} x weights+grads)':<32}{sum(ring.values()) / GiB:>10.2f}")
-    for k in ("embed", "head", "s0", "s1"):
-        if k in g.slot_bytes:
-            out.append(f"  {k + ' buffer':<32}{g.slot_bytes[k] / GiB:>10.2f}")
-    out.append(f"  {'activation checkpoints':<32}{g.checkpoint_bytes / GiB:>10.2f}")
-    out.append(f"  {'layer working set':<32}{g.working_bytes / GiB:>10.2f}")
-    out.append(f"  {'head logits chunk':<32}{g.logits_bytes / GiB:>10.2f}")
-    out.append(f"  {'peak (buffers+ckpt+max(work,logits))':<32}{g.peak_bytes / GiB:>10.2f}")
+        out.append(f"  {name:<54}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
+    out.append(f"  {'total':<54}{h.total_bytes / GiB:>10.2f}{h.total_bytes / h.num_params:>10.2f}")
+    out.append(f"  {'of which pinned':<54}{h.pinned_bytes / GiB:>10.2f}")
+    out += ["", f"{'GPU memory':<56}{'GiB':>10}"]
+    for label, b in gpu_rows(plan):
+        out.append(f"  {label:<54}{b / GiB:>10.2f}")
+    out.append(f"  {'peak (the sum of the rows)':<54}{g.peak_bytes / GiB:>10.2f}")
+    out.append(f"  {'  (layer working set / head logits chunk)':<54}{g.working_bytes / GiB:>5.2f} / "
+               f"{g.logits_bytes / GiB:.2f}")
+    for note in plan.placement.notes:
+        out.append(f"note: {note}")
     return "\n".join(out)

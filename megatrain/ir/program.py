@@ -1,8 +1,9 @@
-"""Program: a schedule lowered onto streams, the one thing both the simulator and the executor interpret.
+"""Program: a schedule lowered onto streams, the one thing the simulator, the executor and the memory planner read.
 
-`lower()` makes every policy decision a DAG leaves open: which stream each task runs on, the order of each
-stream's queue (a CUDA stream is in-order, so a task enqueued early blocks those behind it), which tasks of
-other streams it waits for, and the GPU memory the run needs. Interpreters only follow it.
+`lower()` makes every decision a DAG leaves open: which stream each task runs on, the order of each stream's queue
+(a CUDA stream is in-order, so a task enqueued early blocks those behind it), which tasks of other streams it waits
+for, and the GPU memory the run needs. It copies the schedule's Placement (what lives where, the typed buffer table,
+wires, kernel, clipping) into the Program, so interpreters follow the Program and read nothing upstream of it.
 
 Streams: "h2d" (host -> GPU copies), "compute" (GPU kernels), "d2h" (GPU -> host copies), "cpu" (host threads).
 """
@@ -14,12 +15,13 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from ..spec import ModelSpec
-from .builders import gpu_slot_bytes
 from .dag import Schedule
-from .knobs import ScheduleKnobs, offloaded_checkpoints
+from .memory import GpuMemoryPlan, plan_gpu_memory
+from .placement import Placement
 from .tasks import Task, TaskKind
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
+FORMAT = "megatrain.program/2"
 
 _STREAM_OF_KIND = {
     TaskKind.PREFETCH: "h2d",
@@ -58,37 +60,29 @@ class ProgramTask:
         return Task.parse(self.id)
 
 
-@dataclass(frozen=True)
-class GpuMemoryPlan:
-    """GPU bytes the Program needs: buffers (slots), checkpoints, the working set of one task, head logits."""
-
-    slot_bytes: dict[str, int]
-    checkpoint_bytes: int
-    working_bytes: int
-    logits_bytes: int
-
-    @property
-    def buffers_bytes(self) -> int:
-        return sum(self.slot_bytes.values())
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.buffers_bytes + self.checkpoint_bytes + max(self.working_bytes, self.logits_bytes)
-
-
 @dataclass
 class Program:
     """Per-stream ordered queues of tasks, their cross-stream waits and the GPU memory plan."""
 
-    model: ModelSpec
-    batch: int
-    seq: int
-    knobs: ScheduleKnobs
+    placement: Placement
     name: str
     tasks: dict[str, ProgramTask]
     streams: dict[str, list[str]]
     memory: GpuMemoryPlan
+    knobs: dict | None = None  # the schedule knobs it was built from, for display only (interpreters never read it)
     _index: dict[str, tuple[str, int]] = field(default=None, repr=False, compare=False)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.placement.model
+
+    @property
+    def batch(self) -> int:
+        return self.placement.batch
+
+    @property
+    def seq(self) -> int:
+        return self.placement.seq
 
     @property
     def tokens(self) -> int:
@@ -100,19 +94,16 @@ class Program:
             self._index = {t: (s, i) for s, q in self.streams.items() for i, t in enumerate(q)}
         return self._index[task_id]
 
-    def ordered(self) -> list[ProgramTask]:
-        """All tasks, stream by stream, in queue order."""
-        return [self.tasks[t] for s in STREAMS for t in self.streams[s]]
-
     # -- JSON --
     def to_dict(self) -> dict:
         return {
-            "format": "megatrain.ir.program/1",
+            "format": FORMAT,
             "name": self.name,
             "model": self.model.to_dict(),
             "batch": self.batch,
             "seq": self.seq,
-            "knobs": self.knobs.to_dict(),
+            "placement": self.placement.to_dict(),
+            "knobs": self.knobs,
             "streams": self.streams,
             "tasks": [asdict(self.tasks[t]) for s in STREAMS for t in self.streams[s]],
             "memory": asdict(self.memory),
@@ -123,18 +114,18 @@ class Program:
 
     @classmethod
     def from_dict(cls, d: dict) -> Program:
-        if d.get("format") != "megatrain.ir.program/1":
-            raise ValueError(f"not a megatrain Program (format={d.get('format')!r})")
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a megatrain Program of {FORMAT} (format={d.get('format')!r}); format 1 carries "
+                             "no placement: lower its schedule again")
         tasks = {}
         for t in d["tasks"]:
             t = dict(t)
             t["waits"] = tuple(t["waits"])
             tasks[t["id"]] = ProgramTask(**t)
+        model = ModelSpec.from_dict(d["model"])
         return cls(
-            model=ModelSpec.from_dict(d["model"]),
-            batch=d["batch"],
-            seq=d["seq"],
-            knobs=ScheduleKnobs.from_dict(d["knobs"]),
+            placement=Placement.from_dict(d["placement"], model, d["batch"], d["seq"]),
+            knobs=d.get("knobs"),
             name=d["name"],
             tasks=tasks,
             streams={s: list(d["streams"][s]) for s in STREAMS},
@@ -191,42 +182,7 @@ def lower(schedule: Schedule) -> Program:
             step_offset=int(a.get("step_offset", 0)),
             fills=a.get("fills"),
         )
-    return Program(
-        model=schedule.spec,
-        batch=schedule.batch,
-        seq=schedule.seq,
-        knobs=schedule.knobs,
-        name=schedule.name,
-        tasks=tasks,
-        streams=queues,
-        memory=plan_gpu_memory(schedule.spec, schedule.batch, schedule.seq, schedule.knobs),
-    )
-
-
-def plan_gpu_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> GpuMemoryPlan:
-    """GPU bytes of a step: the buffers, the checkpointed activations, and the larger of a layer's working set
-    and the head's logits chunk.
-
-    - checkpoints: the input of every r-th layer for every micro-batch, in the compute dtype; with
-      `offload_checkpoints` only two blocks' worth of the offloaded ones stay on the GPU, plus the
-      `gpu_checkpoints` kept there;
-    - working set of a layer's recompute + backward (per micro-batch, r layers deep): inputs of the norms,
-      q/k/v, attention output, the MLP's gate/up/activation, and the gradient flowing down (estimated from the
-      tensors autograd saves; the measured peak is the check);
-    - head: fp32 logits, their softmax and gradient for one chunk of `loss_chunk_tokens` tokens.
-    """
-    act = knobs.wire_bytes("compute_dtype")
-    mb = batch // knobs.micro_batches
-    tokens_mb = mb * seq
-    d, f = spec.hidden_size, spec.intermediate_size
-    r = knobs.recompute_block
-    n_checkpoints = -(-spec.num_layers // r)
-    if knobs.offload_checkpoints:  # two offloaded blocks' worth in flight, plus those kept on the GPU
-        offloaded = len(offloaded_checkpoints(spec, knobs))
-        n_checkpoints = min(offloaded, 2) + (n_checkpoints - offloaded)
-    checkpoint = n_checkpoints * knobs.micro_batches * tokens_mb * d * act
-    per_layer_saved = tokens_mb * (6 * d + 2 * (spec.q_dim + spec.kv_dim) + 4 * f) * act
-    working = r * per_layer_saved + 2 * tokens_mb * d * 4  # + fp32 activation gradient in and out
-    chunk = min(knobs.loss_chunk_tokens, tokens_mb)
-    logits = 3 * chunk * spec.vocab_size * 4
-    return GpuMemoryPlan(gpu_slot_bytes(spec, knobs), checkpoint, working, logits)
+    placement = schedule.placement
+    knobs = schedule.knobs.to_dict() if schedule.knobs is not None else None
+    return Program(placement=placement, name=schedule.name, tasks=tasks, streams=queues,
+                   memory=plan_gpu_memory(placement), knobs=knobs)

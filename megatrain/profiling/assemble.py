@@ -133,7 +133,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                                   + (f"; scaled to the host updates of the real steps below: {in_step / 1e9:.2f} "
                                      f"Gparam/s at {threads} threads against {isolated / 1e9:.2f} in the isolated "
                                      f"loop" if in_step is not None and isolated else "") + "."),
-        "cpu_threads": "the runtime's update threads (exec.trainer.set_update_threads).",
+        "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
         "cpu_optimizer_slowdown": "measured: a CPU update alone and while both copy directions run in loops "

@@ -33,7 +33,7 @@ import torch
 
 from ..exec.backend import get_backend
 from ..exec.layout import unit_layout
-from ..exec.trainer import set_update_threads
+from ..training.trainer import set_update_threads
 from ..ir.knobs import ScheduleKnobs, knobs_for
 from ..sim.profile import HardwareProfile
 from ..spec import EMBED, HEAD, ModelSpec
@@ -326,7 +326,7 @@ def _host_wait(m, backend, w):
 def _runtime(m, spec, req, backend, threads, steps):
     r = measure_runtime_gaps(spec, req.batch, req.seqs[0], _run_knobs(req, backend), backend, steps, threads)
     r["cpu_update_samples"] = cpu_update_samples(r["timelines"][1:], r["program"])
-    r["weight_wire"], r["grad_wire"] = r["program"].knobs.weight_wire, r["program"].knobs.grad_wire
+    r["weight_wire"], r["grad_wire"] = r["program"].placement.weight_wire, r["program"].placement.grad_wire
     r.pop("timelines"), r.pop("program")
     m["runtime"] = r
     gaps = ", ".join(f"{s} {v * 1e6:.0f} us" for s, v in r["gap_by_stream_s"].items())

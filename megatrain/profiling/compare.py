@@ -43,12 +43,12 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
     from ..exec.optim import AdamWConfig
-    from ..exec.trainer import StreamedTrainer
+    from ..training.trainer import StreamedTrainer
     from ..training.data import synthetic_batches
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
-    optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+    optim = AdamWConfig(lr=1e-5)
     trainer = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
     trainer.schedule_name = name
     batches = synthetic_batches(spec, batch, seq, seed)
@@ -72,7 +72,7 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
     from ..exec.optim import AdamWConfig
-    from ..exec.trainer import StreamedTrainer
+    from ..training.trainer import StreamedTrainer
     from ..init import init_tiles
     from ..training.data import synthetic_batches
 
@@ -81,7 +81,7 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     tiles = init_tiles(spec, seed)
     trainers = {}
     for name, knobs in variants.items():
-        optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+        optim = AdamWConfig(lr=1e-5)
         trainers[name] = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
         trainers[name].schedule_name = name
     timelines: dict[str, list[pd.DataFrame]] = {name: [] for name in variants}
@@ -183,7 +183,7 @@ class Comparison:
         self.by_group.to_csv(paths["by_group"], index=False)
         summary = {"headline": self.headline(), "measured_steps_s": self.measured_steps_s,
                    "predicted": self.pred_summary.to_dict(), "measured": self.meas_summary.to_dict(),
-                   "profile": self.profile.name, "knobs": self.program.knobs.to_dict(),
+                   "profile": self.profile.name, "knobs": self.program.knobs,
                    "model": self.program.model.name, "batch": self.program.batch, "seq": self.program.seq}
         paths["summary"].write_text(json.dumps(summary, indent=1, default=float) + "\n")
         pair = {"predicted": self.predicted, "measured": _shifted(self.measured)}

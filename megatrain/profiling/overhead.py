@@ -63,11 +63,11 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
     from ..exec.optim import AdamWConfig
-    from ..exec.trainer import StreamedTrainer
+    from ..training.trainer import StreamedTrainer
     from ..training.data import synthetic_batches
 
     cut = spec.with_layers(min(spec.num_layers, 2))
-    optim = AdamWConfig(lr=1e-5, max_grad_norm=1.0 if knobs.clip == "exact" else None)
+    optim = AdamWConfig(lr=1e-5)
     trainer = StreamedTrainer(cut, knobs, optim=optim, backend=backend, seed=0,
                               cpu_threads=cpu_threads)
     batches = synthetic_batches(cut, batch, seq)

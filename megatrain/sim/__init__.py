@@ -17,7 +17,6 @@ from .profile import (
                       model_signature,
                       shipped_profiles,
 )
-from .tune import TuneResult, best_gpu_fraction
 
 __all__ = ["CostModel", "SimResult", "SimulationError", "simulate", "ComputeTable", "CopyCurve", "HardwareProfile",
-           "ProfileError", "load_profile", "model_signature", "shipped_profiles", "TuneResult", "best_gpu_fraction"]
+           "ProfileError", "load_profile", "model_signature", "shipped_profiles"]

@@ -36,7 +36,8 @@ class CostModel:
         self.program, self.profile = program, profile
         self.spec = program.model
         self.signature = model_signature(self.spec)
-        self.dtype = program.knobs.compute_dtype
+        self.placement = program.placement
+        self.dtype = program.placement.compute_dtype
         self._memo: dict[tuple, float] = {}
 
     # ---- compute ---------------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class CostModel:
     def _tables(self, kind: str, uclass: str):
         """The profile's tables for a task: compiled-layer tables when the Program compiles its layers. Without
         them the eager tables are used (a slower, conservative prediction), and the simulator says so once."""
-        compiled = self.program.knobs.compile_layers and uclass == "layer"
+        compiled = self.placement.layer_kernel == "compiled" and uclass == "layer"
         tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype, compiled)
         if compiled and not tables:
             tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype)
@@ -92,8 +93,7 @@ class CostModel:
                 return over + task.params / p.gpu_adam_params_per_s
             # A CPU update also makes a bf16 <-> fp32 conversion pass over the tile for each bf16 wire: the
             # streaming-copy refresh (weight_wire) and the gradients' conversion (grad_wire).
-            knobs = self.program.knobs
-            passes = (knobs.weight_wire == "bf16") + (knobs.grad_wire == "bf16")
+            passes = (self.placement.weight_wire == "bf16") + (self.placement.grad_wire == "bf16")
             return over + task.params / p.cpu_adam_rate() + passes * task.params / p.cpu_convert_params_per_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s

@@ -9,8 +9,6 @@ ConfigError naming the key (megatrain.cli prints it as one line).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from .config import ConfigError, RunConfig
 
 _SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
@@ -51,18 +49,18 @@ def config_from_args(args) -> RunConfig:
         value = getattr(args, attr, None)
         if value is None:
             continue
-        if attr == "schedule" and value not in NAMED_SCHEDULES:  # a TOML file of knobs: every knob explicit
-            import tomllib
-
+        if attr == "schedule" and value not in NAMED_SCHEDULES:  # a schedule file: the same [schedule] table
             from ..ir.dag import ScheduleError
+            from ..tomlfile import read_toml
 
             try:
-                _, knobs = resolve_knobs(value)
-                table = tomllib.loads(Path(value).read_text())
+                resolve_knobs(value)  # a named schedule or a schedule file, checked here against the file
+                data = read_toml(value, ScheduleError, "schedule file")
+                table = data.get("schedule", data)
             except ScheduleError as e:
                 raise ConfigError(f"--schedule {value}: {e}") from None
-            base = table.get("schedule", table).get("base", DEFAULT_SCHEDULE)  # the name the file builds on
-            overrides += [f"schedule.name={base}"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items()]
+            overrides += [f"schedule.name={table.get('name', DEFAULT_SCHEDULE)}"]
+            overrides += [f"schedule.{k}={v}" for k, v in table.items() if k != "name"]
             continue
         overrides.append(f"{key}={value}")
     for item in getattr(args, "overrides", []) or []:

@@ -3,7 +3,7 @@
     [model]      which model (a preset or a local Hugging Face directory) and how its weights start
     [data]       where the tokens come from, sequence length, batch size, held-out split
     [schedule]   a named schedule and any knob of megatrain.ir.knobs.ScheduleKnobs overriding it
-    [optimizer]  AdamW, learning-rate schedule, clipping
+    [optimizer]  AdamW and the learning-rate schedule (clipping is the schedule's `clip`: it shapes the step)
     [run]        steps, evaluation, checkpoints, logging, device
 
 `load_config("run.toml", ["optimizer.lr=3e-4"])` reads the file with stdlib `tomllib`, applies `--set`
@@ -18,15 +18,14 @@ Paths are taken relative to the working directory, as on the command line.
 from __future__ import annotations
 
 import json
-import math
-import typing
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from ..ir.dag import ScheduleError
-from ..ir.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, OPTIMIZER_PLACEMENTS, WIRE_DTYPES, ScheduleKnobs
+from ..ir.knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_from_table
 from ..presets import PRESETS
+from ..settings import SettingError, check_setting, field_types, parse_setting
 from ..tomlfile import read_toml
 
 DATA_FORMATS = ("auto", "text", "bin", "jsonl")
@@ -113,45 +112,35 @@ class DataConfig:
         _positive("data.batch_size", self.batch_size)
 
 
-_DEFAULT_KNOBS = NAMED_SCHEDULES[DEFAULT_SCHEDULE]
+_KNOB_TYPES = field_types(ScheduleKnobs)
 
 
-class _ScheduleSection:
-    """Methods of ScheduleConfig (its fields are generated from ScheduleKnobs, below)."""
+@dataclass
+class ScheduleConfig:
+    """[schedule]: a named schedule (`name`, megatrain.NAMED_SCHEDULES) and the knobs set on top of it, the same
+    table a schedule file holds (`megatrain.ir.knobs.knobs_from_table`). Knob values read as attributes
+    (`cfg.schedule.buffers`); `knobs()` is the ScheduleKnobs."""
+
+    name: str = DEFAULT_SCHEDULE
+    overrides: dict[str, Any] = field(default_factory=dict)  # knob -> value, only the knobs set explicitly
 
     def knobs(self) -> ScheduleKnobs:
-        """The ScheduleKnobs of this section (the builders' own checks apply)."""
-        d = asdict(self)
-        d.pop("name")
         try:
-            return ScheduleKnobs(**d)
+            return knobs_from_table(self.table(), "[schedule]")[1]
         except ScheduleError as e:
-            raise ConfigError(f"[schedule]: {e}") from None
+            raise ConfigError(str(e)) from None
+
+    def table(self) -> dict[str, Any]:
+        """The TOML table: `name` and the knobs set (an unset optional knob is left out)."""
+        return {"name": self.name, **{k: v for k, v in self.overrides.items() if v is not None}}
+
+    def __getattr__(self, key: str) -> Any:
+        if key in _KNOB_TYPES:
+            return getattr(self.knobs(), key)
+        raise AttributeError(f"ScheduleConfig has no attribute {key!r}")
 
     def validate(self) -> None:
-        _one_of("schedule.name", self.name, tuple(NAMED_SCHEDULES))
-        _one_of("schedule.optimizer", self.optimizer, OPTIMIZER_PLACEMENTS)
-        for key in ("weight_wire", "grad_wire", "compute_dtype"):
-            _one_of(f"schedule.{key}", getattr(self, key), tuple(WIRE_DTYPES))
         self.knobs()
-
-
-def _schedule_config_class() -> type:
-    """`name` plus one field per ScheduleKnobs field (type and default from the default named schedule), so a
-    knob the builders gain is a config key at once, with no second list to keep in step."""
-    types = {"int": int, "float": float, "str": str, "bool": bool}
-    spec = [("name", str, field(default=DEFAULT_SCHEDULE))]
-    for f in fields(ScheduleKnobs):
-        t = types[f.type] if isinstance(f.type, str) else f.type
-        spec.append((f.name, t, field(default=getattr(_DEFAULT_KNOBS, f.name))))
-    cls = make_dataclass("ScheduleConfig", spec, bases=(_ScheduleSection,))
-    cls.__module__ = __name__
-    cls.__doc__ = ("A named schedule (megatrain.NAMED_SCHEDULES) and the knobs that override it; maps onto "
-                   "ScheduleKnobs, one key per knob: " + ", ".join(f.name for f in fields(ScheduleKnobs)) + ".")
-    return cls
-
-
-ScheduleConfig = _schedule_config_class()
 
 
 @dataclass
@@ -166,7 +155,6 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1  # on matrices only (the decay prefix of every tile)
-    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     threads: int = 0  # host threads for the CPU optimizer; 0 = the trainer's default (CUDA: all cores but 3)
 
     def validate(self) -> None:
@@ -181,7 +169,6 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer.{key}={getattr(self, key)} must be in [0, 1)")
         _positive("optimizer.eps", self.eps)
         _at_least("optimizer.weight_decay", self.weight_decay, 0.0)
-        _at_least("optimizer.grad_clip", self.grad_clip, 0.0)
         _at_least("optimizer.threads", self.threads, 0)
 
 
@@ -226,6 +213,10 @@ class RunSettings:
         return Path(self.out_dir) / self.name
 
 
+# Keys that moved: key -> (old section, new place, what to do).
+MOVED = {"grad_clip": ("optimizer", "schedule.clip", "clipping is one setting of the schedule: set schedule.clip to the max "
+                       "global gradient norm (0 = no clipping)")}
+
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "schedule": ScheduleConfig, "optimizer": OptimizerConfig,
             "run": RunSettings}
 
@@ -244,16 +235,31 @@ class RunConfig:
         """Check every section and the rules that span sections; returns self."""
         for name in SECTIONS:
             getattr(self, name).validate()
-        if self.optimizer.grad_clip > 0 and self.schedule.clip == "none":
-            raise ConfigError(
-                f"optimizer.grad_clip={self.optimizer.grad_clip} needs the global gradient norm, but "
-                f"schedule.clip='none' (schedule {self.schedule.name!r}) does not compute it; set "
-                "optimizer.grad_clip=0 or schedule.clip='exact'"
-            )
         if self.data.batch_size % self.schedule.micro_batches:
             raise ConfigError(f"data.batch_size={self.data.batch_size} does not split into "
                               f"schedule.micro_batches={self.schedule.micro_batches}; pick a divisor")
+        self.placement()  # every rule between the knobs, for this model and batch, before anything is allocated
         return self
+
+    def step_knobs(self) -> ScheduleKnobs:
+        """The schedule of one optimizer step: gradient accumulation (`run.grad_accum = k`) is k times the
+        micro-batches in one streamed step, so each layer's weights cross PCIe once per update."""
+        knobs = self.schedule.knobs()
+        return replace(knobs, micro_batches=knobs.micro_batches * self.run.grad_accum)
+
+    def step_shape(self) -> tuple[int, int]:
+        """(batch, seq) of one streamed step: the accumulated batches together."""
+        return self.data.batch_size * self.run.grad_accum, self.data.seq_len
+
+    def placement(self):
+        """The resolved placement of the run's schedule (megatrain.ir.placement.resolve): ConfigError if the
+        knobs conflict for this model and batch."""
+        from ..ir.placement import resolve
+
+        try:
+            return resolve(self.model.spec(), *self.step_shape(), self.step_knobs())
+        except ScheduleError as e:
+            raise ConfigError(f"[schedule] {self.schedule.name!r}: {e}") from None
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -262,7 +268,9 @@ class RunConfig:
         return cls(**_sections(raw, source)).validate()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["schedule"] = self.schedule.table()
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -327,14 +335,21 @@ def _sections(raw: dict, source: str) -> dict:
         values = raw.get(name, {})
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys, got {type(values).__name__}")
-        kwargs = {}
         if name == "schedule":
-            # Keys left out come from the named schedule, not from the default one.
-            sched_name = values.get("name", DEFAULT_SCHEDULE)
-            if isinstance(sched_name, str) and sched_name in NAMED_SCHEDULES:
-                kwargs.update(NAMED_SCHEDULES[sched_name].to_dict())
+            values = dict(values)
+            sched_name = values.pop("name", DEFAULT_SCHEDULE)
+            sections[name] = ScheduleConfig(_check_type("schedule.name", sched_name, str), {})
+            for key, value in values.items():
+                if key not in _KNOB_TYPES:
+                    raise ConfigError(f"{source}: unknown key schedule.{key}; [schedule] has name, "
+                                      f"{', '.join(_KNOB_TYPES)}")
+                sections[name].overrides[key] = _check_type(f"schedule.{key}", value, _KNOB_TYPES[key])
+            continue
+        kwargs = {}
         hints = _field_types(section_cls)
         for key, value in values.items():
+            if key in MOVED and name == MOVED[key][0]:
+                raise ConfigError(f"{source}: {name}.{key} is {MOVED[key][1]} now; {MOVED[key][2]}")
             if key not in hints:
                 raise ConfigError(f"{source}: unknown key {name}.{key}; [{name}] has {', '.join(hints)}")
             kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
@@ -343,46 +358,24 @@ def _sections(raw: dict, source: str) -> dict:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-def _field_types(cls) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
+def _field_types(cls) -> dict[str, Any]:
+    return field_types(cls)
 
 
-def _type_name(t: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[t]
+def _check_type(key: str, value: Any, t: Any) -> Any:
+    """`value` as type `t`, or a ConfigError naming the key (megatrain/settings.py)."""
+    try:
+        return check_setting(key, value, t)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
-def _check_type(key: str, value: Any, t: type) -> Any:
-    """`value` as type `t`, or a ConfigError naming the key. Integers are accepted for floats, nothing else."""
-    ok = isinstance(value, t) and not (t is int and isinstance(value, bool))
-    if t is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise ConfigError(f"{key} must be {_type_name(t)}, got {value!r} ({type(value).__name__})")
-    if t is float and not math.isfinite(value):
-        raise ConfigError(f"{key} must be finite, got {value}")
-    return value
-
-
-def _parse_override(key: str, text: str, t: type) -> Any:
-    """Parse the text of `--set key=text` to the field's type."""
-    text = text.strip()
-    if t is str:
-        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-            text = text[1:-1]
-        return text
-    if t is bool:
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-    else:
-        try:
-            return t(text.replace("_", ""))
-        except ValueError:
-            pass
-    raise ConfigError(f"--set {key}={text}: {key} must be {_type_name(t)}")
+def _parse_override(key: str, text: str, t: Any) -> Any:
+    """Parse the text of `--set key=text` to the field's type: the one grammar of every command."""
+    try:
+        return parse_setting(key, text, t)
+    except SettingError as e:
+        raise ConfigError(f"--set {key}={text.strip()}: {e}") from None
 
 
 def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
@@ -395,7 +388,9 @@ def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
             raise ConfigError(f"--set {item!r}: {key!r} is not section.key; sections are {list(SECTIONS)}")
-        hints = _field_types(SECTIONS[section])
+        hints = _KNOB_TYPES | {"name": str} if section == "schedule" else _field_types(SECTIONS[section])
+        if section in SECTIONS and name in MOVED and MOVED[name][0] == section:
+            raise ConfigError(f"--set {item!r}: {key} is {MOVED[name][1]} now; {MOVED[name][2]}")
         if name not in hints:
             raise ConfigError(f"--set {item!r}: unknown key {key}; [{section}] has {', '.join(hints)}")
         raw.setdefault(section, {})

@@ -142,11 +142,10 @@ class _Training:
         cfg = self.cfg
         run = cfg.run
         self.spec = spec = cfg.model.spec()
-        knobs = cfg.schedule.knobs()
         self.accum = run.grad_accum
         # Gradient accumulation = more micro-batches in one streamed step (module docstring).
-        self.knobs = replace(knobs, micro_batches=knobs.micro_batches * self.accum)
-        self.batch, self.seq = cfg.data.batch_size * self.accum, cfg.data.seq_len
+        self.knobs = cfg.step_knobs()
+        self.batch, self.seq = cfg.step_shape()
         self.backend_name = _backend_name(run.device)
 
         # Where this session writes; the config printed first is the one it runs with.
@@ -210,11 +209,11 @@ class _Training:
 
     def _build_trainer(self) -> None:
         from ..exec.optim import AdamWConfig
-        from ..exec.trainer import StreamedTrainer
+        from .trainer import StreamedTrainer
 
         o = self.cfg.optimizer
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, max_grad_norm=o.grad_clip or None)
+                            weight_decay=o.weight_decay)
         self.trainer = StreamedTrainer(self.spec, self.knobs, optim=optim, backend=self.backend_name,
                                        cpu_threads=o.threads or None, init=False)  # _fill_weights fills the store
         self.trainer.schedule_name = self.cfg.schedule.name

@@ -6,7 +6,7 @@ threads' updates, and the PCIe bytes of the GPU's share (16 B/param in and 14 B/
 12 + 12 when its gradients stay on the GPU). `best_gpu_fraction` sweeps the number of GPU-updated layers through
 the simulator and returns the fastest variant that fits the GPU memory given:
 
-    from megatrain.sim import best_gpu_fraction
+    from megatrain.tune import best_gpu_fraction
     best = best_gpu_fraction(spec, 8, 2048, knobs_for("overlap-split"), "h200", gpu_bytes=16 * 2**30)
     best.knobs.gpu_optimizer_fraction, best.result.summary.tokens_per_s
     best.table      # one row per candidate
@@ -20,13 +20,15 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..ir.builders import build_schedule
-from ..ir.dag import ScheduleError
-from ..ir.knobs import GPU_PLACEMENTS, ScheduleKnobs
-from ..ir.program import lower, plan_gpu_memory
-from ..spec import ModelSpec
-from .engine import SimResult, simulate
-from .profile import HardwareProfile, load_profile
+from .ir.builders import build_schedule
+from .ir.dag import ScheduleError
+from .ir.knobs import ScheduleKnobs
+from .ir.memory import plan_memory
+from .ir.placement import FRACTION_RULES, OPTIMIZER_PRESETS
+from .ir.program import lower
+from .sim.engine import SimResult, simulate
+from .sim.profile import HardwareProfile, load_profile
+from .spec import ModelSpec
 
 
 @dataclass
@@ -43,7 +45,7 @@ def _max_retained(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, n
     """The most GPU-updated layers that can keep their gradients on the GPU within `gpu_bytes` (None: not even the
     variant without any fits)."""
     def fits(r: int) -> bool:
-        return gpu_bytes is None or plan_gpu_memory(spec, batch, seq, replace(knobs, retain_grads=r)).peak_bytes \
+        return gpu_bytes is None or plan_memory(spec, batch, seq, replace(knobs, retain_grads=r)).gpu.peak_bytes \
             <= gpu_bytes
 
     if not fits(0):
@@ -68,23 +70,26 @@ def best_gpu_fraction(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnob
     """
     if knobs.optimizer == "overlap":
         knobs = replace(knobs, optimizer="overlap-split")
-    if knobs.optimizer not in GPU_PLACEMENTS:
+    tunable = [name for name, (_, rule) in OPTIMIZER_PRESETS.items() if rule in FRACTION_RULES]
+    if knobs.optimizer not in tunable:
         raise ScheduleError(f"optimizer={knobs.optimizer!r} has no GPU share to tune; use one of "
-                            f"{', '.join(GPU_PLACEMENTS)} (or 'overlap', tuned as 'overlap-split')")
+                            f"{', '.join(tunable)} (or 'overlap', tuned as 'overlap-split')")
     if retain not in ("max", "keep"):
         raise ValueError(f"retain={retain!r}: use 'max' or 'keep'")
     profile = load_profile(profile)
     L = spec.num_layers
     rows, results = [], {}
-    for sb in sorted(set(state_buffers or [knobs.state_buffers])):
+    for sb in sorted(set(state_buffers or [knobs.state_buffers or 2])):
         for n in range(L + 1):
-            cand = replace(knobs, gpu_optimizer_fraction=n / L if L else 0.0, state_buffers=sb, retain_grads=0)
+            # State buffers and the lookahead exist only with GPU-updated layers (the resolver refuses them else).
+            cand = replace(knobs, gpu_optimizer_fraction=n / L if L else 0.0, state_buffers=min(sb, n) or None,
+                           state_lookahead=knobs.state_lookahead if n else None, retain_grads=0)
             keep = min(knobs.retain_grads, n)
             r = keep if retain == "keep" else _max_retained(spec, batch, seq, cand, n, gpu_bytes)
             if r is None:
                 continue
             cand = replace(cand, retain_grads=r)
-            peak = plan_gpu_memory(spec, batch, seq, cand).peak_bytes
+            peak = plan_memory(spec, batch, seq, cand).gpu.peak_bytes
             if gpu_bytes is not None and peak > gpu_bytes:
                 continue
             res = simulate(lower(build_schedule(spec, batch, seq, cand)), profile)

@@ -19,17 +19,18 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from ..exec.backend import Backend, get_backend
+from ..exec.hf_io import state_dict_from_tiles
+from ..exec.optim import AdamWConfig, UpdatePlan
+from ..exec.runtime import Runtime
+from ..exec.store import HostStore
+from ..exec.work import StepWork
 from ..init import init_into
 from ..ir.builders import build_schedule
 from ..ir.knobs import ScheduleKnobs, knobs_for
+from ..ir.placement import resolve_host_layout
 from ..ir.program import Program, lower
 from ..spec import ModelSpec
-from .backend import Backend, get_backend
-from .hf_io import state_dict_from_tiles
-from .optim import AdamWConfig, UpdatePlan
-from .runtime import Runtime
-from .store import HostStore
-from .work import StepWork
 
 
 @dataclass
@@ -78,7 +79,7 @@ class StreamedTrainer:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.cpu_threads = set_update_threads(self.backend, cpu_threads)
         self.timeout_s = timeout_s
-        self.store = HostStore(spec, self.knobs, self.backend, tiles)
+        self.store = HostStore(spec, resolve_host_layout(spec, self.knobs), self.backend, tiles)
         # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,
         # with init=False, zeros for the caller to fill (`store.master(unit)`, then `store.refresh_stream(unit)`).
         if tiles is None and init:
@@ -98,18 +99,26 @@ class StreamedTrainer:
         if self._shape != (batch, seq):
             sched = build_schedule(self.spec, batch, seq, self.knobs)
             sched.name = self.schedule_name
-            self._program = lower(sched)
-            if self._work is not None:
-                self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
-            self._work = None  # free the old slots before allocating new ones
-            self._work = StepWork(self._program, self.store, self.backend, self.optim)
-            if self._runtime is not None:
-                self._runtime.close()  # its stream threads belong to the old Program
-            self._runtime = Runtime(self._program, self.backend, self._work, self.timeout_s)
-            # Updates of a step's gradients run in the next step (placement "overlap"): keep its plan pending.
-            self._defers_update = any(t.step_offset == -1 for t in self._program.tasks.values())
-            self._shape = (batch, seq)
+            self.use_program(lower(sched))
         return self._program
+
+    def use_program(self, program: Program) -> None:
+        """Run `program` for its batch shape from now on: a Program lowered from a schedule you built and edited
+        yourself (megatrain/ir/edit.py). Its placement must keep this trainer's host layout (wires, GPU-updated
+        units), which the host store was built for."""
+        if program.model != self.spec:
+            raise ValueError(f"the Program trains {program.model.name}, this trainer {self.spec.name}")
+        if self._work is not None:
+            self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
+        self._work = None  # free the old buffers before allocating new ones
+        self._work = StepWork(program, self.store, self.backend, self.optim)
+        if self._runtime is not None:
+            self._runtime.close()  # its stream threads belong to the old Program
+        self._program = program
+        self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
+        # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.
+        self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
+        self._shape = (program.batch, program.seq)
 
     # ---- training ------------------------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:

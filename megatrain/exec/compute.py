@@ -1,0 +1,108 @@
+"""FORWARD, RECOMPUTE and BACKWARD: the layer math on the weights a task's buffer holds.
+
+Weights are bound to the layer functions as views of the buffer (`UnitLayout.views`); when the wire dtype differs
+from the compute dtype the flat weights are cast once per task (the one copy). Gradients of all micro-batches
+accumulate in the buffer's fp32 area, zeroed by micro-batch 0. The decoder layer runs eager or compiled, as the
+placement's `layer_kernel` says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ir.program import Program, ProgramTask
+from ..spec import EMBED, HEAD
+from .activations import Activations
+from .backend import ExecError
+from .buffers import DeviceBuffer, DeviceBuffers
+from .head import embed_backward, embed_forward, head_loss_backward
+from .layers import layer_functions
+from .store import TORCH_DTYPES, HostStore
+
+
+@dataclass
+class StepBatch:
+    """One step's batch on the device, split into micro-batches, and what the loss needs."""
+
+    ids: tuple[torch.Tensor, ...]  # M x (mb, T) int64
+    targets: tuple[torch.Tensor, ...]  # M x (mb, T) int64, -100 = no loss
+    n_valid: int  # target tokens of the whole batch
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 / self.n_valid
+
+
+class LayerCompute:
+    """Bodies of F, R and B tasks over the device buffers and the step's activations."""
+
+    def __init__(self, program: Program, store: HostStore, buffers: DeviceBuffers, acts: Activations):
+        p = program.placement
+        self.spec, self.store, self.buffers, self.acts = p.model, store, buffers, acts
+        self.compute_dtype = TORCH_DTYPES[p.compute_dtype]
+        self.loss_chunk_tokens = p.loss_chunk_tokens
+        self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled")
+        self.batch: StepBatch | None = None
+        self.loss_sums: dict[int, torch.Tensor] = {}
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self.batch, self.loss_sums = batch, {}
+
+    # ---- buffers -----------------------------------------------------------------------------------------------
+    def buffer(self, task: ProgramTask) -> DeviceBuffer:
+        buf = self.buffers[task.slot]
+        if buf.unit != task.unit:
+            raise ExecError(f"{task.id} reads slot {task.slot}, which holds unit {buf.unit}, not {task.unit}: "
+                            "the Program's slot assignment is inconsistent")
+        return buf
+
+    def weights(self, task: ProgramTask) -> dict[str, torch.Tensor]:
+        """HF-named weight views of the task's buffer, in the compute dtype where the layer math needs it."""
+        layout = self.store.layouts[task.unit]
+        flat = self.buffer(task).w[:layout.numel]
+        if flat.dtype == self.compute_dtype or task.unit == EMBED:  # the embedding casts only the rows it gathers
+            return layout.views(flat)
+        if task.unit == HEAD:  # head_loss_backward casts lm_head once itself; the norm is an autograd leaf here
+            w = layout.views(flat)
+            w["norm.weight"] = w["norm.weight"].to(self.compute_dtype)
+            return w
+        # Cast before binding, so the autograd leaves are in the compute dtype and gradients keep its precision.
+        return layout.views(flat.to(self.compute_dtype))
+
+    def grads(self, task: ProgramTask) -> dict[str, torch.Tensor]:
+        layout = self.store.layouts[task.unit]
+        buf = self.buffer(task)
+        if task.micro == 0:  # the first micro-batch of the step starts the accumulation
+            buf.g[:layout.numel].zero_()
+        return layout.views(buf.g[:layout.numel])
+
+    # ---- tasks -------------------------------------------------------------------------------------------------
+    def forward(self, t: ProgramTask) -> None:
+        u, m, b, acts = t.unit, t.micro, self.batch, self.acts
+        w = self.weights(t)
+        if u == HEAD:  # loss forward and backward, fused and chunked
+            loss_sum, grad_x, _ = head_loss_backward(w, acts.hidden.pop(m), b.targets[m], self.spec,
+                                                     self.loss_chunk_tokens, b.loss_scale, self.grads(t))
+            self.loss_sums[m], acts.grad_hidden[m] = loss_sum, grad_x
+            return
+        if u == EMBED:
+            acts.produced(0, m, embed_forward(w["embed_tokens.weight"], b.ids[m], self.compute_dtype))  # (mb, T, d)
+        else:
+            acts.produced(u + 1, m, self.layer_forward(w, acts.hidden[m], b.cos, b.sin, self.spec))  # (mb, T, d)
+
+    def recompute(self, t: ProgramTask) -> None:
+        x = self.acts.layer_input(t.unit, t.micro, pop=False)
+        self.acts.recomputed[(t.unit + 1, t.micro)] = self.layer_forward(self.weights(t), x, self.batch.cos,
+                                                                         self.batch.sin, self.spec)
+
+    def backward(self, t: ProgramTask) -> None:
+        u, m, acts = t.unit, t.micro, self.acts
+        if u == EMBED:
+            embed_backward(acts.grad_hidden.pop(m), self.batch.ids[m], self.grads(t)["embed_tokens.weight"])
+            return
+        x = acts.layer_input(u, m, pop=True)
+        acts.grad_hidden[m] = self.layer_backward(self.weights(t), x, self.batch.cos, self.batch.sin, self.spec,
+                                                  acts.grad_hidden[m], self.grads(t))

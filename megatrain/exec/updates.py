@@ -1,0 +1,201 @@
+"""Gradients out and updates in: OFFLOAD, CLIP_NORM, OPTIMIZER, STATE_PREFETCH and STATE_OFFLOAD, and the skip
+bookkeeping of non-finite gradients.
+
+OFFLOAD takes each unit's gradient norm where the gradients are (fp32, in the values the wire carries) and lands it
+on the host and on the device. Optimizer tasks read an `UpdatePlan` (learning rate, clip coefficient, skip): the
+current step's (step_offset 0), set by CLIP_NORM, or the previous step's (step_offset -1, "overlap" timing).
+Without a global norm (no clipping) each unit is skipped on its own when its gradients are not finite; a GPU update
+of this step's gradients decides that on the device, and the host settles the bookkeeping after the step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir.placement import UpdateSite
+from ..ir.program import Program, ProgramTask
+from ..spec import EMBED, HEAD
+from .backend import Backend, ExecError
+from .buffers import DeviceBuffers
+from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
+from .store import HostStore
+
+
+class Updates:
+    """Bodies of O, N, U, S and W tasks over the host store and the device buffers."""
+
+    def __init__(self, program: Program, store: HostStore, buffers: DeviceBuffers, backend: Backend,
+                 cfg: AdamWConfig):
+        self.placement = program.placement
+        self.spec, self.store, self.buffers, self.backend, self.cfg = program.model, store, buffers, backend, cfg
+        self.max_norm = self.placement.clip_max_norm  # None: no global norm (per-unit skips)
+        self.unit_index = {u: i for i, u in enumerate(store.units)}
+        # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
+        self.unit_norms = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=backend.pins_host_memory)
+        # The same norms on the device, for GPU updates that must skip non-finite gradients without a host wait.
+        self.device_norms = torch.zeros(len(store.units), dtype=torch.float32, device=backend.device)
+        self.current: UpdatePlan | None = None
+        self.pending: UpdatePlan | None = None
+
+    def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
+        self.current, self.pending = current, pending
+
+    # ---- OFFLOAD -----------------------------------------------------------------------------------------------
+    def offload(self, t: ProgramTask) -> None:
+        n = self.store.layouts[t.unit].numel
+        g = self.buffers[t.slot].g[:n]
+        i = self.unit_index[t.unit]
+        resident = self.placement.unit(t.unit).resident  # its gradients stay where they are: only the norm
+        if not resident:
+            self.store.gradients_landing(t.unit)
+            landing = self.store.grad(t.unit)
+        wire = g if resident or landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device
+        # The norm of what lands (and is applied), computed where the gradients are, in fp32; kept on the device
+        # too, for GPU updates that decide a skip there.
+        norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
+        self.device_norms[i:i + 1].copy_(norm)
+        self.unit_norms[i:i + 1].copy_(norm, non_blocking=True)
+        if resident:
+            return
+        if t.fills:  # kept on the GPU for its update there: a device copy, in the values the wire would carry
+            self.buffers[t.fills].g.copy_(wire, non_blocking=True)
+        else:
+            landing.copy_(wire, non_blocking=True)
+
+    # ---- CLIP_NORM ---------------------------------------------------------------------------------------------
+    def clip_norm(self, t: ProgramTask) -> None:
+        """Global gradient norm from the per-unit norms; sets the clip coefficient, or marks the step skipped."""
+        plan, store, spec = self.current, self.store, self.spec
+        norms = [float(self.unit_norms[self.unit_index[u]]) for u in store.units
+                 if not (spec.tie_word_embeddings and u in (EMBED, HEAD))]
+        if spec.tie_word_embeddings:  # the shared matrix's gradient is the sum of both; its norm is not separable
+            norms.append(float(torch.linalg.vector_norm(store.optimizer_grad(EMBED))))
+            norms.append(float(torch.linalg.vector_norm(store.optimizer_grad(HEAD))))
+        plan.grad_norm = global_norm(norms)
+        if not math.isfinite(plan.grad_norm):
+            plan.skip = True
+        else:
+            plan.clip_coef = clip_coefficient(plan.grad_norm, self.max_norm)
+
+    # ---- OPTIMIZER ---------------------------------------------------------------------------------------------
+    def _plan(self, t: ProgramTask) -> UpdatePlan | None:
+        return self.pending if t.step_offset == -1 else self.current
+
+    def _unit_finite(self, unit: int) -> bool:
+        """Without a global norm, a unit is updated only if its own gradients are finite."""
+        units = [EMBED, HEAD] if self.spec.tie_word_embeddings and unit == EMBED else [unit]
+        return all(math.isfinite(float(self.unit_norms[self.unit_index[u]])) for u in units)
+
+    def _should_apply(self, unit: int, plan: UpdatePlan | None, on_device: bool = False) -> UpdatePlan | None:
+        if plan is None or plan.skip or unit in plan.skipped_units:
+            return None
+        if self.max_norm is None and on_device:  # the kernel skips it if need be (`_device_skip`)
+            return plan
+        if self.max_norm is None and not self._unit_finite(unit):
+            plan.skipped_units.append(unit)
+            return None
+        return plan
+
+    def update(self, t: ProgramTask) -> None:
+        """AdamW on one unit: on the host tiles (cpu stream) or on a GPU buffer (compute stream)."""
+        # A GPU update of this step's gradients without a global norm (arrival timing) cannot read the unit's norm
+        # on the host yet (it is still landing): the device decides the skip.
+        on_device = t.stream != "cpu" and t.step_offset == 0 and self.max_norm is None
+        plan = self._should_apply(t.unit, self._plan(t), on_device)
+        if t.stream == "cpu":
+            if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
+                self._host_update(t.unit, plan)
+            return
+        u, store = t.unit, self.store
+        master, m, v, g = self._state_views(t)
+        if plan is not None:
+            store.steps[u] += 1
+            found_inf = self._device_skip(u) if on_device else None
+            kept = self.buffers.kept.get(u)  # gradients kept on the GPU, or streamed into the state buffer
+            adamw_update(master, kept.g if kept is not None else g, m, v, store.steps[u], store.decay_numel(u),
+                         plan.lr, self.cfg, plan.clip_coef, found_inf)
+            plan.applied_units.append(u)
+            if on_device:
+                plan.device_checked.append(u)
+            if store.stream_tile(u) is not None and self.placement.unit(u).update is UpdateSite.GPU_STREAMED:
+                g.view(torch.bfloat16)[:master.numel()].copy_(master)  # stage the streaming copy for W
+        if t.fills:  # "overlap" GPU update: the (updated) master is the weights of this layer's forward
+            buf = self.buffers[t.fills]
+            buf.w[:master.numel()].copy_(master)  # cast to the wire dtype, as the host's streaming copy is
+            buf.unit = u
+
+    def _device_skip(self, unit: int) -> torch.Tensor:
+        """() fp32 on the device: 1 where the unit's gradient norm (landed by its OFFLOAD) is not finite.
+
+        A slice, not a list index (which would copy an index tensor to the device in the per-layer loop). GPU
+        updates are of decoder layers or of untied resident embeddings, so no tied pair has to be combined."""
+        i = self.unit_index[unit]
+        return (~torch.isfinite(self.device_norms[i:i + 1])).float().reshape(())
+
+    def settle_device_skips(self, plan: UpdatePlan) -> None:
+        """After the step: units whose GPU update the device skipped get the bookkeeping of a host skip (in
+        skipped_units, not applied, step count not advanced)."""
+        for u in plan.device_checked:
+            if not self._unit_finite(u):
+                self.store.steps[u] -= 1
+                plan.applied_units.remove(u)
+                plan.skipped_units.append(u)
+        plan.device_checked.clear()
+
+    def _host_update(self, u: int, plan: UpdatePlan) -> None:
+        store = self.store
+        store.steps[u] += 1
+        master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
+        for lo, hi, g in store.optimizer_grad_chunks(u):
+            adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo),
+                         plan.lr, self.cfg, plan.clip_coef)
+        store.refresh_stream(u)
+        plan.applied_units.append(u)
+
+    def flush_update(self, plan: UpdatePlan) -> None:
+        """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the
+        host, in forward order: the end of an "overlap" run, whose updates otherwise run in the next step."""
+        for u, buf in self.buffers.kept.items():
+            self.store.grad(u).copy_(buf.g)
+        if self.buffers.kept:
+            self.backend.synchronize()
+        for u in self.store.units:
+            if self._should_apply(u, plan) is not None:
+                self._host_update(u, plan)
+
+    # ---- STATE_PREFETCH / STATE_OFFLOAD ------------------------------------------------------------------------
+    def _state_views(self, t: ProgramTask) -> list[torch.Tensor]:
+        buf = self.buffers[t.slot]
+        if buf.unit != t.unit:
+            raise ExecError(f"{t.id} reads slot {t.slot}, which holds unit {buf.unit}, not {t.unit}: the Program's "
+                            "slot assignment is inconsistent")
+        return buf.state_views(self.store.layouts[t.unit].numel)
+
+    def state_prefetch(self, t: ProgramTask) -> None:
+        self.buffers[t.slot].unit = t.unit
+        master, m, v, g = self._state_views(t)
+        u, store = t.unit, self.store
+        master.copy_(store.master(u), non_blocking=True)
+        m.copy_(store.exp_avg(u), non_blocking=True)
+        v.copy_(store.exp_avg_sq(u), non_blocking=True)
+        if u in self.buffers.kept:  # the gradients stayed on the GPU
+            return
+        landing = store.grad(u)
+        if landing.dtype == torch.float32:
+            g.copy_(landing, non_blocking=True)
+        else:  # bf16 over the wire, widened on the device
+            g.copy_(landing.to(self.backend.device, non_blocking=True))
+
+    def state_offload(self, t: ProgramTask) -> None:
+        plan = self._plan(t)
+        if plan is None or plan.skip or t.unit not in plan.applied_units:
+            return  # nothing changed on the device
+        master, m, v, staged = self._state_views(t)
+        u, store = t.unit, self.store
+        store.master(u).copy_(master, non_blocking=True)
+        store.exp_avg(u).copy_(m, non_blocking=True)
+        store.exp_avg_sq(u).copy_(v, non_blocking=True)
+        stream = store.stream_tile(u)
+        if stream is not None:  # the streaming copy U staged in the gradient area
+            stream.copy_(staged.view(torch.bfloat16)[:master.numel()], non_blocking=True)
