@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.training import safetensors_io as stio
 from megatrain.spec import EMBED, HEAD
+from megatrain.training import safetensors_io as stio
 from megatrain.training.checkpoint import (
     KINDS,
     CheckpointError,

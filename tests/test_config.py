@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.training.config import ConfigError, RunConfig, ScheduleConfig, load_config
+from megatrain.training.config import ConfigError, RunConfig, load_config
 
 
 def write(tmp_path, text: str):

@@ -8,11 +8,11 @@ import torch
 
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.exec.optim import AdamWConfig
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.init import init_tiles
 from megatrain.ir.knobs import knobs_for
 from megatrain.ir.memory import NOT_STORE, plan_memory
 from megatrain.presets import PRESETS
+from megatrain.training.trainer import StreamedTrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

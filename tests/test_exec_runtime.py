@@ -15,17 +15,17 @@ from megatrain.exec.backend import CpuBackend, ExecError
 from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
 from megatrain.exec.runtime import Runtime
 from megatrain.exec.store import HostStore
-from megatrain.ir.placement import resolve_host_layout
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.exec.work import StepWork
 from megatrain.init import init_tiles
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.knobs import ScheduleKnobs, knobs_for
 from megatrain.ir.memory import NOT_STORE, plan_memory
+from megatrain.ir.placement import resolve_host_layout
 from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
+from megatrain.training.trainer import StreamedTrainer
 
 DEBUG = PRESETS["debug"]
 TIED = ModelSpec(**{**DEBUG.to_dict(), "name": "debug-tied", "tie_word_embeddings": True,

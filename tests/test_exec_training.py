@@ -24,10 +24,10 @@ from megatrain.exec import compute as compute_module
 from megatrain.exec.hf_io import state_dict_from_tiles
 from megatrain.exec.layout import unit_layout
 from megatrain.exec.optim import AdamWConfig
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
+from megatrain.training.trainer import StreamedTrainer
 
 transformers = pytest.importorskip("transformers")
 

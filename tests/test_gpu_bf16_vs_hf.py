@@ -17,10 +17,10 @@ from megatrain.exec.layers import decoder_layer
 from megatrain.exec.layout import unit_layout
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.rope import rope_cos_sin
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.init import init_tiles
 from megatrain.ir.knobs import knobs_for
 from megatrain.spec import EMBED, HEAD, ModelSpec
+from megatrain.training.trainer import StreamedTrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 transformers = pytest.importorskip("transformers")

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.training import safetensors_io as stio
-from megatrain.training import fit
-from megatrain.training import loop as training
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.init import init_into, init_tiles, unit_seed
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
+from megatrain.training import fit
+from megatrain.training import loop as training
+from megatrain.training import safetensors_io as stio
 from megatrain.training.checkpoint import CheckpointError, CheckpointManager
 from megatrain.training.config import ConfigError, OptimizerConfig, load_config
 from megatrain.training.data import DataError
@@ -208,8 +208,8 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 def test_eval_loss_matches_transformers_on_the_trained_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.training.trainer import StreamedTrainer
     from megatrain.training.data import open_data
+    from megatrain.training.trainer import StreamedTrainer
 
     cfg = tiny(tmp_path)
     data = open_data(cfg.data, DEBUG.vocab_size)

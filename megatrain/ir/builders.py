@@ -17,7 +17,7 @@ a placement you made or changed yourself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
@@ -442,4 +442,23 @@ def build_schedule(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs |
     name = knobs if isinstance(knobs, str) else "custom"
     if isinstance(knobs, str):
         knobs = knobs_for(knobs)
-    return build_from_placement(resolve(spec, batch, seq, knobs), knobs, name, validate)
+    sched = build_from_placement(resolve(spec, batch, seq, knobs), knobs, name, validate)
+    if knobs.state_lookahead is not None:
+        _report_if_lookahead_changes_nothing(sched, knobs)
+    return sched
+
+
+def _report_if_lookahead_changes_nothing(sched: Schedule, knobs: ScheduleKnobs) -> None:
+    """state_lookahead moves state copies in the program order, but dependencies (the state-buffer ring, one weight
+    buffer, a short model) can fix the queues regardless: then the placement's notes say so, rather than the knob
+    silently doing nothing. Only the stream queues count (what the interpreters follow)."""
+    from .program import lower  # lowering sits above the builders
+
+    p = sched.placement
+    default = resolve(p.model, p.batch, p.seq, replace(knobs, state_lookahead=None))
+    if default.state_lookahead == p.state_lookahead:
+        return
+    if lower(build_from_placement(default, validate=False)).streams == lower(sched).streams:
+        note = (f"state_lookahead={p.state_lookahead} gives the same stream queues as the default "
+                f"{default.state_lookahead} here (dependencies fix where the state copies run)")
+        sched.placement = replace(p, notes=p.notes + (note,))

@@ -221,6 +221,27 @@ class Placement:
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
+    def describe(self) -> str:
+        """A few lines saying what lives where: the placement as `megatrain plan` / `simulate` print it."""
+        from ..ir.tasks import unit_text
+
+        def units_of(pred) -> str:
+            return " ".join(unit_text(u.unit) for u in self.units if pred(u)) or "-"
+
+        clip = f"exact at max norm {self.clip_max_norm:g}" if self.exact_clip else "none (per-unit non-finite skip)"
+        lines = [
+            f"timing {self.timing.value}; clip {clip}; layer kernel {self.layer_kernel}; wires weight "
+            f"{self.weight_wire} / grad {self.grad_wire}; compute {self.compute_dtype}",
+            f"updates on the host: {units_of(lambda u: u.update is UpdateSite.HOST)}",
+            f"updates on the GPU, streamed state: {units_of(lambda u: u.update is UpdateSite.GPU_STREAMED)}"
+            f" (gradients kept on the GPU: {units_of(lambda u: u.grads is GradLanding.GPU_KEPT)})",
+            f"resident on the GPU: {units_of(lambda u: u.resident)}",
+            f"checkpoints: layers {list(self.checkpoint_layers)}, offloaded {list(self.offloaded_checkpoints)}; "
+            f"{self.micro_batches} micro-batch(es), recompute block {self.recompute_block}",
+            "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
     # ---- JSON ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {

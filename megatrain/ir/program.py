@@ -94,6 +94,18 @@ class Program:
             self._index = {t: (s, i) for s, q in self.streams.items() for i, t in enumerate(q)}
         return self._index[task_id]
 
+    def listing(self) -> str:
+        """The placement, then each stream's queue with the tasks of other streams each task waits for:
+        `F3.0 [w1] <- P3`. Golden-file format."""
+        lines = self.placement.describe().split("\n")
+        for s in STREAMS:
+            lines.append(f"{s}:")
+            for tid in self.streams[s]:
+                t = self.tasks[tid]
+                where = f" [{t.slot}->{t.fills}]" if t.fills else f" [{t.slot}]" if t.slot else ""
+                lines.append(f"   {tid}{where}" + (f" <- {' '.join(t.waits)}" if t.waits else ""))
+        return "\n".join(lines)
+
     # -- JSON --
     def to_dict(self) -> dict:
         return {

@@ -33,10 +33,10 @@ import torch
 
 from ..exec.backend import get_backend
 from ..exec.layout import unit_layout
-from ..training.trainer import set_update_threads
 from ..ir.knobs import ScheduleKnobs, knobs_for
 from ..sim.profile import HardwareProfile
 from ..spec import EMBED, HEAD, ModelSpec
+from ..training.trainer import set_update_threads
 from . import copies, rates, units
 from .assemble import build_profile
 from .bench import Progress, Worker, median

@@ -43,8 +43,8 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
     from ..exec.optim import AdamWConfig
-    from ..training.trainer import StreamedTrainer
     from ..training.data import synthetic_batches
+    from ..training.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -72,9 +72,9 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
     from ..exec.optim import AdamWConfig
-    from ..training.trainer import StreamedTrainer
     from ..init import init_tiles
     from ..training.data import synthetic_batches
+    from ..training.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")

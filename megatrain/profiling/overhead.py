@@ -63,8 +63,8 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
     from ..exec.optim import AdamWConfig
-    from ..training.trainer import StreamedTrainer
     from ..training.data import synthetic_batches
+    from ..training.trainer import StreamedTrainer
 
     cut = spec.with_layers(min(spec.num_layers, 2))
     optim = AdamWConfig(lr=1e-5)
