@@ -187,7 +187,8 @@ def test_programs_of_named_schedules_are_unchanged_on_three_model_shapes():
 
 
 PROGRAM_GOLDEN_CASES = {
-    # layers 3 and 1 updated on the GPU as their gradients land (S/U/W among the backward); layer 1 keeps its gradients
+    # layers 3 and 1 updated on the GPU as their gradients land (S/U/W among the backward); layer 1 keeps its
+    # gradients on the GPU
     "arrival_split": knobs_for("arrival-split", gpu_optimizer_fraction=0.5, retain_grads=1, state_lookahead=0),
     # embedding, head and layers 0-1 live on the GPU: no copies for them, their updates on the compute stream
     "resident": knobs_for("arrival", resident_embeddings=True, resident_layers=2),

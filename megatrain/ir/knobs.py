@@ -196,7 +196,8 @@ def knobs_from_table(table: dict, source: str = "[schedule]") -> tuple[str, Sche
     return name, knobs_for(name, **values)
 
 
-def resolve_knobs(schedule: str = DEFAULT_SCHEDULE, overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
+def resolve_knobs(schedule: str = DEFAULT_SCHEDULE,
+                  overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
     """Knobs from a named schedule or a TOML file (a [schedule] table: `name` plus knobs), then `knob=value`
     overrides. Returns (display name, knobs)."""
     from pathlib import Path

@@ -214,7 +214,8 @@ class RunSettings:
 
 
 # Keys that moved: key -> (old section, new place, what to do).
-MOVED = {"grad_clip": ("optimizer", "schedule.clip", "clipping is one setting of the schedule: set schedule.clip to the max "
+MOVED = {"grad_clip": ("optimizer", "schedule.clip", "clipping is one setting of the schedule: set schedule.clip to "
+                       "the max "
                        "global gradient norm (0 = no clipping)")}
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "schedule": ScheduleConfig, "optimizer": OptimizerConfig,
