@@ -15,7 +15,7 @@ from .config import ConfigError, RunConfig
 
 _SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
               "seq": "data.seq_len", "lr": "optimizer.lr", "device": "run.device", "name": "run.name",
-              "out_dir": "run.out_dir", "data": "data.path"}
+              "out_dir": "run.out_dir", "data": "data.path", "wait_timeout": "run.wait_timeout_s"}
 
 
 def add_train_arguments(parser) -> None:
@@ -37,6 +37,9 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="[run.device]")
     parser.add_argument("--name", help="[run.name] run directory name under run.out_dir")
     parser.add_argument("--out-dir", dest="out_dir", help="[run.out_dir]")
+    parser.add_argument("--wait-timeout", dest="wait_timeout", type=float, metavar="SECONDS",
+                        help="[run.wait_timeout_s] bound of every executor wait; a hung task stops the step with an "
+                             "error naming it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     parser.add_argument("--timeline", metavar="CSV", help="also write the last step's measured timeline here "
                                                           "(the run directory has the last steps' anyway)")

@@ -216,7 +216,8 @@ class _Training:
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, max_grad_norm=o.grad_clip or None)
         self.trainer = StreamedTrainer(self.spec, self.knobs, optim=optim, backend=self.backend_name,
-                                       cpu_threads=o.threads or None, init=False)  # _fill_weights fills the store
+                                       cpu_threads=o.threads or None, init=False,
+                                       timeout_s=self.cfg.run.wait_timeout_s)  # _fill_weights fills the store
         self.trainer.schedule_name = self.cfg.schedule.name
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
