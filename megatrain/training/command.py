@@ -81,8 +81,12 @@ def config_from_args(args) -> RunConfig:
 
 
 def run_from_args(args) -> int:
-    """`megatrain train`: build the config from the arguments and train; exit status 0, or 130 if interrupted.
-    User mistakes raise ConfigError / DataError / CheckpointError (megatrain.cli prints them as one line)."""
+    """`megatrain train`: build the config from the arguments and train; exit status 0, 128 + the signal number
+    when SIGTERM / SIGINT stopped it at a step boundary (with a checkpoint), 130 if interrupted at once.
+    User mistakes raise ConfigError / DataError / CheckpointError, a run that stops on its own TrainingError
+    (megatrain.cli prints them as one line)."""
+    import signal
+
     from .loop import run_training
 
     cfg = config_from_args(args)
@@ -90,6 +94,8 @@ def run_from_args(args) -> int:
         summary = run_training(cfg)
     except KeyboardInterrupt:
         return 130
+    if summary.stop_signal is not None:
+        return 128 + int(signal.Signals[summary.stop_signal])
     measured = summary.run_dir / "timeline_measured.csv"
     if getattr(args, "timeline", None) and measured.is_file():
         import pandas as pd
