@@ -312,7 +312,7 @@ class _Training:
         """The error that ends the run after a failure: what happened, the newest checkpoint, how to resume."""
         newest = self.manager.latest()
         if newest is None:
-            where = "There is no checkpoint of this run; fix the cause and start it again (without --resume)"
+            where = "There is no checkpoint of this run; fix the cause and start it again from the beginning"
         else:
             where = (f"The newest complete checkpoint is {newest}: fix the cause (free space, ...) and continue "
                      "with --resume (steps after it run again)")
@@ -400,7 +400,7 @@ class _Training:
         except KeyboardInterrupt:
             bar.close()
             where = (f"the last checkpoint is {self.last_checkpoint} (continue with --resume)" if self.last_checkpoint
-                     else "no checkpoint was written (start again, without --resume)")
+                     else "no checkpoint was written, so there is nothing to resume: start the run again")
             self.log(f"interrupted after step {trainer.step_count}; {where}")
             raise
         bar.close()
