@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.cli import main
-from megatrain.training import loop
+from megatrain.training import loop, preflight
 from megatrain.training.config import load_config
 from megatrain.training.loop import run_training
 from megatrain.training.metrics import read_metrics
@@ -63,7 +63,7 @@ def test_ctrl_c_during_start_up_is_one_line_without_a_traceback(tmp_path, monkey
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "open_data", interrupted)
+    monkeypatch.setattr(preflight, "open_data", interrupted)
     rc = main(["train", "--out-dir", str(tmp_path), "--steps", "2", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 130 and "Traceback" not in err

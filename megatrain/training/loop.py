@@ -45,8 +45,8 @@ import torch
 
 from ..ir.memory import GiB
 from .checkpoint import CheckpointError, CheckpointManager, check_writable, rng_state, unit_key
+from .checkpointing import SessionCheckpoints
 from .config import ConfigError, RunConfig
-from .data import open_data
 from .errors import DivergedError, TrainingError
 from .evaluate import evaluate
 from .fit import MemoryFitError, check_memory, machine_capacity
@@ -55,13 +55,13 @@ from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
     MetricsWriteError,
-    check_tensorboard,
     format_step_line,
     gpu_peak_bytes,
     host_rss_bytes,
     reset_gpu_peak,
 )
 from .outputs import export, report_lines, write_timelines
+from .preflight import preflight
 from .resume import restore, resume_state
 from .rundir import RunLock, fresh_run_dir, set_aside_newer
 from .signals import StopRequest
@@ -119,8 +119,6 @@ class _Training:
         self.metrics: MetricsLogger | None = None
         self.lock: RunLock | None = None
         self.tokens_seen = 0  # target tokens trained on since step 0 (a resumed run continues the count)
-        self.last_checkpoint: Path | None = None
-        self.saved_step: int | None = None  # the step of the newest checkpoint
 
     def log(self, line: str) -> None:
         if self._log is not None:
@@ -165,36 +163,14 @@ class _Training:
                  f"{cfg.schedule.name}; batch {cfg.data.batch_size} x {self.accum} accumulated x seq {self.seq}; "
                  f"{self.backend_name} backend")
 
-        # 1. schedule rules (those `megatrain plan` checks) and memory, before anything is allocated
-        from ..ir.builders import build_schedule
-
-        build_schedule(spec, self.batch, self.seq, self.knobs)  # ScheduleError: a rule of the knobs is broken
-        self.plan, lines = check_memory(spec, self.batch, self.seq, self.knobs, self.backend_name)
-        self.log("memory: " + "; ".join(line.strip() for line in lines))
-        # 2. inputs: data (memory-mapped; token ids checked), the hardware profile, the HF tensors' headers
-        self.data = open_data(cfg.data, spec.vocab_size)
-        self.log(f"data: {self.data.describe()}")
-        if self.seq > spec.max_position_embeddings:
-            self.log(f"note: data.seq_len={self.seq} is beyond the model's max_position_embeddings="
-                     f"{spec.max_position_embeddings}; RoPE extrapolates there")
-        if run.eval_every and self.data.eval is None:
-            self.log("note: run.eval_every is set but there is no held-out split (data.eval_fraction = 0); no eval")
-        self.profile = self._load_profile() if run.simulate else None
-        if cfg.model.pretrained:
-            from .hf_checkpoint import check_hf_dir
-
-            check_hf_dir(cfg.model.name, spec, strict=not cfg.model.num_layers)
-        # 3. the run directory (locked), checkpoints, export target, TensorBoard: all before the store exists
+        # 1-2. every check that needs no allocation: schedule rules, memory, data, profile, HF tensors (preflight.py)
+        checked = preflight(cfg, spec, self.batch, self.seq, self.knobs, self.backend_name, self.log)
+        self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
+                                                                 checked.profile_name)
+        # 3. the run directory (locked) and the checkpoint to resume: before the store exists
         self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
+        self.ckpt = SessionCheckpoints(self.manager, self.log)
         resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
-        if run.export_hf and Path(run.export_hf).exists():
-            raise ConfigError(f"run.export_hf={run.export_hf!r} already exists; the export at the end would fail "
-                              "after the whole run. Choose a new directory or remove it")
-        if run.tensorboard:
-            try:
-                check_tensorboard()
-            except ImportError as e:
-                raise ConfigError(str(e)) from None
         check_writable(self.manager.directory)
         self.lock = RunLock(run_dir)  # from here on no other process uses the directory
         cfg.save(run_dir)
@@ -202,8 +178,7 @@ class _Training:
         self._build_trainer()
         self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
         if resume is not None:
-            self.last_checkpoint, self.saved_step, self.tokens_seen = restore(self.trainer, self.manager, resume,
-                                                                              self.log)
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, self.log)
             if resume["state"].get("schedule") != cfg.schedule.name:
                 self.log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with "
                          f"{cfg.schedule.name!r} (the schedule changes speed, not results)")
@@ -228,21 +203,6 @@ class _Training:
             p = self.predicted.summary
             self.log(f"predicted ({self.profile_name} profile): {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tok/s, "
                      f"GPU idle {100 * p.gpu_idle_frac:.1f}%")
-
-    def _load_profile(self):
-        """The simulator's hardware profile, read and checked now (a bad file is a ConfigError, not a traceback
-        after the store was allocated)."""
-        from ..sim import ProfileError, load_profile
-
-        name = self.cfg.run.profile or ("h200-measured" if self.backend_name == "cuda" else "cpu")
-        self.profile_name = Path(name).stem
-        try:
-            return load_profile(name)
-        except ProfileError as e:
-            raise ConfigError(f"run.profile={name!r}: {e}") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"run.profile={name!r} is not a hardware profile ({type(e).__name__}: {e}); give a "
-                              "JSON written by `megatrain profile`, or leave run.profile empty") from None
 
     def _build_trainer(self) -> None:
         from ..exec.optim import AdamWConfig
@@ -279,8 +239,7 @@ class _Training:
 
     # -- checkpoints --
     def _save(self, step: int) -> Path:
-        """Checkpoint `step`. A failed write is retried once after deleting the older checkpoints (the newest
-        complete one is kept), then ends the run with a TrainingError saying what is kept and how to resume."""
+        """Checkpoint `step` (SessionCheckpoints: one retry, then a TrainingError saying how to resume)."""
         store, t0 = self.trainer.store, time.perf_counter()
         self._log_skips(self.skips.settle(self.trainer.flush()))  # the pending "overlap" update belongs to this step
         state = {
@@ -293,30 +252,9 @@ class _Training:
             "config": self.cfg.to_dict(),
         }
         tiles = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-        try:
-            path = self.manager.save(step, tiles, state, units=store.units)
-        except CheckpointError as first:
-            if len(self.manager.checkpoints()) < 2:
-                raise self._stopped(f"{first}") from first
-            self.log(f"{first}; retrying after deleting all but the newest checkpoint")
-            self.manager.prune(keep_last=1)
-            try:
-                path = self.manager.save(step, tiles, state, units=store.units)
-            except CheckpointError as second:
-                raise self._stopped(f"{second}") from second
-        self.last_checkpoint, self.saved_step = path, step
+        path = self.ckpt.save(step, tiles, state, store.units, self.trainer.step_count)
         self.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
         return path
-
-    def _stopped(self, what: str) -> TrainingError:
-        """The error that ends the run after a failure: what happened, the newest checkpoint, how to resume."""
-        newest = self.manager.latest()
-        if newest is None:
-            where = "There is no checkpoint of this run; fix the cause and start it again from the beginning"
-        else:
-            where = (f"The newest complete checkpoint is {newest}: fix the cause (free space, ...) and continue "
-                     "with --resume (steps after it run again)")
-        return TrainingError(f"the run stopped after step {self.trainer.step_count}: {what}. {where}")
 
     # -- the loop --
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,7 +276,7 @@ class _Training:
         try:
             return self.trainer.step(ids, targets)
         except ExecError as e:
-            raise self._stopped(f"step {step} failed: {e}") from e
+            raise self.ckpt.stopped(self.trainer.step_count, f"step {step} failed: {e}") from e
 
     def _loop(self) -> RunSummary:
         from tqdm import tqdm
@@ -388,18 +326,18 @@ class _Training:
                     step_times.append(r.time_s)
                     idles.append(100 * measured.gpu_idle_frac)
                     if self.skips.diverged:
-                        raise self._diverged(step)
+                        raise self.ckpt.diverged(step, self.skips.consecutive, run.max_skipped_steps)
                     if run.checkpoint_every and step % run.checkpoint_every == 0:
                         if self.skips.consecutive:  # keep the last good checkpoint: do not prune it for this one
                             self.log(f"checkpoint of step {step} not written: its update was skipped (the last good "
-                                     f"checkpoint, {self.last_checkpoint}, is kept)")
+                                     f"checkpoint, {self.ckpt.last}, is kept)")
                         else:
                             self._save(step)
                     if self._stop_here(step, stop, summary):
                         break
         except KeyboardInterrupt:
             bar.close()
-            where = (f"the last checkpoint is {self.last_checkpoint} (continue with --resume)" if self.last_checkpoint
+            where = (f"the last checkpoint is {self.ckpt.last} (continue with --resume)" if self.ckpt.last
                      else "no checkpoint was written, so there is nothing to resume: start the run again")
             self.log(f"interrupted after step {trainer.step_count}; {where}")
             raise
@@ -407,16 +345,16 @@ class _Training:
         summary.elapsed_s = time.perf_counter() - t_start
         if not summary.stopped_early:
             self._finish(summary, start)
-        summary.checkpoint = self.last_checkpoint
+        summary.checkpoint = self.ckpt.last
         warm = step_times[1:] or step_times
         if warm:
             summary.measured_step_s = statistics.median(warm)
             summary.measured_idle_pct = statistics.median(idles[1:] or idles)
         if timelines:
-            write_timelines(self.run_dir, timelines, self.predicted, getattr(self, "profile_name", None),
+            write_timelines(self.run_dir, timelines, self.predicted, self.profile_name,
                             self.program, f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} "
                                           f"x seq {self.seq}")
-        for line in report_lines(summary, getattr(self, "profile_name", None), self.skips.skipped_unit_updates):
+        for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
             self.log(line)
         return summary
 
@@ -426,21 +364,11 @@ class _Training:
             self.metrics.write(record)
         except MetricsWriteError as e:
             step = record["step"]
-            if self.saved_step != step:
+            if self.ckpt.step != step:
                 self._save(step)  # raises its own TrainingError if this fails too
             raise TrainingError(f"the run stopped after step {step}: {e}. The state after step {step} was saved to "
-                                f"{self.last_checkpoint} (metrics.jsonl lacks that step's record); free space and "
+                                f"{self.ckpt.last} (metrics.jsonl lacks that step's record); free space and "
                                 "continue with --resume") from e
-
-    def _diverged(self, step: int) -> DivergedError:
-        n, good = self.skips.consecutive, self.last_checkpoint
-        keep = (f"the last good checkpoint, {good} (step {self.saved_step}), is kept; resume from it with a lower "
-                f"learning rate (--resume {good} --lr ...)" if good else
-                "there is no checkpoint of this run; start again with a lower optimizer.lr or with clipping "
-                "(optimizer.grad_clip)")
-        return DivergedError(f"the run diverged: the updates of the last {n} steps (to step {step}) were skipped for "
-                             f"non-finite gradients (run.max_skipped_steps={self.cfg.run.max_skipped_steps}); "
-                             f"stopped without writing a checkpoint: {keep}")
 
     def _stop_here(self, step: int, stop: StopRequest, summary: RunSummary) -> bool:
         """stop_at_step or a signal: checkpoint (unless done) and end the session with how to continue."""
@@ -448,11 +376,11 @@ class _Training:
             return False  # the normal end checkpoints anyway
         if not (stop.requested or (self.stop_at_step is not None and step >= self.stop_at_step)):
             return False
-        if self.saved_step != step:
+        if self.ckpt.step != step:
             self._save(step)
         summary.stopped_early, summary.stop_signal = True, stop.signal_name
         why = stop.signal_name or "stop_at_step"
-        self.log(f"stopped after step {step} ({why}); checkpoint {self.last_checkpoint}; continue with "
+        self.log(f"stopped after step {step} ({why}); checkpoint {self.ckpt.last}; continue with "
                  f"`megatrain train --resume` and the same config (run directory {self.run_dir})")
         return True
 
@@ -461,13 +389,13 @@ class _Training:
         """Final checkpoint and export; the skips the last flush settles are counted too."""
         run = self.cfg.run
         self._log_skips(self.skips.settle(self.trainer.flush()))
-        if run.checkpoint_at_end and self.saved_step != summary.steps and summary.steps > start:
+        if run.checkpoint_at_end and self.ckpt.step != summary.steps and summary.steps > start:
             self._save(summary.steps)
         if run.export_hf:
             try:
                 summary.export_dir = export(self.cfg, self.spec, self.trainer.store, self.log)
             except (CheckpointError, OSError) as e:
-                where = (f"the trained weights are in checkpoint {self.last_checkpoint}" if self.last_checkpoint
+                where = (f"the trained weights are in checkpoint {self.ckpt.last}" if self.ckpt.last
                          else "no checkpoint holds the trained weights (run.checkpoint_at_end=false)")
                 raise TrainingError(f"{e}; {where}: fix the cause and export again") from e
 
