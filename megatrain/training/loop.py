@@ -191,8 +191,11 @@ class _Training:
             self._fill_weights()
         # Opened only now: on resume it drops the records of steps after the checkpoint (they are run again),
         # which must not happen if the checkpoint then failed to load.
-        self.metrics = MetricsLogger(run_dir / "metrics.jsonl", run_dir / "tensorboard" if run.tensorboard else None,
-                                     keep_until=resume["step"] if resume else None)
+        try:
+            self.metrics = MetricsLogger(run_dir / "metrics.jsonl", run_dir / "tensorboard" if run.tensorboard
+                                         else None, keep_until=resume["step"] if resume else None)
+        except MetricsWriteError as e:
+            raise self.ckpt.stopped(self.trainer.step_count, str(e)) from e
         # 5. the prediction of the same Program
         self.program = self.trainer.program(self.batch, self.seq)
         self.predicted = None

@@ -96,10 +96,13 @@ class MetricsLogger:
         """`keep_until`: on resume, the records of steps after this one (steps the checkpoint does not have and
         that will be run again) are removed first, so every step appears once."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if keep_until is not None and self.path.exists():
-            self._truncate_after(keep_until)
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_until is not None and self.path.exists():
+                self._truncate_after(keep_until)
+            self._f = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise MetricsWriteError(f"could not open {self.path}: {explain_os_error(e)}") from e
         self._tb = None
         if tensorboard_dir is not None:
             self._tb = open_tensorboard(tensorboard_dir)
