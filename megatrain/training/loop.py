@@ -384,7 +384,8 @@ class _Training:
         summary.stopped_early, summary.stop_signal = True, stop.signal_name
         why = stop.signal_name or "stop_at_step"
         self.log(f"stopped after step {step} ({why}); checkpoint {self.ckpt.last}; continue with "
-                 f"`megatrain train --resume` and the same config (run directory {self.run_dir})")
+                 f"`megatrain train --resume --name {self.run_dir.name} --out-dir {self.run_dir.parent}` and the "
+                 "same other options")
         return True
 
     # -- the end --

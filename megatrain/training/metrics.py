@@ -201,5 +201,5 @@ def format_step_line(r: dict, total_steps: int | None = None) -> str:
               f"host {_num(r['host_rss_gib'], '.2f')} GiB", f"GPU {_num(r['gpu_mem_gib'], '.2f', 'n/a')} GiB"]
     line = " | ".join(parts)
     if r["skipped"]:
-        line += " | SKIPPED (non-finite gradients, no update)"
+        line += f" | SKIPPED {r['skipped_units']} unit update(s) (non-finite gradients)"
     return line

@@ -31,6 +31,8 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the step
+        if self.requested:
+            return  # a repeated SIGTERM (a scheduler, or `timeout`, forwarding it): already stopping
         self.signal_name = name
         self.log(f"{name} received: stopping after the current step with a checkpoint (Ctrl-C again to stop at "
                  "once, without one)")
