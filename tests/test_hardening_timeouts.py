@@ -98,3 +98,30 @@ def test_profiler_waits_are_bounded_and_name_the_measurement(monkeypatch):
         assert time.perf_counter() - t0 < 4
     finally:
         worker._pool.shutdown(wait=False)
+
+
+def test_a_hung_step_ends_the_run_with_an_error_naming_the_task_and_the_checkpoint(tmp_path, monkeypatch):
+    from megatrain.exec import work as work_module
+    from megatrain.training.config import load_config
+    from megatrain.training.errors import TrainingError
+    from megatrain.training.loop import run_training
+
+    real, state = work_module.StepWork.prefetch, {"calls": 0}
+
+    def prefetch(self, task):
+        state["calls"] += 1
+        if state["calls"] == 40:  # some way into the run, after the first checkpoint
+            time.sleep(15)
+        return real(self, task)
+
+    monkeypatch.setattr(work_module.StepWork, "prefetch", prefetch)
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=h", "run.steps=20", "run.eval_every=0",
+                             "run.checkpoint_every=2", "run.progress=false", "run.simulate=false",
+                             "data.batch_size=2", "data.seq_len=32", "run.wait_timeout_s=4"])
+    t0 = time.perf_counter()
+    with pytest.raises(TrainingError) as e:
+        run_training(cfg, log=lambda line: None)
+    assert time.perf_counter() - t0 < 30
+    msg = str(e.value)
+    assert "failed: task P" in msg or "for P" in msg, msg
+    assert "newest complete checkpoint" in msg and "--resume" in msg, msg

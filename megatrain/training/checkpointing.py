@@ -44,7 +44,7 @@ class SessionCheckpoints:
         if newest is None:
             where = "There is no checkpoint of this run; fix the cause and start it again from the beginning"
         else:
-            where = (f"The newest complete checkpoint is {newest}: fix the cause (free space, ...) and continue "
+            where = (f"The newest complete checkpoint is {newest}: fix the cause and continue "
                      "with --resume (steps after it run again)")
         return TrainingError(f"the run stopped after step {done_steps}: {what}. {where}")
 
