@@ -246,14 +246,52 @@ _HF_DEFAULTS = {
 }
 
 
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_hf_values(c: dict) -> None:
+    """Types and ranges of the values megatrain reads (a SpecError naming the field, never a traceback)."""
+    for key in _INT_FIELDS:
+        v = c.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()) or v <= 0:
+            raise SpecError(f"config.json: {key}={v!r} must be a positive integer")
+    for key in _FLOAT_FIELDS:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v <= 0):
+            raise SpecError(f"config.json: {key}={v!r} must be a positive number")
+    for key in ("rope_parameters", "rope_scaling"):
+        v = c.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise SpecError(f"config.json: {key} must be an object (or null), got {type(v).__name__}")
+        for k, x in (v or {}).items():
+            if k not in ("rope_type", "type") and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                raise SpecError(f"config.json: {key}.{k}={x!r} must be a number")
+    for key in ("tie_word_embeddings", "mlp_bias", "attention_bias"):
+        v = c.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise SpecError(f"config.json: {key}={v!r} must be true or false")
+    for key in ("hidden_act", "dtype", "torch_dtype"):
+        v = c.get(key)
+        if v is not None and not isinstance(v, str):
+            raise SpecError(f"config.json: {key}={v!r} must be a string")
+
+
 def spec_from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     """Build a ModelSpec from the dict of a HF `config.json` (transformers 4.x or 5.x shape)."""
+    if not isinstance(cfg, dict):
+        raise SpecError(f"config.json must hold a JSON object, got a JSON {type(cfg).__name__}")
     model_type = cfg.get("model_type")
-    if model_type not in _HF_DEFAULTS:
+    if not isinstance(model_type, str) or model_type not in _HF_DEFAULTS:
         raise SpecError(
             f"config.json has model_type {model_type!r}; megatrain supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     c = {**_HF_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None}}
+    _check_hf_values(c)
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise SpecError(f"hidden_act {act!r} is not supported; the SwiGLU MLP of megatrain uses silu")
@@ -309,6 +347,8 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         raise SpecError(f"no config.json at {p}; pass a Hugging Face model directory or its config.json")
     try:
         cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(f"{p} must hold a JSON object (a Hugging Face config), got a JSON {type(cfg).__name__}")
     return spec_from_hf_config(cfg, name=p.parent.name or "hf")

@@ -35,6 +35,7 @@ from megatrain.training.loop import (
     run_from_args,
     run_training,
 )
+from megatrain.training.errors import TrainingError
 from megatrain.training.metrics import METRIC_KEYS, MetricsLogger, format_step_line, read_metrics
 
 DEBUG = PRESETS["debug"]
@@ -103,7 +104,7 @@ def test_init_is_per_unit_seeded_and_matches_hf_statistics():
 
 
 def test_metrics_logger_keys_truncation_and_line(tmp_path):
-    rec = dict(zip(METRIC_KEYS, (3, 2.5, None, 1e-3, 0.7, False, 64, 0.1, 640.0, 1e-6, 12.5, 0.3, None, 1.0)))
+    rec = dict(zip(METRIC_KEYS, (3, 2.5, None, 1e-3, 0.7, False, 0, 64, 0.1, 640.0, 1e-6, 12.5, 0.3, None, 1.0)))
     path = tmp_path / "m.jsonl"
     with MetricsLogger(path) as m:
         for s in (1, 2, 3):
@@ -349,7 +350,8 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_one_and_resume_continues(t
 
     monkeypatch.setattr(stio, "_write", full_after_first_checkpoint)
     cfg = tiny(tmp_path, "run.checkpoint_every=2")
-    with pytest.raises(CheckpointError, match=r"step 4 was not saved: the disk is full.*step_00000002 is intact"):
+    # The run stops there (issue 12: one message, the newest complete checkpoint, how to resume).
+    with pytest.raises(TrainingError, match=r"step 4 was not saved: the disk is full.*step_00000002.*--resume"):
         train(cfg)
     run = tmp_path / "runs" / "t"
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..training.checkpoint import CheckpointError
     from ..training.config import ConfigError
     from ..training.data import DataError
+    from ..training.errors import TrainingError
     from ..training.safetensors_io import SafetensorsFormatError
 
     args = build_parser().parse_args(argv)
@@ -38,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, SpecError, ScheduleError, ConfigError, DataError, CheckpointError, SafetensorsFormatError) as e:
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # the run started and stopped on its own: what happened and how to continue
+        print(f"megatrain {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C anywhere (start-up included): one line, no traceback
+        print(f"megatrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes, token counts and repetitions")
     p.add_argument("--name", help="profile name (default: from the device)")
     p.add_argument("--out", help="profile JSON to write (default runs/profile-<model>-<device>.json)")
+    p.add_argument("--wait-timeout", dest="wait_timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="bound of every wait of a measurement; a hung copy or kernel ends with an error")
     p.set_defaults(func=run)
 
 
@@ -72,6 +74,11 @@ def run(args) -> int:
         raise UserError(f"--device {args.device}: no CUDA device here; use --device cpu")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise UserError("--cpu-threads must be at least 1")
+    if not args.wait_timeout > 0:
+        raise UserError("--wait-timeout must be a positive number of seconds")
+    from ..profiling import bench
+
+    bench.WAIT_TIMEOUT_S = args.wait_timeout  # read by every bounded wait of the measurement
     _, knobs = resolve_knobs(args.schedule, args.set)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device

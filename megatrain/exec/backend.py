@@ -83,8 +83,11 @@ class Backend(ABC):
         """Seconds from event `start` to event `end` (both device events of this backend)."""
 
     @abstractmethod
-    def synchronize(self) -> None:
-        """Wait until all work enqueued on every stream is done."""
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Wait until all work enqueued on every stream is done; ExecError after `timeout_s` (default
+        `self.timeout_s`, which the Runtime sets from its wait timeout)."""
+
+    timeout_s: float = 300.0  # the bound of `synchronize()` without an argument
 
     def enter_thread(self) -> None:
         """Per-thread setup for an issuing thread (current device)."""
@@ -138,8 +141,8 @@ class CpuBackend(Backend):
     def elapsed_s(self, start, end) -> float:
         return end.t - start.t
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        pass  # every stream's work ran synchronously in its issuing thread
 
 
 class CudaBackend(Backend):
@@ -198,8 +201,18 @@ class CudaBackend(Backend):
     def elapsed_s(self, start, end) -> float:
         return start.elapsed_time(end) / 1e3
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        # torch.cuda.synchronize cannot time out: record an event on every stream (and the default one) and poll
+        # them with a deadline instead, so a hung kernel or copy ends in an error rather than a hang.
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        streams = dict(self._streams, default=torch.cuda.current_stream(self.device))
+        deadline = time.perf_counter() + timeout_s
+        for name, stream in streams.items():
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            if not self.host_wait(ev, max(0.0, deadline - time.perf_counter())):
+                raise ExecError(f"device synchronize: stream {name} did not finish its work within {timeout_s:.1f} s "
+                                "(run.wait_timeout_s, --wait-timeout); a kernel or copy on it is hung")
 
     @property
     def pins_host_memory(self) -> bool:

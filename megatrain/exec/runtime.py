@@ -14,7 +14,11 @@ The stream threads live as long as the Runtime and are woken once per step: a ne
 handle and OpenMP pool on its first task (+43 ms on the first forward of every step on the H200, measured by
 `megatrain profile`).
 Every wait has a timeout; a timeout or a failing task aborts all streams and raises `ExecError` naming the task,
-its stream, what it waited for and what every stream was doing. The start/done events give the measured Timeline,
+its stream, what it waited for and what every stream was doing. The calling thread supervises the streams: a task
+body that runs longer than the timeout (a hung copy, a deadlocked kernel launch, an injected `sleep`) aborts the
+step too, so `run()` returns or raises within about the timeout plus a short grace, never hangs. A thread cannot be
+killed, so a stream still stuck in a task body after the grace marks the Runtime unusable: the next `run()` raises
+unless that task has returned by then. The start/done events give the measured Timeline,
 with the simulator's columns (`megatrain.analysis.timeline`).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..ir.program import STREAMS, Program, ProgramTask
 from .backend import Backend, ExecError, HostEvent
 
 POLL_S = 0.02  # how often a waiting thread checks for an abort
+ABORT_GRACE_S = 5.0  # after an abort, how long the other streams get to notice it and stop (capped by the timeout)
 
 
 class Runtime:
@@ -40,6 +45,7 @@ class Runtime:
     def __init__(self, program: Program, backend: Backend, work: Callable[[ProgramTask], None],
                  timeout_s: float = 300.0):
         self.program, self.backend, self.work, self.timeout_s = program, backend, work, timeout_s
+        backend.timeout_s = timeout_s  # bounds the backend's own synchronize() calls (work.py's too)
         for t in program.tasks.values():
             for w in t.waits:
                 if w not in program.tasks:
@@ -54,14 +60,16 @@ class Runtime:
     def run(self, step: int = 0) -> pd.DataFrame:
         """Execute every task of the Program once; returns the measured Timeline of the step."""
         p, be = self.program, self.backend
+        self._check_not_stuck()
         self._issued = {t: threading.Event() for t in p.tasks}
         self._start: dict[str, object] = {}
         self._done: dict[str, object] = {}
         self._abort = threading.Event()
         self._errors: list[BaseException] = []
         self._status = {s: "idle" for s in STREAMS}
+        self._running: dict[str, tuple[str, float] | None] = {s: None for s in STREAMS}
 
-        be.synchronize()
+        be.synchronize(self.timeout_s)
         ref_stream = be.stream("compute")
         t0 = be.record(ref_stream)  # the step's time origin on the device
         be.host_wait(t0, self.timeout_s)
@@ -77,16 +85,14 @@ class Runtime:
                     self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
             self._workers[s].start_step()
         try:
-            for s in active:
-                self._workers[s].wait_step()
+            self._supervise(active)
         except BaseException:  # KeyboardInterrupt: stop the streams before leaving
             self._abort.set()
-            for s in active:
-                self._workers[s].wait_step(self.timeout_s)
+            self._await_streams(active, time.perf_counter() + self._grace_s())
             raise
         if self._errors:
             raise self._errors[0]
-        be.synchronize()
+        be.synchronize(self.timeout_s)
 
         def at(ev) -> float:
             return ev.t - host_t0 if isinstance(ev, HostEvent) else be.elapsed_s(t0, ev)
@@ -102,6 +108,65 @@ class Runtime:
         """Stop the stream threads (a new `run` would start them again)."""
         _stop_workers(self._workers)
 
+    # ---- supervision (the calling thread) -------------------------------------------------------------------------
+    def _grace_s(self) -> float:
+        return min(self.timeout_s, ABORT_GRACE_S)
+
+    def _supervise(self, active: list[str]) -> None:
+        """Wait for every stream's walk; abort the step when a task body outlives the timeout. After an abort the
+        streams get a short grace to stop, then this returns with the error recorded (never blocks for good)."""
+        grace_end = None
+        while True:
+            pending = [s for s in active if not self._workers[s].finished]
+            if not pending:
+                return
+            now = time.perf_counter()
+            if self._abort.is_set():
+                grace_end = grace_end or now + self._grace_s()
+                if now > grace_end:
+                    self._note_stuck(pending)
+                    return
+            else:
+                self._check_hung(now)
+            self._workers[pending[0]].wait_finished(POLL_S)
+
+    def _check_hung(self, now: float) -> None:
+        for s, running in list(self._running.items()):
+            if running is not None and now - running[1] > self.timeout_s:
+                self._fail(ExecError(f"task {running[0]} on stream {s} has been running for {now - running[1]:.1f} s,"
+                                     f" longer than the wait timeout of {self.timeout_s:.1f} s (run.wait_timeout_s, "
+                                     f"--wait-timeout). Streams: {self._doing()}"))
+                return
+
+    def _await_streams(self, active: list[str], deadline: float) -> None:
+        for s in active:
+            while not self._workers[s].wait_finished(POLL_S) and time.perf_counter() < deadline:
+                pass
+        self._note_stuck([s for s in active if not self._workers[s].finished])
+
+    def _note_stuck(self, streams: list[str]) -> None:
+        if not streams:
+            return
+        self._stuck = {s: self._workers[s] for s in streams}
+        stuck = ", ".join(f"{s} ({self._status.get(s)})" for s in streams)
+        if self._errors:
+            first = self._errors[0]
+            self._errors[0] = type(first)(f"{first} [still stuck after the abort: {stuck}; this Runtime cannot run "
+                                          "another step until they return]")
+            self._errors[0].__cause__ = first.__cause__
+
+    def _check_not_stuck(self) -> None:
+        stuck = getattr(self, "_stuck", {})
+        still = [s for s, w in stuck.items() if not w.finished]
+        if still:
+            raise ExecError(f"stream(s) {', '.join(still)} of an aborted step are still inside a task body "
+                            f"({'; '.join(str(self._status.get(s)) for s in still)}); this Runtime cannot run "
+                            "another step (restart the process, or resume from the last checkpoint)")
+        self._stuck = {}
+
+    def _doing(self) -> str:
+        return "; ".join(f"{s}: {st}" for s, st in self._status.items() if self.program.streams.get(s))
+
     # ---- one stream ----------------------------------------------------------------------------------------------
     def _walk(self, name: str) -> None:
         be, p = self.backend, self.program
@@ -115,10 +180,12 @@ class Runtime:
                     if not self._await_inputs(current, stream):
                         return  # aborted by another stream's failure
                     self._status[name] = f"running {tid}"
+                    self._running[name] = (tid, time.perf_counter())  # watched by `_check_hung`
                     with be.use(stream):
                         start = be.record(stream)
                         self.work(current)
                         done = be.record(stream)
+                    self._running[name] = None
                     self._start[tid], self._done[tid] = start, done
                     self._issued[tid].set()
             self._status[name] = "finished"
@@ -151,7 +218,8 @@ class Runtime:
                         return False
                     if time.perf_counter() > deadline:
                         raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for "
-                                        f"{w} (stream {self.program.tasks[w].stream}) to finish on the device")
+                                        f"{w} (stream {self.program.tasks[w].stream}) to finish on the device. "
+                                        f"Streams: {self._doing()}")
             else:
                 be.stream_wait(stream, ev)
         return True
@@ -164,9 +232,8 @@ class Runtime:
                 return False
             if time.perf_counter() > deadline:
                 ws = self.program.tasks[w].stream
-                doing = "; ".join(f"{s}: {st}" for s, st in self._status.items() if self.program.streams.get(s))
                 raise ExecError(f"task {task.id} on stream {task.stream} waited {self.timeout_s:.1f} s for {w} "
-                                f"(stream {ws}), which was never issued. Streams: {doing}")
+                                f"(stream {ws}), which was never issued. Streams: {self._doing()}")
         return True
 
 
@@ -183,6 +250,7 @@ class _StreamWorker:
         self.name, self._walk = name, walk
         self._go = threading.Event()
         self._finished = threading.Event()
+        self._finished.set()  # no step running yet
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"megatrain-{name}", daemon=True)
         self.thread.start()
@@ -205,12 +273,14 @@ class _StreamWorker:
         self._finished.clear()
         self._go.set()
 
-    def wait_step(self, timeout_s: float | None = None) -> None:
-        """Block until this step's walk is over (the walk itself enforces the task timeouts)."""
-        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        while not self._finished.wait(POLL_S * 5):
-            if deadline is not None and time.perf_counter() > deadline:
-                return
+    @property
+    def finished(self) -> bool:
+        """This step's walk is over (or no step was started)."""
+        return self._finished.is_set()
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block at most `timeout_s` for this step's walk to end; whether it has."""
+        return self._finished.wait(timeout_s)
 
     def stop(self) -> None:
         self._stopping = True

@@ -18,11 +18,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from ..exec.backend import Backend, HostEvent
+from ..exec.backend import Backend, ExecError, HostEvent
+
+WAIT_TIMEOUT_S = 600.0  # bound of every wait of a measurement (`megatrain profile --wait-timeout`)
+
+
+def result(future: Future, what: str, timeout_s: float | None = None):
+    """`future.result()` with a bound: an ExecError naming the measurement when it does not finish in time."""
+    timeout_s = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return future.result(timeout_s)
+    except FutureTimeout:
+        raise ExecError(f"profile: {what} did not finish within {timeout_s:.0f} s (--wait-timeout); a copy, kernel "
+                        "or update is hung") from None
 
 
 def elapsed_s(backend: Backend, start, end) -> float:
@@ -46,7 +59,7 @@ class Worker:
         def body():
             with torch.no_grad(), self.backend.use(self.stream):
                 return fn(*args)
-        return self._pool.submit(body).result()
+        return result(self._pool.submit(body), f"{getattr(fn, '__name__', 'a call')} on stream {self.stream_name}")
 
     def submit(self, fn: Callable, *args):
         """Like `call`, but returns a Future."""
@@ -78,13 +91,13 @@ class Worker:
         be, stream = self.backend, self.stream
         for _ in range(warmup):
             fn()
-        be.synchronize()
+        be.synchronize(WAIT_TIMEOUT_S)
         marks = []
         for _ in range(reps):
             start = be.record(stream)
             fn()
             marks.append((start, be.record(stream)))
-        be.synchronize()
+        be.synchronize(WAIT_TIMEOUT_S)
         return [elapsed_s(be, s, e) for s, e in marks]
 
     def close(self) -> None:
@@ -108,20 +121,27 @@ class Background:
         while not self._stop.is_set():
             self.fn()
             ev = be.record(stream)
-            be.host_wait(ev, 600.0)
+            if not be.host_wait(ev, WAIT_TIMEOUT_S):
+                raise ExecError(f"profile: a background call on stream {self.worker.stream_name} did not finish "
+                                f"within {WAIT_TIMEOUT_S:.0f} s (--wait-timeout)")
             self.calls += 1
             self._started.set()
 
     def __enter__(self) -> Background:
         self._future = self.worker.submit(self._loop)
+        deadline = time.perf_counter() + WAIT_TIMEOUT_S
         while not self._started.wait(0.01):
             if self._future.done():
                 self._future.result()  # raise the loop's error
+            if time.perf_counter() > deadline:
+                self._stop.set()
+                raise ExecError(f"profile: the background loop on stream {self.worker.stream_name} did not complete "
+                                f"a call within {WAIT_TIMEOUT_S:.0f} s (--wait-timeout)")
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._future.result()
+        result(self._future, f"the background loop on stream {self.worker.stream_name}")
 
 
 def median(xs: list[float]) -> float:

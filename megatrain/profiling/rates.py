@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from ..exec.backend import Backend
+from ..exec.backend import Backend, ExecError
 from ..exec.optim import AdamWConfig, adamw_update, clip_coefficient, global_norm
+from . import bench
 from .bench import Background, Worker, median
 
 _CFG = AdamWConfig(lr=1e-4, weight_decay=0.1)
@@ -200,15 +201,18 @@ def measure_fresh_thread(backend: Backend, body, threads: int = 4) -> dict:
             for _ in range(3):
                 t0 = time.perf_counter()
                 body()
-                backend.synchronize()
+                backend.synchronize(bench.WAIT_TIMEOUT_S)
                 ts.append(time.perf_counter() - t0)
         firsts.append(ts[0])
         laters.append(min(ts[1:]))
 
     for _ in range(threads):
-        th = threading.Thread(target=run)
+        th = threading.Thread(target=run, daemon=True)
         th.start()
-        th.join()
+        th.join(bench.WAIT_TIMEOUT_S)
+        if th.is_alive():
+            raise ExecError(f"profile: the new-thread measurement did not finish within {bench.WAIT_TIMEOUT_S:.0f} s "
+                            "(--wait-timeout)")
     return {"first_s": median(firsts), "later_s": median(laters), "extra_s": median(firsts) - median(laters)}
 
 

@@ -5,7 +5,8 @@ A checkpoint is a directory `step_00000100/` under the run's `checkpoints/`:
     master.safetensors     {unit key: flat fp32 tile}   unit keys: "embed", "layers.0", ..., "head"
     adam_m.safetensors     the same units, AdamW first moments
     adam_v.safetensors     second moments
-    trainer_state.json     step, RNG states, data cursor, config, whatever else the trainer passes
+    trainer_state.json     step, unit list, SHA-256 of every tensor file, RNG states, data cursor, config, whatever
+                           else the trainer passes; its own "checksum" is the SHA-256 of the rest of it
 
 Atomic: everything is written into a hidden `.tmp-step_...` directory, each file fsynced, then the directory is
 renamed to its final name (one atomic rename on POSIX file systems) and the parent fsynced. A kill or a full disk
@@ -13,37 +14,46 @@ at any moment before the rename leaves the previous checkpoints exactly as they 
 directory is ignored by `latest()` and removed by the next save. After a successful save only the newest
 `keep_last` checkpoints are kept.
 
+Checksums: each tensor file's SHA-256 is computed as it is written (no second read) and stored in the state file,
+which carries a checksum of its own content (the unit list included). `verify_checkpoint` checks them all, and
+`load` refuses non-finite values, naming the tensor: flipped bytes, a truncated or edited file, a shortened unit
+list are a clear CheckpointError at resume, never a silent start from damaged weights. (Version-1 checkpoints,
+written before checksums, load without them.)
+
+Pruning renames a doomed checkpoint to a hidden temporary name before deleting it, so a kill mid-delete leaves
+nothing `latest()` could take for a checkpoint; such leftovers (and `step_*` directories without a state file)
+are removed by the next save.
+
 Tiles are written straight from the buffers they live in (no second copy of the store in memory) and read back
 straight into the destination buffers (`load(..., dest=store_tile)`), so saving and resuming a model that
 fills host memory needs no extra host memory.
 """
 from __future__ import annotations
 
-import base64
 import errno
+import hashlib
 import json
 import os
-import random
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..exec.hf_io import CheckpointError
 from ..spec import EMBED, HEAD
 from . import safetensors_io as stio
+from .rng import rng_state, set_rng_state  # re-exported: a checkpoint's trainer state holds them
 
 KINDS = ("master", "adam_m", "adam_v")
 STATE_FILE = "trainer_state.json"
 FORMAT = "megatrain-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums of every file and of the state (1 is still read)
 _TMP_PREFIX = ".tmp-"
 
 __all__ = ["CheckpointError", "CheckpointManager", "LoadedCheckpoint", "KINDS", "unit_key", "key_unit",
-           "rng_state", "set_rng_state", "check_writable"]
+           "rng_state", "set_rng_state", "check_writable", "verify_checkpoint", "read_state"]
 
 
 def unit_key(unit: int) -> str:
@@ -63,42 +73,9 @@ def _step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# ---- RNG states ------------------------------------------------------------------------------------------------
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def rng_state() -> dict:
-    """The state of every RNG a run uses (Python, NumPy, torch CPU and CUDA), JSON-serializable."""
-    np_state = np.random.get_state()
-    state = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state()` captured."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
-
-
 # ---- writability -----------------------------------------------------------------------------------------------
 def _explain(e: OSError, path: Path, what: str) -> str:
-    if e.errno == errno.ENOSPC:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk is full while {what} {path}"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"no permission to write {path} while {what} it ({e.strerror})"
@@ -206,8 +183,7 @@ class CheckpointManager:
                 raise ValueError("pass units= when tiles are given as functions")
             units = list(src)
         try:
-            state_text = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "units": units,
-                                     "state": state}, indent=1)
+            json.dumps(state)
         except (TypeError, ValueError) as e:
             raise ValueError(f"trainer state is not JSON-serializable: {e}") from None
 
@@ -228,11 +204,17 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
+            files = {}
             for kind in KINDS:
                 get = getters[kind]
                 entries = [stio.Entry(unit_key(u), (get(u).numel(),), get(u).dtype,
                                       (lambda g=get, u=u: g(u).reshape(-1))) for u in units]
-                stio.write_safetensors(tmp / f"{kind}.safetensors", entries, {"kind": kind, "step": str(step)})
+                digest = hashlib.sha256()
+                stio.write_safetensors(tmp / f"{kind}.safetensors", entries, {"kind": kind, "step": str(step)},
+                                       digest=digest)
+                files[f"{kind}.safetensors"] = digest.hexdigest()
+            state_text = _state_text({"format": FORMAT, "version": VERSION, "step": step, "units": units,
+                                      "files": files, "state": state})
             # The state file is written last: a directory with it is complete.
             with open(tmp / STATE_FILE, "w") as f:
                 stio._write(f, state_text)
@@ -253,8 +235,7 @@ class CheckpointManager:
             prev = self.latest()
             kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
             raise CheckpointError(
-                f"checkpoint step {step} was not saved: {_explain(e, tmp, what)}. Nothing was lost: {kept}, and "
-                "the training state in memory is unchanged. Free space or fix the directory, then save again"
+                f"checkpoint step {step} was not saved: {_explain(e, tmp, what)}. {kept[0].upper()}{kept[1:]}"
             ) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -262,22 +243,32 @@ class CheckpointManager:
         self.prune()
         return final
 
-    def prune(self) -> list[Path]:
-        """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns what was deleted."""
-        if self.keep_last == 0:
+    def prune(self, keep_last: int | None = None) -> list[Path]:
+        """Delete all but the newest `keep_last` (default: the manager's; 0 keeps all) checkpoints; returns what
+        was deleted. Each is first renamed to a hidden name, so a kill mid-delete leaves no half checkpoint."""
+        keep = self.keep_last if keep_last is None else keep_last
+        if keep == 0:
             return []
-        doomed = [p for _, p in self.checkpoints()[:-self.keep_last]]
+        doomed = [p for _, p in self.checkpoints()[:-keep]]
         for p in doomed:
-            shutil.rmtree(p, ignore_errors=True)
+            gone = self.directory / f"{_TMP_PREFIX}deleting-{p.name}"
+            p.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
         return doomed
 
     def _remove_stale_tmp(self) -> None:
-        for p in self.directory.glob(f"{_TMP_PREFIX}step_*"):
-            shutil.rmtree(p, ignore_errors=True)
+        """Leftovers of killed saves and prunes: hidden temporaries, and step directories without a state file
+        (which no save creates: a save publishes complete directories only)."""
+        for p in self.directory.glob(f"{_TMP_PREFIX}*"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.directory.glob("step_*"):
+            if p.is_dir() and not (p / STATE_FILE).exists():
+                shutil.rmtree(p, ignore_errors=True)
 
     # -- load --
-    def load(self, path: str | Path | None = None, dest: Callable[[str, int], torch.Tensor] | None = None
-             ) -> LoadedCheckpoint:
+    def load(self, path: str | Path | None = None, dest: Callable[[str, int], torch.Tensor] | None = None,
+             verify: bool = True) -> LoadedCheckpoint:
         """Read a checkpoint (default: the latest).
 
         With `dest(kind, unit) -> tensor`, each tile is read straight into the tensor dest returns (e.g. the
@@ -286,23 +277,70 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.latest()
         if path is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        return load_checkpoint(path, dest)
+        return load_checkpoint(path, dest, verify)
 
 
-def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] | None = None) -> LoadedCheckpoint:
-    """Read one checkpoint directory (see `CheckpointManager.load`)."""
+def _state_text(meta: dict) -> str:
+    """The state file's text: `meta` plus "checksum", the SHA-256 of `meta` in canonical JSON."""
+    body = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+    return json.dumps({**meta, "checksum": hashlib.sha256(body.encode()).hexdigest()}, indent=1)
+
+
+def read_state(path: str | Path) -> dict:
+    """The checked content of a checkpoint's state file (its own checksum verified; CheckpointError if not)."""
     path = Path(path)
     state_path = path / STATE_FILE
     try:
         meta = json.loads(state_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{state_path} is corrupt ({e})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{state_path} is not a {FORMAT} v{VERSION} checkpoint "
-                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
-    units = [int(u) for u in meta["units"]]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
+        raise CheckpointError(f"{state_path} is not a {FORMAT} checkpoint (format {got[0]!r}, version {got[1]!r})")
+    if meta["version"] >= 2:
+        claimed = meta.pop("checksum", None)
+        actual = hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        if claimed != actual:
+            raise CheckpointError(f"{state_path} does not match its checksum: the file was damaged or edited; "
+                                  "resume from another checkpoint")
+    try:
+        meta["step"], meta["units"] = int(meta["step"]), [int(u) for u in meta["units"]]
+        if not isinstance(meta["state"], dict):
+            raise TypeError("'state' is not an object")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{state_path} is damaged ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check a checkpoint without allocating: the state file, and every tensor file present, complete (header
+    against size) and matching its SHA-256. Returns the state file's content; CheckpointError naming the file."""
+    path = Path(path)
+    meta = read_state(path)
+    for kind in KINDS:
+        file = path / f"{kind}.safetensors"
+        try:
+            stio.read_header(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} has no {file.name}") from None
+        except stio.SafetensorsFormatError as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+        expected = meta.get("files", {}).get(file.name) if meta["version"] >= 2 else None
+        if meta["version"] >= 2 and stio.file_sha256(file) != expected:
+            raise CheckpointError(f"{file} does not match the checksum in {STATE_FILE}: the file was damaged "
+                                  "(flipped or missing bytes); resume from another checkpoint")
+    return meta
+
+
+def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] | None = None,
+                    verify: bool = True) -> LoadedCheckpoint:
+    """Read one checkpoint directory (see `CheckpointManager.load`); `verify=False` skips the checksums (a
+    caller that ran `verify_checkpoint` already). Non-finite values are refused, naming the tensor."""
+    path = Path(path)
+    meta = verify_checkpoint(path) if verify else read_state(path)
+    units = meta["units"]
     out: dict[str, dict[int, torch.Tensor]] = {}
     for kind in KINDS:
         file = path / f"{kind}.safetensors"
@@ -329,6 +367,10 @@ def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] |
                 stio.read_into(file, info, target)
             except stio.SafetensorsFormatError as e:
                 raise CheckpointError(str(e)) from None
+            if not stio.all_finite(target):
+                raise CheckpointError(f"{file}: tensor {unit_key(u)!r} holds non-finite values (NaN or inf); the "
+                                      "run had diverged when it was saved, or the file is damaged. Resume from an "
+                                      "earlier checkpoint")
             if dest is None:
                 out[kind][u] = target
     return LoadedCheckpoint(path, int(meta["step"]), meta["state"], None if dest is not None else out)

@@ -13,7 +13,7 @@ from .config import ConfigError, RunConfig
 
 _SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
               "seq": "data.seq_len", "lr": "optimizer.lr", "device": "run.device", "name": "run.name",
-              "out_dir": "run.out_dir", "data": "data.path"}
+              "out_dir": "run.out_dir", "data": "data.path", "wait_timeout": "run.wait_timeout_s"}
 
 
 def add_train_arguments(parser) -> None:
@@ -35,6 +35,9 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="[run.device]")
     parser.add_argument("--name", help="[run.name] run directory name under run.out_dir")
     parser.add_argument("--out-dir", dest="out_dir", help="[run.out_dir]")
+    parser.add_argument("--wait-timeout", dest="wait_timeout", type=float, metavar="SECONDS",
+                        help="[run.wait_timeout_s] bound of every executor wait; a hung task stops the step with an "
+                             "error naming it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     parser.add_argument("--timeline", metavar="CSV", help="also write the last step's measured timeline here "
                                                           "(the run directory has the last steps' anyway)")
@@ -76,8 +79,12 @@ def config_from_args(args) -> RunConfig:
 
 
 def run_from_args(args) -> int:
-    """`megatrain train`: build the config from the arguments and train; exit status 0, or 130 if interrupted.
-    User mistakes raise ConfigError / DataError / CheckpointError (megatrain.cli prints them as one line)."""
+    """`megatrain train`: build the config from the arguments and train; exit status 0, 128 + the signal number
+    when SIGTERM / SIGINT stopped it at a step boundary (with a checkpoint), 130 if interrupted at once.
+    User mistakes raise ConfigError / DataError / CheckpointError, a run that stops on its own TrainingError
+    (megatrain.cli prints them as one line)."""
+    import signal
+
     from .loop import run_training
 
     cfg = config_from_args(args)
@@ -85,6 +92,8 @@ def run_from_args(args) -> int:
         summary = run_training(cfg)
     except KeyboardInterrupt:
         return 130
+    if summary.stop_signal is not None:
+        return 128 + int(signal.Signals[summary.stop_signal])
     measured = summary.run_dir / "timeline_measured.csv"
     if getattr(args, "timeline", None) and measured.is_file():
         import pandas as pd

@@ -194,10 +194,18 @@ class RunSettings:
     tensorboard: bool = False
     progress: bool = True  # tqdm progress bar
     export_hf: str = ""  # directory to export the final weights to as a Hugging Face model; "" = none
+    wait_timeout_s: float = 300.0  # bound of every wait of the executor (a hung task ends the step with an error)
+    max_skipped_steps: int = 5  # consecutive skipped updates (non-finite gradients) that stop the run; 0 = never
 
     def validate(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'")
+        if not self.name or any(c in self.name for c in "/\\\0") or self.name in (".", ".."):
+            # The run directory must be a child of out_dir: "..", "." or a path would write elsewhere.
+            raise ConfigError(f"run.name={self.name!r} must be a plain directory name (not '.' or '..', no '/' or "
+                              "'\\'); the run directory is <run.out_dir>/<run.name>")
+        if not (math.isfinite(self.wait_timeout_s) and self.wait_timeout_s > 0):
+            raise ConfigError(f"run.wait_timeout_s={self.wait_timeout_s} must be a positive number of seconds (every "
+                              "executor wait is bounded so that a hung task ends the run with an error)")
+        _at_least("run.max_skipped_steps", self.max_skipped_steps, 0)
         _positive("run.steps", self.steps)
         _positive("run.grad_accum", self.grad_accum)
         _positive("run.log_every", self.log_every)

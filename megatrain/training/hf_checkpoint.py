@@ -45,7 +45,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 Tiles = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
 
-__all__ = ["CheckpointError", "weight_files", "load_hf_into", "load_hf_tiles", "load_hf", "export_hf"]
+__all__ = ["CheckpointError", "weight_files", "check_hf_dir", "load_hf_into", "load_hf_tiles", "load_hf", "export_hf"]
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -58,7 +58,11 @@ def weight_files(path: str | Path) -> dict[str, tuple[Path, stio.TensorInfo]]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index (needs a 'weight_map'): {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            _check_inside(path, shard, index)
     elif (path / SINGLE_FILE).is_file():
         weight_map, shards = None, [SINGLE_FILE]
     else:
@@ -85,6 +89,21 @@ def weight_files(path: str | Path) -> dict[str, tuple[Path, stio.TensorInfo]]:
             raise CheckpointError(f"{index} maps {lost[0]!r} to {weight_map[lost[0]]}, which has no such tensor"
                                   + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""))
     return tensors
+
+
+def _check_inside(root: Path, name: str, index: Path) -> None:
+    """A shard named by an index must be a file of the model directory: no absolute path, no `..` out of it."""
+    target = (root / name).resolve()
+    if Path(name).is_absolute() or not target.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{index} names shard {name!r}, which is outside {root}; an index may only name files "
+                              "of its own directory")
+
+
+def check_hf_dir(path: str | Path, spec: ModelSpec, strict: bool = True) -> None:
+    """Everything about a HF directory that needs no allocation: every shard present and complete, every tensor
+    the model needs present with its shape and a float dtype (headers only; run before the host store exists)."""
+    path = Path(path)
+    _check(spec, path, weight_files(path), spec.units(), strict)
 
 
 def _tile_offset(spec: ModelSpec, unit: int, layout: UnitLayout, tile: torch.Tensor) -> int:
@@ -163,6 +182,15 @@ def load_hf_into(path: str | Path, spec: ModelSpec, dest: Callable[[int], torch.
             by_file.setdefault(file, []).append((s, name, info))
         for file, items in by_file.items():
             _read_unit_tensors(file, items, tile, offset)
+            _check_finite(file, items, tile, offset)
+
+
+def _check_finite(file: Path, items, tile: torch.Tensor, offset: int) -> None:
+    """Refuse NaN / inf weights, naming the tensor: training from them would only spread them."""
+    for s, name, _ in items:
+        if not stio.all_finite(tile[s.offset - offset:s.offset - offset + s.numel]):
+            raise CheckpointError(f"tensor {name!r} in {file} holds non-finite values (NaN or inf); the checkpoint "
+                                  "is damaged or came from a diverged run")
 
 
 def _read_unit_tensors(file: Path, items, tile: torch.Tensor, offset: int) -> None:

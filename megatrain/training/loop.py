@@ -4,16 +4,22 @@
 
 What a run does, in this order (nothing is allocated before the checks that can fail cheaply):
 
-1. memory check: the planner's host and GPU bytes against this machine (`check_memory`); a run that does not fit
-   stops here with the numbers and the knobs that help;
-2. data: opened (memory-mapped) and every token id checked against the vocabulary;
-3. run directory `run.out_dir/run.name` (a fresh run never writes into an earlier run's directory: it takes the
-   next free `name-1`, `name-2`...), checkpoint directory proven writable, export target free;
+1. schedule rules (the same `build_schedule` as `megatrain plan`) and the memory check: the planner's host and GPU
+   bytes against this machine (`check_memory`); a run that does not fit stops here with the numbers and the knobs
+   that help;
+2. data: opened (memory-mapped) and every token id checked against the vocabulary; the hardware profile read;
+   a Hugging Face directory's every tensor checked present with its shape (headers only);
+3. run directory `run.out_dir/run.name` (`rundir.py`: a fresh run takes the next free `name-1`...; the directory
+   is locked while the run uses it; a resume from an older checkpoint moves the newer ones aside), the checkpoint
+   to resume verified (checksums, units, model), checkpoint directory proven writable, export target free;
 4. the host store, weights written into it in place (seeded init or a Hugging Face directory, one unit at a time),
    or a checkpoint read into it (`run.resume`);
 5. the simulator's prediction of the step (`run.simulate`);
 6. the loop: learning-rate warmup + decay, one streamed step per optimizer step, eval every `run.eval_every`
-   steps, a metrics record and a log line per step, a checkpoint every `run.checkpoint_every` steps;
+   steps, a metrics record and a log line per step, a checkpoint every `run.checkpoint_every` steps; every skipped
+   update counted and logged (`skips.py`), the run stopped after `run.max_skipped_steps` skipped steps in a row;
+   SIGTERM / SIGINT end the run at the next step boundary with a checkpoint (`signals.py`); a failed write of
+   metrics or a checkpoint stops the run with one message after a last attempt to checkpoint;
 7. the end: final checkpoint, Hugging Face export (`run.export_hf`), timelines, Chrome trace, Gantt chart, and
    the predicted-vs-measured table.
 
@@ -29,7 +35,6 @@ after its step; applying that update then or at the start of the next step gives
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -39,38 +44,33 @@ from pathlib import Path
 import torch
 
 from ..ir.memory import GiB
-from . import safetensors_io as stio
-from .checkpoint import (
-    KINDS,
-    STATE_FILE,
-    CheckpointError,
-    CheckpointManager,
-    check_writable,
-    key_unit,
-    rng_state,
-    set_rng_state,
-    unit_key,
-)
+from .checkpoint import CheckpointError, CheckpointManager, check_writable, rng_state, unit_key
+from .checkpointing import SessionCheckpoints
 from .config import ConfigError, RunConfig
-from .data import open_data
+from .errors import DivergedError, TrainingError
 from .evaluate import evaluate
 from .fit import MemoryFitError, check_memory, machine_capacity
 from .lr import lr_schedule
 from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
-    check_tensorboard,
+    MetricsWriteError,
     format_step_line,
     gpu_peak_bytes,
     host_rss_bytes,
     reset_gpu_peak,
 )
+from .outputs import export, report_lines, write_timelines
+from .preflight import preflight
+from .resume import restore, resume_state
+from .rundir import RunLock, fresh_run_dir, set_aside_newer
+from .signals import StopRequest
+from .skips import Skip, SkipTracker
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
-           "evaluate", "add_train_arguments", "config_from_args", "run_from_args"]
+           "evaluate", "add_train_arguments", "config_from_args", "run_from_args", "TrainingError", "DivergedError"]
 
 KEEP_TIMELINE_STEPS = 10  # measured timelines kept for timeline_measured.csv (the last ones)
-
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------
@@ -90,7 +90,9 @@ class RunSummary:
     predicted: object | None = field(default=None, repr=False)  # megatrain.sim.SimResult (run.simulate)
     checkpoint: Path | None = None  # the newest checkpoint
     export_dir: Path | None = None
-    stopped_early: bool = False  # stop_at_step ended the session before run.steps
+    stopped_early: bool = False  # stop_at_step or a signal ended the session before run.steps
+    stop_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the session
+    skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped, wholly or in part
 
     @property
     def final_loss(self) -> float | None:
@@ -103,10 +105,10 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     """Train as `cfg` says (see the module docstring); returns a RunSummary.
 
     log: where the log lines go (default: printed, above the progress bar). stop_at_step: end the session after
-    this step with a checkpoint, as a preemption would (`run.resume` continues it).
+    this step with a checkpoint, as a preemption would (`run.resume` continues it). Raises TrainingError when the
+    run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
     return _Training(cfg, log, stop_at_step).run()
-
 
 
 class _Training:
@@ -115,9 +117,8 @@ class _Training:
         self._log = log
         self.stop_at_step = stop_at_step
         self.metrics: MetricsLogger | None = None
+        self.lock: RunLock | None = None
         self.tokens_seen = 0  # target tokens trained on since step 0 (a resumed run continues the count)
-        self.last_checkpoint: Path | None = None
-        self.saved_step: int | None = None  # the step of the newest checkpoint
 
     def log(self, line: str) -> None:
         if self._log is not None:
@@ -137,6 +138,8 @@ class _Training:
             torch.set_num_threads(threads)
             if self.metrics is not None:
                 self.metrics.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -148,8 +151,8 @@ class _Training:
         self.batch, self.seq = cfg.step_shape()
         self.backend_name = _backend_name(run.device)
 
-        # Where this session writes; the config printed first is the one it runs with.
-        run_dir = run.run_dir if run.resume else _fresh_run_dir(run.run_dir)
+        # Where this session writes (chosen, not yet created); the config printed first is the one it runs with.
+        run_dir = run.run_dir if run.resume else fresh_run_dir(run.run_dir)
         if run_dir != run.run_dir:
             cfg = self.cfg = replace(cfg, run=replace(run, name=run_dir.name))
             run = cfg.run
@@ -159,50 +162,46 @@ class _Training:
                  f"{cfg.schedule.name}; batch {cfg.data.batch_size} x {self.accum} accumulated x seq {self.seq}; "
                  f"{self.backend_name} backend")
 
-        # 1. memory, before anything is allocated
-        self.plan, lines = check_memory(spec, self.batch, self.seq, self.knobs, self.backend_name)
-        self.log("memory: " + "; ".join(line.strip() for line in lines))
-        # 2. data (memory-mapped; every token id checked against the vocabulary)
-        self.data = open_data(cfg.data, spec.vocab_size)
-        self.log(f"data: {self.data.describe()}")
-        if self.seq > spec.max_position_embeddings:
-            self.log(f"note: data.seq_len={self.seq} is beyond the model's max_position_embeddings="
-                     f"{spec.max_position_embeddings}; RoPE extrapolates there")
-        if run.eval_every and self.data.eval is None:
-            self.log("note: run.eval_every is set but there is no held-out split (data.eval_fraction = 0); no eval")
-        # 3. the run directory, checkpoints, export target, TensorBoard: all checked before the store exists
+        # 1-2. every check that needs no allocation: schedule rules, memory, data, profile, HF tensors (preflight.py)
+        checked = preflight(cfg, spec, self.batch, self.seq, self.knobs, self.backend_name, self.log)
+        self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
+                                                                 checked.profile_name)
+        # 3. the run directory (locked) and the checkpoint to resume: before the store exists
         self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
-        resume_state = self._resume_state() if run.resume else None
-        if run.export_hf and Path(run.export_hf).exists():
-            raise ConfigError(f"run.export_hf={run.export_hf!r} already exists; the export at the end would fail "
-                              "after the whole run. Choose a new directory or remove it")
-        if run.tensorboard:
-            try:
-                check_tensorboard()
-            except ImportError as e:
-                raise ConfigError(str(e)) from None
+        self.ckpt = SessionCheckpoints(self.manager, self.log)
+        resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
         check_writable(self.manager.directory)
+        self.lock = RunLock(run_dir)  # from here on no other process uses the directory
         cfg.save(run_dir)
         # 4. the store, then its contents
         self._build_trainer()
-        if resume_state is not None:
-            self._restore(resume_state)
+        self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
+        if resume is not None:
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, self.log)
+            if resume["state"].get("schedule") != cfg.schedule.name:
+                self.log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with "
+                         f"{cfg.schedule.name!r} (the schedule changes speed, not results)")
+            aside = set_aside_newer(self.manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
+            if aside is not None:
+                self.log(f"note: resuming from step {resume['step']} starts a new branch: the newer checkpoints of "
+                         f"the abandoned one (and their metrics) were moved to {aside}")
         else:
             torch.manual_seed(run.seed)
             self._fill_weights()
         # Opened only now: on resume it drops the records of steps after the checkpoint (they are run again),
         # which must not happen if the checkpoint then failed to load.
-        self.metrics = MetricsLogger(run_dir / "metrics.jsonl", run_dir / "tensorboard" if run.tensorboard else None,
-                                     keep_until=resume_state["step"] if resume_state else None)
+        try:
+            self.metrics = MetricsLogger(run_dir / "metrics.jsonl", run_dir / "tensorboard" if run.tensorboard
+                                         else None, keep_until=resume["step"] if resume else None)
+        except MetricsWriteError as e:
+            raise self.ckpt.stopped(self.trainer.step_count, str(e)) from e
         # 5. the prediction of the same Program
         self.program = self.trainer.program(self.batch, self.seq)
         self.predicted = None
-        if run.simulate:
+        if self.profile is not None:
             from ..sim import simulate
 
-            profile = run.profile or ("h200-measured" if self.backend_name == "cuda" else "cpu")
-            self.predicted = simulate(self.program, profile)
-            self.profile_name = Path(profile).stem
+            self.predicted = simulate(self.program, self.profile)
             p = self.predicted.summary
             self.log(f"predicted ({self.profile_name} profile): {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tok/s, "
                      f"GPU idle {100 * p.gpu_idle_frac:.1f}%")
@@ -215,7 +214,8 @@ class _Training:
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay)
         self.trainer = StreamedTrainer(self.spec, self.knobs, optim=optim, backend=self.backend_name,
-                                       cpu_threads=o.threads or None, init=False)  # _fill_weights fills the store
+                                       cpu_threads=o.threads or None, init=False,
+                                       timeout_s=self.cfg.run.wait_timeout_s)
         self.trainer.schedule_name = self.cfg.schedule.name
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
@@ -240,40 +240,10 @@ class _Training:
         self.log(f"weights: {what} in {time.perf_counter() - t0:.2f} s")
 
     # -- checkpoints --
-    def _resume_state(self) -> dict:
-        """The checkpoint to resume from, checked against this run before anything is allocated."""
-        path = self.manager.resolve(self.cfg.run.resume)
-        try:
-            meta = json.loads((path / STATE_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read {path / STATE_FILE}: {e}") from None
-        state, step = meta.get("state", {}), int(meta.get("step", -1))
-        saved_spec = state.get("spec", {})
-        mine = json.loads(json.dumps(self.spec.to_dict()))
-        diff = sorted(k for k in set(saved_spec) | set(mine) if saved_spec.get(k) != mine.get(k))
-        if diff:
-            raise CheckpointError(f"checkpoint {path} was written for another model ({', '.join(diff)} differ: "
-                                  f"{ {k: saved_spec.get(k) for k in diff} } vs { {k: mine.get(k) for k in diff} }); "
-                                  "resume with the model config it was written with")
-        if step >= self.cfg.run.steps:
-            raise ConfigError(f"checkpoint {path} is at step {step} and run.steps={self.cfg.run.steps}: nothing left "
-                              "to train; raise run.steps to continue")
-        if "data" not in state or "optimizer_steps" not in state:
-            raise CheckpointError(f"{path / STATE_FILE} has no data cursor or optimizer step counts; it was not "
-                                  "written by `megatrain train`")
-        for kind in KINDS:  # every file present and complete (headers against file sizes), before allocating
-            try:
-                stio.read_header(path / f"{kind}.safetensors")
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint {path} has no {kind}.safetensors") from None
-            except stio.SafetensorsFormatError as e:
-                raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
-        self.data.train.load_state_dict(state["data"])  # same data and packing? (DataError if not)
-        return {"path": path, "step": step, "state": state}
-
     def _save(self, step: int) -> Path:
+        """Checkpoint `step` (SessionCheckpoints: one retry, then a TrainingError saying how to resume)."""
         store, t0 = self.trainer.store, time.perf_counter()
-        self.trainer.flush()  # the pending "overlap" update belongs to this step
+        self._log_skips(self.skips.settle(self.trainer.flush()))  # the pending "overlap" update belongs to this step
         state = {
             "rng": rng_state(),
             "data": self.data.train.state_dict(),
@@ -283,28 +253,10 @@ class _Training:
             "schedule": self.cfg.schedule.name,
             "config": self.cfg.to_dict(),
         }
-        path = self.manager.save(step, {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq},
-                                 state, units=store.units)
-        self.last_checkpoint, self.saved_step = path, step
+        tiles = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
+        path = self.ckpt.save(step, tiles, state, store.units, self.trainer.step_count)
         self.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
         return path
-
-    def _restore(self, resume: dict) -> None:
-        store, t0 = self.trainer.store, time.perf_counter()
-        kinds = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-        loaded = self.manager.load(resume["path"], dest=lambda kind, u: kinds[kind](u))
-        for u in store.units:
-            store.refresh_stream(u)
-        state = loaded.state
-        store.steps = {key_unit(k): int(n) for k, n in state["optimizer_steps"].items()}
-        self.trainer.step_count = loaded.step
-        set_rng_state(state["rng"])
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.last_checkpoint, self.saved_step = loaded.path, loaded.step
-        if state.get("schedule") != self.cfg.schedule.name:
-            self.log(f"note: resuming a run of schedule {state.get('schedule')!r} with {self.cfg.schedule.name!r} "
-                     "(the schedule changes speed, not results)")
-        self.log(f"resumed from {loaded.path} at step {loaded.step} ({time.perf_counter() - t0:.2f} s)")
 
     # -- the loop --
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,6 +265,21 @@ class _Training:
             return parts[0].inputs, parts[0].targets
         return torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts])  # (accum*B, T)
 
+    def _log_skips(self, skips: list[Skip]) -> list[Skip]:
+        for s in skips:
+            self.log(f"WARNING: {s.describe(self.skips.n_units)}")
+        return skips
+
+    def _step(self, step: int):
+        """One optimizer step; an executor failure (a hung or failing task) ends the run with a TrainingError."""
+        from ..exec.backend import ExecError
+
+        ids, targets = self._next_batch()
+        try:
+            return self.trainer.step(ids, targets)
+        except ExecError as e:
+            raise self.ckpt.stopped(self.trainer.step_count, f"step {step} failed: {e}") from e
+
     def _loop(self) -> RunSummary:
         from tqdm import tqdm
 
@@ -320,7 +287,8 @@ class _Training:
 
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
         start = trainer.step_count
-        summary = RunSummary(self.run_dir, start, start, predicted=self.predicted)
+        summary = RunSummary(self.run_dir, start, start, predicted=self.predicted,
+                             skipped_steps=self.skips.skipped_steps)
         timelines, step_times, idles = [], [], []
         flops_per_token = self.spec.model_flops_per_token()
         device = trainer.backend.device
@@ -328,121 +296,111 @@ class _Training:
                    desc=run.name)
         t_start = time.perf_counter()
         try:
-            for index in range(start, run.steps):
-                ids, targets = self._next_batch()
-                reset_gpu_peak(device)
-                r = trainer.step(ids, targets)
-                step = index + 1
-                measured = summarize(r.timeline, self.program)
-                eval_loss = None
-                if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-                    eval_loss = evaluate(trainer, self.data, run.eval_batches, cfg.data.batch_size)
-                    if eval_loss is not None:
-                        summary.eval_losses[step] = eval_loss
-                gpu = gpu_peak_bytes(device)
-                tps = r.tokens / r.time_s
-                record = dict(zip(METRIC_KEYS, (
-                    step, r.loss, eval_loss, r.update.lr, r.grad_norm, r.skipped, r.tokens, r.time_s, tps,
-                    flops_per_token * tps / 1e12, 100 * measured.gpu_idle_frac, host_rss_bytes() / GiB,
-                    None if gpu is None else gpu / GiB, time.perf_counter() - t_start)))
-                self.metrics.write(record)
-                if step % run.log_every == 0 or step == run.steps or eval_loss is not None:
-                    self.log(format_step_line(record, run.steps))
-                bar.update(1)
-                bar.set_postfix(loss=f"{r.loss:.4f}", refresh=False)
-                timelines.append(r.timeline.assign(step=step))
-                del timelines[:-KEEP_TIMELINE_STEPS]
-                step_times.append(r.time_s)
-                idles.append(100 * measured.gpu_idle_frac)
-                summary.losses.append(r.loss)
-                summary.tokens += r.tokens
-                self.tokens_seen += r.tokens
-                summary.steps = step
-                if run.checkpoint_every and step % run.checkpoint_every == 0:
-                    self._save(step)
-                if self.stop_at_step is not None and step >= self.stop_at_step and step < run.steps:
-                    if self.saved_step != step:
-                        self._save(step)
-                    summary.stopped_early = True
-                    self.log(f"stopped after step {step} (stop_at_step); continue with --resume")
-                    break
+            with StopRequest(self.log) as stop:
+                for index in range(start, run.steps):
+                    step = index + 1
+                    reset_gpu_peak(device)
+                    r = self._step(step)
+                    skips = self._log_skips(self.skips.settle(r.update))
+                    measured = summarize(r.timeline, self.program)
+                    eval_loss = None
+                    if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
+                        eval_loss = evaluate(trainer, self.data, run.eval_batches, cfg.data.batch_size)
+                        if eval_loss is not None:
+                            summary.eval_losses[step] = eval_loss
+                    gpu = gpu_peak_bytes(device)
+                    tps = r.tokens / r.time_s
+                    record = dict(zip(METRIC_KEYS, (
+                        step, r.loss, eval_loss, r.update.lr, r.grad_norm, bool(skips), self.skips.unit_count(skips),
+                        r.tokens, r.time_s, tps, flops_per_token * tps / 1e12, 100 * measured.gpu_idle_frac,
+                        host_rss_bytes() / GiB, None if gpu is None else gpu / GiB, time.perf_counter() - t_start)))
+                    summary.losses.append(r.loss)
+                    summary.tokens += r.tokens
+                    self.tokens_seen += r.tokens
+                    summary.steps = step
+                    self._write_metrics(record)
+                    if step % run.log_every == 0 or step == run.steps or eval_loss is not None:
+                        self.log(format_step_line(record, run.steps))
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{r.loss:.4f}", refresh=False)
+                    timelines.append(r.timeline.assign(step=step))
+                    del timelines[:-KEEP_TIMELINE_STEPS]
+                    step_times.append(r.time_s)
+                    idles.append(100 * measured.gpu_idle_frac)
+                    if self.skips.diverged:
+                        raise self.ckpt.diverged(step, self.skips.consecutive, run.max_skipped_steps)
+                    if run.checkpoint_every and step % run.checkpoint_every == 0:
+                        if self.skips.consecutive:  # keep the last good checkpoint: do not prune it for this one
+                            self.log(f"checkpoint of step {step} not written: its update was skipped (the last good "
+                                     f"checkpoint, {self.ckpt.last}, is kept)")
+                        else:
+                            self._save(step)
+                    if self._stop_here(step, stop, summary):
+                        break
         except KeyboardInterrupt:
             bar.close()
-            where = f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint yet"
-            self.log(f"interrupted after step {trainer.step_count}; {where} (continue with --resume)")
+            where = (f"the last checkpoint is {self.ckpt.last} (continue with --resume)" if self.ckpt.last
+                     else "no checkpoint was written, so there is nothing to resume: start the run again")
+            self.log(f"interrupted after step {trainer.step_count}; {where}")
             raise
         bar.close()
         summary.elapsed_s = time.perf_counter() - t_start
         if not summary.stopped_early:
-            trainer.flush()
-            if run.checkpoint_at_end and self.saved_step != summary.steps and summary.steps > start:
-                self._save(summary.steps)
-            if run.export_hf:
-                summary.export_dir = self._export()
-        summary.checkpoint = self.last_checkpoint
+            self._finish(summary, start)
+        summary.checkpoint = self.ckpt.last
         warm = step_times[1:] or step_times
         if warm:
             summary.measured_step_s = statistics.median(warm)
             summary.measured_idle_pct = statistics.median(idles[1:] or idles)
         if timelines:
-            self._write_timelines(timelines)
-        self._report(summary)
+            write_timelines(self.run_dir, timelines, self.predicted, self.profile_name,
+                            self.program, f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} "
+                                          f"x seq {self.seq}")
+        for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
+            self.log(line)
         return summary
 
+    def _write_metrics(self, record: dict) -> None:
+        """Append the step's record; a failed write (disk full) checkpoints the state in memory and stops."""
+        try:
+            self.metrics.write(record)
+        except MetricsWriteError as e:
+            step = record["step"]
+            if self.ckpt.step != step:
+                self._save(step)  # raises its own TrainingError if this fails too
+            raise TrainingError(f"the run stopped after step {step}: {e}. The state after step {step} was saved to "
+                                f"{self.ckpt.last} (metrics.jsonl lacks that step's record); free space and "
+                                "continue with --resume") from e
+
+    def _stop_here(self, step: int, stop: StopRequest, summary: RunSummary) -> bool:
+        """stop_at_step or a signal: checkpoint (unless done) and end the session with how to continue."""
+        if step >= self.cfg.run.steps:
+            return False  # the normal end checkpoints anyway
+        if not (stop.requested or (self.stop_at_step is not None and step >= self.stop_at_step)):
+            return False
+        if self.ckpt.step != step:
+            self._save(step)
+        summary.stopped_early, summary.stop_signal = True, stop.signal_name
+        why = stop.signal_name or "stop_at_step"
+        self.log(f"stopped after step {step} ({why}); checkpoint {self.ckpt.last}; continue with "
+                 f"`megatrain train --resume --name {self.run_dir.name} --out-dir {self.run_dir.parent}` and the "
+                 "same other options")
+        return True
+
     # -- the end --
-    def _export(self) -> Path:
-        from .hf_checkpoint import export_hf
-
-        m, store, t0 = self.cfg.model, self.trainer.store, time.perf_counter()
-        source = m.name if Path(m.name).is_dir() else None
-        path = export_hf(self.cfg.run.export_hf, self.spec, store.master, copy_tokenizer_from=source)
-        if source is None and self.cfg.data.tokenizer:
-            import shutil
-
-            shutil.copy2(self.cfg.data.tokenizer, path / "tokenizer.json")
-        self.log(f"exported to {path} (Hugging Face, bf16) in {time.perf_counter() - t0:.2f} s")
-        return path
-
-    def _write_timelines(self, timelines: list) -> None:
-        import pandas as pd
-
-        from ..analysis.summary import one_step
-        from ..analysis.viz import gantt, write_chrome_trace
-
-        measured = pd.concat(timelines, ignore_index=True)
-        measured.to_csv(self.run_dir / "timeline_measured.csv", index=False)
-        last = int(measured["step"].max())
-        pair = {f"measured (step {last})": one_step(measured, last)}
-        if self.predicted is not None:
-            self.predicted.timeline.to_csv(self.run_dir / "timeline_sim.csv", index=False)
-            pair = {f"predicted ({self.profile_name})": self.predicted.timeline, **pair}
-        write_chrome_trace(self.run_dir / "trace.json", pair, self.program)
-        gantt(pair, self.run_dir / "gantt.png", title=f"{self.spec.name}, schedule {self.cfg.schedule.name}, "
-                                                      f"batch {self.batch} x seq {self.seq}")
-
-    def _report(self, s: RunSummary) -> None:
-        done = s.steps - s.start_step
-        if not done:
-            return
-        self.log(f"done: {done} steps ({s.start_step + 1}-{s.steps}) in {s.elapsed_s:.1f} s; loss {s.losses[0]:.4f} -> "
-                 f"{s.losses[-1]:.4f}" + (f"; eval loss {list(s.eval_losses.values())[-1]:.4f}"
-                                          if s.eval_losses else ""))
-        tokens = s.tokens / done
-        rows = [("time/step", "s", s.measured_step_s), ("tokens/s", "", tokens / s.measured_step_s),
-                ("GPU idle", "%", s.measured_idle_pct)]
-        pred = None
-        if s.predicted is not None:
-            p = s.predicted.summary
-            pred = [p.step_s, p.tokens_per_s, 100 * p.gpu_idle_frac]
-        head = f"{'':<12}{'predicted (' + self.profile_name + ')' if pred else '':>22}{'measured (median)':>22}"
-        lines = [head]
-        for i, (name, unit, value) in enumerate(rows):
-            fmt = ",.0f" if name == "tokens/s" else ".3f" if unit == "s" else ".1f"
-            left = f"{format(pred[i], fmt)} {unit}" if pred else ""
-            lines.append(f"{name:<12}{left:>22}{format(value, fmt) + ' ' + unit:>22}")
-        for line in lines:
-            self.log(line)
-        self.log(f"run directory: {self.run_dir}")
+    def _finish(self, summary: RunSummary, start: int) -> None:
+        """Final checkpoint and export; the skips the last flush settles are counted too."""
+        run = self.cfg.run
+        self._log_skips(self.skips.settle(self.trainer.flush()))
+        if run.checkpoint_at_end and self.ckpt.step != summary.steps and summary.steps > start:
+            self._save(summary.steps)
+        if run.export_hf:
+            try:
+                summary.export_dir = export(self.cfg, self.spec, self.trainer.store, self.log)
+            except (CheckpointError, OSError) as e:
+                where = (f"the trained weights are in checkpoint {self.ckpt.last}" if self.ckpt.last
+                         else "no checkpoint holds the trained weights (run.checkpoint_at_end=false)")
+                raise TrainingError(f"{e}; {where}: fix the cause and export again") from e
 
 
 def _backend_name(device: str) -> str:
@@ -450,20 +408,6 @@ def _backend_name(device: str) -> str:
     if device == "cuda" and not cuda:
         raise ConfigError("run.device='cuda' but torch sees no CUDA device here; use run.device='cpu' or 'auto'")
     return "cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu"
-
-
-def _fresh_run_dir(path: Path) -> Path:
-    """`path`, or `path-1`, `path-2`... when it already holds a run (metrics or checkpoints): a fresh run never
-    writes into, or prunes the checkpoints of, an earlier one."""
-    def used(p: Path) -> bool:
-        return (p / "metrics.jsonl").is_file() and (p / "metrics.jsonl").stat().st_size > 0 or \
-            any((p / "checkpoints").glob("step_*"))
-
-    candidate, n = path, 0
-    while used(candidate):
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
 
 
 # ---- command line (megatrain/training/command.py; re-exported so `megatrain.training.loop` is the one entry point) -------

@@ -13,7 +13,9 @@ evaluations, `grad_norm` without a global norm, `gpu_mem_gib` on the CPU backend
     eval_loss       mean loss on the held-out batches, when the step evaluated
     lr              learning rate the step's update used
     grad_norm       global gradient norm before clipping
-    skipped         the update was skipped (non-finite gradients)
+    skipped         an update settled during this step was skipped, wholly or for some units (non-finite
+                    gradients); with "overlap" a unit's update of step n's gradients settles during step n+1
+    skipped_units   how many unit updates were skipped (a whole skipped step counts every unit)
     tokens          target tokens of the step (all accumulated batches)
     step_s          seconds the streamed step took (the executor's measurement)
     tokens_per_s    tokens / step_s
@@ -30,7 +32,7 @@ import math
 import os
 from pathlib import Path
 
-METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "tokens", "step_s", "tokens_per_s",
+METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipped_units", "tokens", "step_s", "tokens_per_s",
                "model_tflops", "gpu_idle_pct", "host_rss_gib", "gpu_mem_gib", "elapsed_s")
 
 GiB = 2**30
@@ -71,6 +73,21 @@ def _clean(value):
     return value
 
 
+class MetricsWriteError(OSError):
+    """metrics.jsonl could not be written (disk full, permissions): one line saying which step and why."""
+
+
+def explain_os_error(e: OSError) -> str:
+    """A short reason for a failed write: "the disk is full", "no permission", or the OS's words."""
+    import errno
+
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no permission to write ({e.strerror})"
+    return e.strerror or str(e)
+
+
 class MetricsLogger:
     """Appends one JSON line per step to `path` (flushed each time, so a crash loses at most the line being
     written) and, with `tensorboard_dir`, the numeric values as TensorBoard scalars."""
@@ -79,10 +96,13 @@ class MetricsLogger:
         """`keep_until`: on resume, the records of steps after this one (steps the checkpoint does not have and
         that will be run again) are removed first, so every step appears once."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if keep_until is not None and self.path.exists():
-            self._truncate_after(keep_until)
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_until is not None and self.path.exists():
+                self._truncate_after(keep_until)
+            self._f = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise MetricsWriteError(f"could not open {self.path}: {explain_os_error(e)}") from e
         self._tb = None
         if tensorboard_dir is not None:
             self._tb = open_tensorboard(tensorboard_dir)
@@ -100,8 +120,12 @@ class MetricsLogger:
             missing = [k for k in METRIC_KEYS if k not in record]
             extra = [k for k in record if k not in METRIC_KEYS]
             raise ValueError(f"metrics record keys differ from METRIC_KEYS: missing {missing}, extra {extra}")
-        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise MetricsWriteError(f"could not append step {record['step']} to {self.path}: "
+                                    f"{explain_os_error(e)}") from e
         if self._tb is not None:
             step = record["step"]
             for key, value in record.items():
@@ -109,7 +133,10 @@ class MetricsLogger:
                     self._tb.add_scalar(("eval/" if key == "eval_loss" else "train/") + key, value, step)
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            pass  # a failed flush was reported by write(); closing must not raise a second error
         if self._tb is not None:
             self._tb.close()
 
@@ -174,5 +201,5 @@ def format_step_line(r: dict, total_steps: int | None = None) -> str:
               f"host {_num(r['host_rss_gib'], '.2f')} GiB", f"GPU {_num(r['gpu_mem_gib'], '.2f', 'n/a')} GiB"]
     line = " | ".join(parts)
     if r["skipped"]:
-        line += " | SKIPPED (non-finite gradients, no update)"
+        line += f" | SKIPPED {r['skipped_units']} unit update(s) (non-finite gradients)"
     return line

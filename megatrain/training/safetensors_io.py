@@ -59,8 +59,9 @@ def _write(f, data) -> None:
 
 
 def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] | None = None,
-                      fsync: bool = True) -> int:
-    """Write `entries` to `path` as safetensors, one tensor in memory at a time; returns the bytes written."""
+                      fsync: bool = True, digest=None) -> int:
+    """Write `entries` to `path` as safetensors, one tensor in memory at a time; returns the bytes written.
+    `digest` (a hashlib object) is fed every byte written, so a checksum costs no second read of the file."""
     entries = list(entries)
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
@@ -72,9 +73,14 @@ def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    def put(data) -> None:
+        _write(f, data)
+        if digest is not None:
+            digest.update(data)
+
     with open(path, "wb") as f:
-        _write(f, struct.pack("<Q", len(blob)))
-        _write(f, blob)
+        put(struct.pack("<Q", len(blob)))
+        put(blob)
         for e in entries:
             t = e.get()
             if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
@@ -82,7 +88,7 @@ def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict
             t = t.detach().to("cpu").contiguous()
             if t.numel():
                 # A byte view of the tensor's own memory: no copy (x86 and ARM are little-endian, as the format).
-                _write(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                put(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         if fsync:
             os.fsync(f.fileno())
@@ -152,3 +158,23 @@ def read_into(path: str | Path, info: TensorInfo, out: torch.Tensor) -> torch.Te
     if got != numel:
         raise SafetensorsFormatError(f"{path}: tensor {info.name!r} ended after {got} of {numel} bytes (truncated?)")
     return out
+
+
+def file_sha256(path: str | Path, chunk_bytes: int = 16 * 2**20) -> str:
+    """SHA-256 of a file, read in chunks (constant memory)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """Whether every value of `t` is finite, without a temporary the size of `t`: a sum is not finite when any
+    value is NaN/inf (or, for absurd magnitudes, overflows), and only then are chunks checked one by one."""
+    flat = t.reshape(-1)
+    if torch.isfinite(flat.sum()):
+        return True
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))

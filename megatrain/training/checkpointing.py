@@ -1,0 +1,59 @@
+"""The checkpoints of a running session: saving with one retry, and the errors that end a run.
+
+A checkpoint that cannot be written (disk full, permissions) is retried once after deleting all but the newest
+complete checkpoint (making room without ever losing the newest one); if that fails too, the run ends with a
+TrainingError naming the newest complete checkpoint and how to resume. The previous checkpoints are never
+touched by a failed save (`CheckpointManager.save` is atomic).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .checkpoint import CheckpointError, CheckpointManager
+from .errors import DivergedError, TrainingError
+
+
+class SessionCheckpoints:
+    """The newest checkpoint of this session (`last`, at step `step`) and how to write the next one."""
+
+    def __init__(self, manager: CheckpointManager, log: Callable[[str], None]):
+        self.manager, self.log = manager, log
+        self.last: Path | None = None
+        self.step: int | None = None
+
+    def save(self, step: int, tiles: dict, state: dict, units: list[int], done_steps: int) -> Path:
+        """Write checkpoint `step` (see the module docstring); TrainingError when it cannot be written."""
+        try:
+            path = self.manager.save(step, tiles, state, units=units)
+        except CheckpointError as first:
+            if len(self.manager.checkpoints()) < 2:
+                raise self.stopped(done_steps, str(first)) from first
+            self.log(f"{first}; retrying after deleting all but the newest checkpoint")
+            self.manager.prune(keep_last=1)
+            try:
+                path = self.manager.save(step, tiles, state, units=units)
+            except CheckpointError as second:
+                raise self.stopped(done_steps, str(second)) from second
+        self.last, self.step = path, step
+        return path
+
+    def stopped(self, done_steps: int, what: str) -> TrainingError:
+        """The error that ends the run after a failure: what happened, the newest checkpoint, how to resume."""
+        newest = self.manager.latest()
+        if newest is None:
+            where = "There is no checkpoint of this run; fix the cause and start it again from the beginning"
+        else:
+            where = (f"The newest complete checkpoint is {newest}: fix the cause and continue "
+                     "with --resume (steps after it run again)")
+        return TrainingError(f"the run stopped after step {done_steps}: {what}. {where}")
+
+    def diverged(self, step: int, consecutive: int, limit: int) -> DivergedError:
+        """The error of a run whose last `consecutive` steps all skipped their update."""
+        keep = (f"the last good checkpoint, {self.last} (step {self.step}), is kept; resume from it with a lower "
+                f"learning rate (--resume {self.last} --lr ...)" if self.last else
+                "there is no checkpoint of this run; start again with a lower optimizer.lr or with clipping "
+                "(optimizer.grad_clip)")
+        return DivergedError(f"the run diverged: the updates of the last {consecutive} steps (to step {step}) were "
+                             f"skipped for non-finite gradients (run.max_skipped_steps={limit}); stopped without "
+                             f"writing a checkpoint: {keep}")

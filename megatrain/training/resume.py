@@ -1,0 +1,72 @@
+"""Resuming a run: the checkpoint checked against this run before anything is allocated, then read into the store.
+
+Checked first (no allocation): the state file's and every tensor file's checksum, the model (the shapes that
+matter, not the model's name or directory, so a renamed Hugging Face directory still resumes), the step against
+run.steps, the unit list against the model's units, and the data cursor against the data.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
+from .config import ConfigError, RunConfig
+from .data import DataError
+
+# Spec fields that name a model rather than shape it: a run may resume after its HF directory was renamed.
+_NAMING_FIELDS = ("name",)
+
+
+def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict:
+    """The checkpoint `cfg.run.resume` names, verified and checked against this run: {path, step, state}."""
+    path = manager.resolve(cfg.run.resume)
+    meta = verify_checkpoint(path)
+    state, step = meta["state"], meta["step"]
+    saved_spec = state.get("spec", {})
+    mine = json.loads(json.dumps(spec.to_dict()))
+    if not isinstance(saved_spec, dict):
+        raise CheckpointError(f"{path / STATE_FILE} is damaged: 'spec' is not an object")
+    diff = sorted(k for k in set(saved_spec) | set(mine)
+                  if k not in _NAMING_FIELDS and saved_spec.get(k) != mine.get(k))
+    if diff:
+        raise CheckpointError(f"checkpoint {path} was written for another model ({', '.join(diff)} differ: "
+                              f"{ {k: saved_spec.get(k) for k in diff} } vs { {k: mine.get(k) for k in diff} }); "
+                              "resume with the model config it was written with")
+    if sorted(meta["units"]) != sorted(spec.units()):
+        raise CheckpointError(f"checkpoint {path} holds units {meta['units']}, but {spec.name} has {spec.units()}; "
+                              "the checkpoint is incomplete or damaged: resume from another one")
+    if step >= cfg.run.steps:
+        raise ConfigError(f"checkpoint {path} is at step {step} and run.steps={cfg.run.steps}: nothing left "
+                          "to train; raise run.steps to continue")
+    for key in ("data", "optimizer_steps", "rng"):
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(f"{path / STATE_FILE} has no valid {key!r}; it was not written by "
+                                  "`megatrain train`, or it is damaged")
+    try:
+        data.train.load_state_dict(state["data"])  # same data and packing? (DataError if not)
+    except DataError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / STATE_FILE}: the data cursor is damaged ({type(e).__name__}: {e})") from None
+    return {"path": path, "step": step, "state": state}
+
+
+def restore(trainer, manager: CheckpointManager, resume: dict, log: Callable[[str], None]) -> tuple[Path, int, int]:
+    """Read the checkpoint `resume_state` checked into the trainer's store; (path, step, tokens seen)."""
+    store, t0 = trainer.store, time.perf_counter()
+    kinds = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
+    loaded = manager.load(resume["path"], dest=lambda kind, u: kinds[kind](u), verify=False)  # verified already
+    for u in store.units:
+        store.refresh_stream(u)
+    state = loaded.state
+    try:
+        store.steps = {key_unit(k): int(n) for k, n in state["optimizer_steps"].items()}
+        set_rng_state(state["rng"])
+        tokens = int(state.get("tokens_seen", 0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{loaded.path / STATE_FILE} is damaged ({type(e).__name__}: {e})") from None
+    trainer.step_count = loaded.step
+    log(f"resumed from {loaded.path} at step {loaded.step} ({time.perf_counter() - t0:.2f} s)")
+    return loaded.path, loaded.step, tokens
