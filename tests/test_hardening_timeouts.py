@@ -9,7 +9,7 @@ import torch
 
 from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
-from megatrain.exec.trainer import StreamedTrainer
+from megatrain.training.trainer import StreamedTrainer
 from megatrain.presets import PRESETS
 from megatrain.training.command import add_train_arguments, config_from_args
 

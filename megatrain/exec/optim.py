@@ -46,12 +46,12 @@ class UpdatePlan:
 
     step: int  # index of the training step whose gradients are applied
     lr: float
-    grad_norm: float | None = None  # None until known (clip="none": never for the whole model)
+    grad_norm: float | None = None  # None until known (clip=0: never for the whole model)
     clip_coef: float = 1.0
     skip: bool = False  # non-finite global norm: nothing is applied
-    skipped_units: list[int] = field(default_factory=list)  # clip="none": units whose own gradients were not finite
+    skipped_units: list[int] = field(default_factory=list)  # clip=0: units whose own gradients were not finite
     applied_units: list[int] = field(default_factory=list)
-    # clip="none", GPU updates at arrival: units whose skip the device decided; the host settles the bookkeeping
+    # clip=0, GPU updates at arrival: units whose skip the device decided; the host settles the bookkeeping
     # (skipped_units, step counts) once the step's norms have landed
     device_checked: list[int] = field(default_factory=list)
 

@@ -53,7 +53,7 @@ class SessionCheckpoints:
         keep = (f"the last good checkpoint, {self.last} (step {self.step}), is kept; resume from it with a lower "
                 f"learning rate (--resume {self.last} --lr ...)" if self.last else
                 "there is no checkpoint of this run; start again with a lower optimizer.lr or with clipping "
-                "(optimizer.grad_clip)")
+                "(schedule.clip)")
         return DivergedError(f"the run diverged: the updates of the last {consecutive} steps (to step {step}) were "
                              f"skipped for non-finite gradients (run.max_skipped_steps={limit}); stopped without "
                              f"writing a checkpoint: {keep}")

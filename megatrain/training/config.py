@@ -18,6 +18,7 @@ Paths are taken relative to the working directory, as on the command line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable

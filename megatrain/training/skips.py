@@ -1,7 +1,7 @@
 """Skipped updates: every one counted, logged, and a diverged run stopped.
 
 An update is skipped when its gradients are not finite: the whole step (exact clipping: the global norm is not
-finite) or single units (clip="none": each unit checks its own gradients). The trainer reports both on the step's
+finite) or single units (clip=0: each unit checks its own gradients). The trainer reports both on the step's
 `UpdatePlan` (`skip`, `skipped_units`). A plan is *settled* once every unit's update ran or was skipped: at the end
 of its own step, or, with the "overlap" placement (updates run during the next step), one step later or at
 `flush()`. `SkipTracker` settles plans as they complete, so each skipped update is counted exactly once, and

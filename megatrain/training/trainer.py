@@ -41,7 +41,7 @@ class StepResult:
     step: int
     loss: float
     tokens: int  # valid target tokens
-    grad_norm: float | None  # global norm before clipping (None with clip="none")
+    grad_norm: float | None  # global norm before clipping (None with clip=0)
     skipped: bool  # non-finite gradients: this step's update is not applied
     time_s: float
     timeline: pd.DataFrame
