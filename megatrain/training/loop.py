@@ -54,8 +54,10 @@ from .checkpoint import (
 from .config import ConfigError, RunConfig
 from .data import open_data
 from .evaluate import evaluate
+from .export import check_export_target
 from .fit import MemoryFitError, check_memory, machine_capacity
-from .lr import lr_schedule
+from .log import RunLog, compile_note, config_line
+from .lr import lr_change_note, lr_schedule
 from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
@@ -99,20 +101,24 @@ class RunSummary:
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
-                 stop_at_step: int | None = None) -> RunSummary:
+                 stop_at_step: int | None = None, trackers: tuple = ()) -> RunSummary:
     """Train as `cfg` says (see the module docstring); returns a RunSummary.
 
-    log: where the log lines go (default: printed, above the progress bar). stop_at_step: end the session after
-    this step with a checkpoint, as a preemption would (`run.resume` continues it).
+    log: where the log lines go (default: printed, above the progress bar on a terminal); train.log in the run
+    directory gets them too. stop_at_step: end the session after this step with a checkpoint, as a preemption
+    would (`run.resume` continues it). trackers: callables given each step's metrics record (a dict of
+    METRIC_KEYS), e.g. to send them to an experiment tracker (docs/training.md, "Metrics").
     """
-    return _Training(cfg, log, stop_at_step).run()
+    return _Training(cfg, log, stop_at_step, trackers).run()
 
 
 
 class _Training:
-    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None):
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None,
+                 trackers: tuple = ()):
         self.cfg = cfg.validate()
-        self._log = log
+        self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
+        self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
         self.metrics: MetricsLogger | None = None
         self.tokens_seen = 0  # target tokens trained on since step 0 (a resumed run continues the count)
@@ -120,12 +126,7 @@ class _Training:
         self.saved_step: int | None = None  # the step of the newest checkpoint
 
     def log(self, line: str) -> None:
-        if self._log is not None:
-            self._log(line)
-        else:
-            from tqdm import tqdm
-
-            tqdm.write(line)
+        self.runlog(line)
 
     # -- setup --
     def run(self) -> RunSummary:
@@ -137,6 +138,7 @@ class _Training:
             torch.set_num_threads(threads)
             if self.metrics is not None:
                 self.metrics.close()
+            self.runlog.close()
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -155,7 +157,7 @@ class _Training:
             cfg = self.cfg = replace(cfg, run=replace(run, name=run_dir.name))
             run = cfg.run
         self.run_dir = run_dir
-        self.log(cfg.summary())
+        self.log(config_line(cfg, run_dir))
         self.log(f"model {spec.name}: {spec.num_params / 1e6:,.2f} M parameters, {spec.num_layers} layers; schedule "
                  f"{cfg.schedule.name}; batch {cfg.data.batch_size} x {self.accum} accumulated x seq {self.seq}; "
                  f"{self.backend_name} backend")
@@ -164,7 +166,7 @@ class _Training:
         self.plan, lines = check_memory(spec, self.batch, self.seq, self.knobs, self.backend_name)
         self.log("memory: " + "; ".join(line.strip() for line in lines))
         # 2. data (memory-mapped; every token id checked against the vocabulary)
-        self.data = open_data(cfg.data, spec.vocab_size)
+        self.data = open_data(cfg.data, spec.vocab_size, cfg.model)
         self.log(f"data: {self.data.describe()}")
         if self.seq > spec.max_position_embeddings:
             self.log(f"note: data.seq_len={self.seq} is beyond the model's max_position_embeddings="
@@ -174,9 +176,8 @@ class _Training:
         # 3. the run directory, checkpoints, export target, TensorBoard: all checked before the store exists
         self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
         resume_state = self._resume_state() if run.resume else None
-        if run.export_hf and Path(run.export_hf).exists():
-            raise ConfigError(f"run.export_hf={run.export_hf!r} already exists; the export at the end would fail "
-                              "after the whole run. Choose a new directory or remove it")
+        # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
+        self.replace_export = bool(run.export_hf) and check_export_target(run.export_hf, run_dir)
         if run.tensorboard:
             try:
                 check_tensorboard()
@@ -184,6 +185,7 @@ class _Training:
                 raise ConfigError(str(e)) from None
         check_writable(self.manager.directory)
         cfg.save(run_dir)
+        self.runlog.open(run_dir)
         # 4. the store, then its contents
         self._build_trainer()
         if resume_state is not None:
@@ -306,6 +308,9 @@ class _Training:
             self.log(f"note: resuming a run of schedule {state.get('schedule')!r} with {self.cfg.schedule.name!r} "
                      "(the schedule changes speed, not results)")
         self.log(f"resumed from {loaded.path} at step {loaded.step} ({time.perf_counter() - t0:.2f} s)")
+        note = lr_change_note(state.get("config"), self.cfg, loaded.step)
+        if note:
+            self.log(note)
 
     # -- the loop --
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,8 +320,6 @@ class _Training:
         return torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts])  # (accum*B, T)
 
     def _loop(self) -> RunSummary:
-        from tqdm import tqdm
-
         from ..analysis.summary import summarize
 
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
@@ -325,8 +328,9 @@ class _Training:
         timelines, step_times, idles = [], [], []
         flops_per_token = self.spec.model_flops_per_token()
         device = trainer.backend.device
-        bar = tqdm(total=run.steps, initial=start, disable=not run.progress, unit="step", dynamic_ncols=True,
-                   desc=run.name)
+        bar = self.runlog.progress_bar(total=run.steps, initial=start, enabled=run.progress, desc=run.name)
+        if start < run.steps and compile_note(self.knobs, self.backend_name):
+            self.log(compile_note(self.knobs, self.backend_name))
         t_start = time.perf_counter()
         try:
             for index in range(start, run.steps):
@@ -347,6 +351,8 @@ class _Training:
                     flops_per_token * tps / 1e12, 100 * measured.gpu_idle_frac, host_rss_bytes() / GiB,
                     None if gpu is None else gpu / GiB, time.perf_counter() - t_start)))
                 self.metrics.write(record)
+                for track in self.trackers:
+                    track(dict(record))
                 if step % run.log_every == 0 or step == run.steps or eval_loss is not None:
                     self.log(format_step_line(record, run.steps))
                 bar.update(1)
@@ -368,11 +374,11 @@ class _Training:
                     self.log(f"stopped after step {step} (stop_at_step); continue with --resume")
                     break
         except KeyboardInterrupt:
-            bar.close()
+            self.runlog.close_bar()
             where = f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint yet"
             self.log(f"interrupted after step {trainer.step_count}; {where} (continue with --resume)")
             raise
-        bar.close()
+        self.runlog.close_bar()
         summary.elapsed_s = time.perf_counter() - t_start
         if not summary.stopped_early:
             trainer.flush()
@@ -392,16 +398,15 @@ class _Training:
 
     # -- the end --
     def _export(self) -> Path:
-        from .hf_checkpoint import export_hf
+        from .export import export_weights
 
-        m, store, t0 = self.cfg.model, self.trainer.store, time.perf_counter()
-        source = m.name if Path(m.name).is_dir() else None
-        path = export_hf(self.cfg.run.export_hf, self.spec, store.master, copy_tokenizer_from=source)
-        if source is None and self.cfg.data.tokenizer:
-            import shutil
-
-            shutil.copy2(self.cfg.data.tokenizer, path / "tokenizer.json")
-        self.log(f"exported to {path} (Hugging Face, bf16) in {time.perf_counter() - t0:.2f} s")
+        t0 = time.perf_counter()
+        path = export_weights(self.cfg.run.export_hf, self.spec, self.trainer.store.master, self.cfg.to_dict(),
+                              tokenizer=self.data.tokenizer, overwrite=self.replace_export,
+                              provenance={"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint),
+                                          "step": self.trainer.step_count})
+        self.log(f"exported to {path} (Hugging Face, bf16; tokenizer {self.data.tokenizer.describe()}) in "
+                 f"{time.perf_counter() - t0:.2f} s")
         return path
 
     def _write_timelines(self, timelines: list) -> None:

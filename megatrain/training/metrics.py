@@ -1,5 +1,6 @@
 """Training metrics: one record per step, written as JSONL (the same keys every step), optionally to
-TensorBoard, and shown as one log line.
+TensorBoard (`run.tensorboard`) and to any tracker passed to `run_training(..., trackers=[fn])` (each `fn` is
+called with every step's record), and shown as one log line every `run.log_every` steps.
 
     logger = MetricsLogger(run_dir / "metrics.jsonl", tensorboard_dir=None)
     logger.write(record)          # record: a dict with exactly METRIC_KEYS
@@ -162,7 +163,8 @@ def _num(value, fmt: str, missing: str = "-") -> str:
 
 
 def format_step_line(r: dict, total_steps: int | None = None) -> str:
-    """One line per step: step, loss, lr, grad norm, s/step, tokens/s, model TFLOP/s, GPU idle %, memory."""
+    """One line per `run.log_every` steps, short enough for a CI log: step, loss, lr, grad norm, s/step,
+    tokens/s, model TFLOP/s, GPU idle %, host RSS, and peak GPU memory where there is a GPU."""
     width = len(str(total_steps)) if total_steps else 5
     step = f"step {r['step']:>{width}d}" + (f"/{total_steps}" if total_steps else "")
     parts = [step, f"loss {_num(r['loss'], '.4f')}"]
@@ -171,8 +173,10 @@ def format_step_line(r: dict, total_steps: int | None = None) -> str:
     parts += [f"lr {_num(r['lr'], '.2e')}", f"gnorm {_num(r['grad_norm'], '.3f')}",
               f"{_num(r['step_s'], '.3f')} s/step", f"{_num(r['tokens_per_s'], ',.0f')} tok/s",
               f"{_num(r['model_tflops'], '.3g')} TFLOP/s", f"GPU idle {_num(r['gpu_idle_pct'], '.1f')}%",
-              f"host {_num(r['host_rss_gib'], '.2f')} GiB", f"GPU {_num(r['gpu_mem_gib'], '.2f', 'n/a')} GiB"]
-    line = " | ".join(parts)
+              f"host {_num(r['host_rss_gib'], '.2f')} GiB"]
+    if r["gpu_mem_gib"] is not None:
+        parts.append(f"GPU {_num(r['gpu_mem_gib'], '.2f')} GiB")
+    line = "  ".join(parts)
     if r["skipped"]:
-        line += " | SKIPPED (non-finite gradients, no update)"
+        line += "  SKIPPED (non-finite gradients, no update)"
     return line
