@@ -95,3 +95,48 @@ def test_simulate_table_is_in_ms_fastest_first_and_stale_variants_go(tmp_path, c
     kept = sorted(d.name for d in out.iterdir() if d.is_dir())
     assert kept == ["mine", "overlap_buffers-2"]
     assert json.loads((out / "overlap_buffers-2" / "config.json").read_text())["knobs"]["buffers"] == 2
+
+
+# ---- README: every command runs as written ------------------------------------------------------------------------
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[list[str]]:
+    """The `megatrain ...` command lines of README.md's bash blocks (continuations joined, comments dropped)."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith(".venv/bin/megatrain "):
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def test_every_readme_command_parses_and_names_files_that_exist():
+    from megatrain.cli import build_parser
+
+    commands = readme_commands()
+    assert {c[0] for c in commands} >= {"plan", "simulate", "train", "export", "profile", "compare", "--version"}
+    parser = build_parser()
+    for argv in commands:
+        if argv == ["--version"]:
+            continue
+        args = parser.parse_args(argv)  # exits (fails the test) on an option the CLI does not have
+        if getattr(args, "config", None):
+            assert (REPO / args.config).is_file(), argv
+        if args.command == "export":
+            assert args.checkpoint == "runs/demo"  # what examples/demo.toml trains (run.name = "demo")
+    assert "run.toml" not in (REPO / "README.md").read_text()  # the file the README used to name
+
+
+def test_readme_plan_and_simulate_run_as_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for argv in readme_commands():
+        if argv[0] in ("plan", "simulate"):
+            assert main(argv) in (0, 1), argv  # plan: 1 = does not fit this machine, with the table
+            assert "error" not in capsys.readouterr().err
+    assert len(list((tmp_path / "runs" / "simulate-bench-3b").glob("*/gantt.png"))) == 6
