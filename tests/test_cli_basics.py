@@ -11,9 +11,9 @@ import pytest
 
 from megatrain import __version__
 from megatrain.cli import main
+from megatrain.presets import PRESETS
 from megatrain.profiling import calibrate
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile
-from megatrain.presets import PRESETS
 from megatrain.training import fit
 
 

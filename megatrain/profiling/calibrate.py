@@ -193,7 +193,8 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         plan.add("bf16 streaming-copy refresh", budget / 2 + 0.1,
                  lambda: _refresh(m, w, layer_n, threads, budget / 2))
         plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
-        plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
+        plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9,
+                 lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,

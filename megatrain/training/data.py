@@ -268,7 +268,7 @@ class Data:
         if self.eval is not None:
             s += f"; eval: {len(self.eval.stream):,} tokens, {len(self.eval):,} windows"
         if _format_of(Path(t.stream.source), "auto") != "bin":
-            s += f"; tokenizer {self.tokenizer.describe()}"
+            s += f"\ntokenizer {self.tokenizer.describe()}"  # a line of its own: the data line is long already
         return s
 
 

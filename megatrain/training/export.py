@@ -23,10 +23,15 @@ import torch
 
 from ..spec import ModelSpec
 from . import safetensors_io as stio
-from .config import ConfigError
 from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, unit_key
+from .config import ConfigError
 from .hf_checkpoint import PROVENANCE_FILE, export_hf
-from .tokenization import TokenizerChoice, TokenizerError, load_tokenizer, resolve_tokenizer
+from .tokenization import (
+    TokenizerChoice,
+    TokenizerError,
+    load_tokenizer,
+    resolve_tokenizer,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

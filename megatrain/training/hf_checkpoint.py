@@ -10,8 +10,8 @@ checked first (every shard present and complete, every tensor the model needs pr
 float dtype, no tensor the model does not know), so a bad checkpoint fails before the first byte is copied.
 
 Export: `export_hf(path, spec, tiles)` writes `config.json` (`spec.to_hf_config()` over the source directory's
-config.json when there is one, so bos/eos/pad token ids and other fields the spec does not model survive), bf16 (or fp32)
-safetensors shards of at most `max_shard_bytes` and `model.safetensors.index.json` (a single shard is
+config.json when there is one, so bos/eos/pad token ids and other fields the spec does not model survive), bf16
+(or fp32) safetensors shards of at most `max_shard_bytes` and `model.safetensors.index.json` (a single shard is
 `model.safetensors`, as `save_pretrained` writes it), one tensor converted at a time, into a temporary directory
 that is renamed into place when complete. `transformers` `from_pretrained` loads the result.
 
@@ -249,7 +249,8 @@ def hf_config_for(spec: ModelSpec, dtype: torch.dtype, source: str | Path | None
             try:
                 cfg = json.loads(src.read_text())
             except json.JSONDecodeError as e:
-                raise CheckpointError(f"{src} is not valid JSON ({e}); cannot derive the export's config.json") from None
+                raise CheckpointError(f"{src} is not valid JSON ({e}); cannot derive the export's config.json"
+                                      ) from None
     for key in _DERIVED:
         cfg.pop(key, None)
     if cfg.get("num_hidden_layers") != spec.num_layers:
