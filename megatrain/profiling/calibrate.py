@@ -119,6 +119,26 @@ def profile_host_reserve(spec: ModelSpec, device: str, quick: bool) -> int:
     return 2 * (1 if on_gpu else 2) * _max_copy_bytes(spec, on_gpu, quick)
 
 
+def _probe_matmul(worker: Worker, backend, on_gpu: bool) -> float:
+    """FLOP/s of a small matmul, the fastest call of a second round: the first calls in a fresh worker thread
+    pay for its OpenMP pool (12 ms for a 0.2 ms matmul on the 2-core CPU machine), which made the estimate of the
+    same profile swing between 4 hours and 12 days."""
+    n, dtype = (2048, torch.bfloat16) if on_gpu else (256, torch.float32)
+    a, b = (worker.call(lambda: torch.randn(n, n, device=backend.device).to(dtype)) for _ in range(2))
+    worker.time_for(lambda: a @ b, 0.05, warmup=2)  # warms the thread
+    return 2.0 * n**3 / min(worker.time_for(lambda: a @ b, 0.1, warmup=1))
+
+
+def long_profile_hint(plan: _Plan, quick: _Plan | None) -> str:
+    """What a long profile can do about it: --quick (when not already), and its longest measurement."""
+    label, est, _ = max(plan.items, key=lambda item: item[1])
+    hint = "that is long: "
+    if quick is not None:
+        hint += (f"--quick measures fewer sizes, token counts and repetitions (about {_fmt_s(quick.total_s)}); ")
+    return hint + (f"the longest measurement is {label} (about {_fmt_s(est)}): a smaller --batch or --seq shortens "
+                   "the compute tables; Ctrl-C now costs nothing")
+
+
 def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     """Measure the machine for `req.model` and return the Calibration (see the module docstring)."""
     spec = req.model
@@ -136,8 +156,7 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                                              "knobs": req.knobs.to_dict(), "cpu_threads": threads}}
     bufs: dict = {}  # the copy buffers, allocated by the first measurement and released at the end
     # -- probe: rough rates, to say up front how long this takes --
-    probe_rate = rates.measure_matmul(w["compute"], backend, torch.float32 if not on_gpu else torch.bfloat16,
-                                      256 if not on_gpu else 2048, 0.1)
+    probe_rate = _probe_matmul(w["compute"], backend, on_gpu)
 
     def build(req: ProfileRequest) -> _Plan:
         """The measurements `req` asks for, each with its estimated duration (nothing is measured yet)."""
@@ -218,9 +237,8 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     progress = Progress([(label, est) for label, est, _ in plan.items], log)
     progress.announce(f"profiling {backend.name} for {spec.name} (batch {req.batch}, seq {req.seqs}, "
                       f"{'/'.join(dtypes)}{', quick' if req.quick else ''})")
-    if plan.total_s > LONG_PROFILE_S and not req.quick:  # say so before the hours start, not after
-        log(f"that is long: --quick measures fewer sizes, token counts and repetitions (about "
-            f"{_fmt_s(build(replace(req, quick=True)).total_s)}); Ctrl-C now costs nothing")
+    if plan.total_s > LONG_PROFILE_S:  # say so before the hours start, not after
+        log(long_profile_hint(plan, None if req.quick else build(replace(req, quick=True))))
     try:
         for label, _, fn in plan.items:
             progress.done(label, fn() or "done")
