@@ -63,3 +63,79 @@ def test_trackers_get_every_steps_record(tmp_path):
     # log_every (default 10) > steps: only the last step's line, and train.log has every line.
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["3/3"]
     assert (tmp_path / "debug" / "train.log").read_text() == "".join(line + "\n" for line in lines)
+
+
+# ---- TensorBoard event files, written without the tensorboard package ---------------------------------------------
+def _records(path):
+    """The TFRecord payloads of an event file, each frame's two masked CRCs checked."""
+    import struct
+
+    from megatrain.training.tensorboard import masked_crc32c
+
+    data, out, i = path.read_bytes(), [], 0
+    while i < len(data):
+        (n,) = struct.unpack_from("<Q", data, i)
+        assert struct.unpack_from("<I", data, i + 8)[0] == masked_crc32c(data[i:i + 8])
+        payload = data[i + 12:i + 12 + n]
+        assert struct.unpack_from("<I", data, i + 12 + n)[0] == masked_crc32c(payload)
+        out.append(payload)
+        i += 16 + n
+    return out
+
+
+def _varint(buf, i):
+    value, shift = 0, 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def _fields(buf):
+    """(field number, value) pairs of a protobuf message: varints, 8/4-byte scalars and length-delimited bytes."""
+    import struct
+
+    i, out = 0, []
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 1:
+            value, i = struct.unpack_from("<d", buf, i)[0], i + 8
+        elif wire == 5:
+            value, i = struct.unpack_from("<f", buf, i)[0], i + 4
+        else:
+            n, i = _varint(buf, i)
+            value, i = buf[i:i + n], i + n
+        out.append((number, value))
+    return out
+
+
+def test_run_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
+    from megatrain.training.tensorboard import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.steps=2", "run.eval_every=2", "run.eval_batches=1",
+                             "run.simulate=false", "run.progress=false", "run.checkpoint_every=0",
+                             "run.tensorboard=true", "data.batch_size=2", "data.seq_len=32",
+                             "schedule.compute_dtype=fp32"])
+    s = run_training(cfg, log=lambda _: None)
+    (events,) = (tmp_path / "debug" / "tensorboard").glob("events.out.tfevents.*")
+    records = [dict(_fields(r)) for r in _records(events)]
+    assert records[0][3] == b"brain.Event:2"  # file_version first
+    assert [r[2] for r in records[1:]] == [1, 2]  # one event per step
+    scalars = [{dict(_fields(v))[1].decode(): dict(_fields(v))[2] for n, v in _fields(r[5]) if n == 1}
+               for r in records[1:]]
+    assert [round(x["train/loss"], 4) for x in scalars] == [round(v, 4) for v in s.losses]
+    assert "eval/eval_loss" in scalars[1] and "eval/eval_loss" not in scalars[0] and "train/skipped" not in scalars[0]
+    try:  # and TensorBoard itself, where it is installed
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return
+    ea = EventAccumulator(str(events.parent))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2]

@@ -61,7 +61,6 @@ from .lr import lr_change_note, lr_schedule
 from .metrics import (
     METRIC_KEYS,
     MetricsLogger,
-    check_tensorboard,
     format_step_line,
     gpu_peak_bytes,
     host_rss_bytes,
@@ -178,11 +177,6 @@ class _Training:
         resume_state = self._resume_state() if run.resume else None
         # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
         self.replace_export = bool(run.export_hf) and check_export_target(run.export_hf, run_dir)
-        if run.tensorboard:
-            try:
-                check_tensorboard()
-            except ImportError as e:
-                raise ConfigError(str(e)) from None
         check_writable(self.manager.directory)
         cfg.save(run_dir)
         self.runlog.open(run_dir)

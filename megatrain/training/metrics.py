@@ -1,5 +1,5 @@
 """Training metrics: one record per step, written as JSONL (the same keys every step), optionally to
-TensorBoard (`run.tensorboard`) and to any tracker passed to `run_training(..., trackers=[fn])` (each `fn` is
+TensorBoard event files (`run.tensorboard`; megatrain/training/tensorboard.py writes them, no package needed) and to any tracker passed to `run_training(..., trackers=[fn])` (each `fn` is
 called with every step's record), and shown as one log line every `run.log_every` steps.
 
     logger = MetricsLogger(run_dir / "metrics.jsonl", tensorboard_dir=None)
@@ -37,7 +37,7 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "token
 GiB = 2**30
 
 __all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics", "host_rss_bytes",
-           "gpu_peak_bytes", "reset_gpu_peak", "check_tensorboard", "open_tensorboard"]
+           "gpu_peak_bytes", "reset_gpu_peak", "open_tensorboard"]
 
 
 # ---- memory readings ---------------------------------------------------------------------------------------------
@@ -104,10 +104,9 @@ class MetricsLogger:
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._f.flush()
         if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(("eval/" if key == "eval_loss" else "train/") + key, value, step)
+            scalars = {("eval/" if key == "eval_loss" else "train/") + key: value for key, value in record.items()
+                       if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+            self._tb.add_scalars(scalars, record["step"])
 
     def close(self) -> None:
         self._f.close()
@@ -128,21 +127,11 @@ def _step_of(line: str) -> int | None:
         return None  # a torn last line (the process was killed mid-write) is dropped
 
 
-def check_tensorboard() -> None:
-    """ImportError saying what to install when TensorBoard logging is unavailable."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except ImportError:
-        raise ImportError("run.tensorboard=true needs the `tensorboard` package (pip install tensorboard); "
-                          "or set run.tensorboard=false (metrics.jsonl is always written)") from None
-
-
 def open_tensorboard(directory: str | Path):
-    """A TensorBoard SummaryWriter writing into `directory` (ImportError when the package is missing)."""
-    check_tensorboard()
-    from torch.utils.tensorboard import SummaryWriter
+    """A writer of TensorBoard scalar event files in `directory` (megatrain/training/tensorboard.py)."""
+    from .tensorboard import ScalarWriter
 
-    return SummaryWriter(log_dir=str(directory))
+    return ScalarWriter(directory)
 
 
 def read_metrics(path: str | Path):
