@@ -98,3 +98,24 @@ def test_export_config_is_derived_from_the_source_config(tmp_path):
     assert cfg["torch_dtype"] == "bfloat16" and cfg["initializer_range"] == 0.01
     assert "transformers_version" not in cfg
     assert hf_config_for(spec, torch.float32, None, defaults={"eos_token_id": 9})["eos_token_id"] == 9
+
+
+def test_export_of_a_run_from_a_hf_directory_keeps_its_config_and_tokenizer(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from test_examples import REPO, tiny_hf_dir
+
+    model = tiny_hf_dir(tmp_path / "hf-model", REPO / "examples" / "data" / "sample.jsonl")
+    monkeypatch.chdir(tmp_path)  # the run's paths are relative, as a user's would be
+    path = toml(tmp_path, steps=1)
+    assert main(["train", "--config", str(path), "--set", "model.name=hf-model", "--set", "model.num_layers=1",
+                 "--set", f"data.path={REPO / 'examples' / 'data' / 'sample.jsonl'}", "--set", "data.seq_len=16"]) == 0
+    assert main(["export", "runs/t", "out"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["num_hidden_layers"]) == (1, 2, 1)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    # From elsewhere the relative model path is gone: an error, not an export without its tokenizer.
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "runs" / "t"), str(tmp_path / "out2")]) == 2
+    assert "model directory 'hf-model' is not found" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()

@@ -87,8 +87,14 @@ def export_weights(out: str | Path, spec: ModelSpec, tiles, config: dict, *, dty
                    tokenizer: TokenizerChoice | None = None, provenance: dict | None = None,
                    overwrite: bool = False) -> Path:
     """Export per-unit fp32 tiles of a run whose resolved config (RunConfig.to_dict()) is `config`."""
+    from ..presets import PRESETS
+
     model, data = config.get("model", {}), config.get("data", {})
     name = str(model.get("name", ""))
+    if name and name not in PRESETS and not Path(name).exists():
+        # Without it the export would lose the source's config fields and tokenizer without a word.
+        raise CheckpointError(f"the run's model directory {name!r} is not found from {Path.cwd()}; run the export "
+                              "from the directory the run was started in (its paths are relative to it)")
     source = Path(name) if name and Path(name).is_dir() else None
     if tokenizer is None:
         pretrained = model.get("init") == "pretrained" or (model.get("init", "auto") == "auto" and source is not None)
