@@ -114,5 +114,5 @@ def compile_note(knobs, backend: str) -> str | None:
     if not getattr(knobs, "compile_layers", False):
         return None
     took = "about a minute on the CPU backend" if backend == "cpu" else "tens of seconds"
-    return (f"step 1 compiles the decoder layer (schedule.compile_layers=true): {took} with no output; the "
+    return (f"the first step compiles the decoder layer (schedule.compile_layers=true): {took} with no output; the "
             "steps after it run compiled")
