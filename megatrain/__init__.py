@@ -27,6 +27,7 @@ _LAZY = {
     "AdamWConfig": ".exec.optim",
     "run_training": ".training.loop",
     "load_config": ".training.config",
+    "export_checkpoint": ".training.export",
 }
 
 __all__ = ["__version__", *_LAZY]
