@@ -2,37 +2,48 @@
 one GPU, with every schedule simulated before it is run.
 
 Schedule (DAG) -> lower() -> Program -> simulator / executor -> Timeline. See docs/design.md.
+
+Every public name below is imported on first use (PEP 562 `__getattr__`): `import megatrain` and the CLI's
+`--help` / `--version` do not pay for pandas, networkx, simpy or torch until something needs them.
 """
-from .analysis.summary import StepSummary, summarize
-from .analysis.timeline import TIMELINE_COLUMNS, make_timeline
-from .analysis.viz import chrome_trace, gantt, write_chrome_trace
-from .ir.builders import build_schedule
-from .ir.dag import Schedule, ScheduleError
-from .ir.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from .ir.program import GpuMemoryPlan, Program, ProgramTask, lower
-from .ir.tasks import Task, TaskKind
-from .presets import PRESETS, get_model
-from .sim import HardwareProfile, SimResult, SimulationError, load_profile, simulate
-from .spec import EMBED, HEAD, ModelSpec, SpecError, load_hf_config, spec_from_hf_config
+from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_SCHEDULE", "NAMED_SCHEDULES", "ScheduleKnobs", "build_schedule", "knobs_for", "PRESETS", "get_model",
-    "GpuMemoryPlan", "Program", "ProgramTask", "lower", "Schedule", "ScheduleError", "EMBED", "HEAD", "ModelSpec",
-    "SpecError", "load_hf_config", "spec_from_hf_config", "Task", "TaskKind", "TIMELINE_COLUMNS", "make_timeline",
-    "StepSummary", "summarize", "HardwareProfile", "SimResult", "SimulationError", "load_profile", "simulate",
-    "chrome_trace", "gantt", "write_chrome_trace", "StreamedTrainer", "AdamWConfig", "run_training", "load_config",
-]
+# public name -> the module that defines it
+_LAZY = {
+    **dict.fromkeys(("StepSummary", "summarize"), ".analysis.summary"),
+    **dict.fromkeys(("TIMELINE_COLUMNS", "make_timeline"), ".analysis.timeline"),
+    **dict.fromkeys(("chrome_trace", "gantt", "write_chrome_trace"), ".analysis.viz"),
+    "build_schedule": ".ir.builders",
+    **dict.fromkeys(("Schedule", "ScheduleError"), ".ir.dag"),
+    **dict.fromkeys(("DEFAULT_SCHEDULE", "NAMED_SCHEDULES", "ScheduleKnobs", "knobs_for"), ".ir.knobs"),
+    **dict.fromkeys(("GpuMemoryPlan", "Program", "ProgramTask", "lower"), ".ir.program"),
+    **dict.fromkeys(("Task", "TaskKind"), ".ir.tasks"),
+    **dict.fromkeys(("Placement", "resolve"), ".ir.placement"),
+    "build_from_placement": ".ir.builders",
+    **dict.fromkeys(("PRESETS", "get_model"), ".presets"),
+    **dict.fromkeys(("HardwareProfile", "SimResult", "SimulationError", "load_profile", "simulate"), ".sim"),
+    **dict.fromkeys(("EMBED", "HEAD", "ModelSpec", "SpecError", "load_hf_config", "spec_from_hf_config"), ".spec"),
+    "StreamedTrainer": ".training.trainer",
+    "AdamWConfig": ".exec.optim",
+    "run_training": ".training.loop",
+    "load_config": ".training.config",
+    "export_checkpoint": ".training.export",
+}
 
-# The executor and the training loop import torch; `megatrain plan` / `simulate` should not wait for it.
-_LAZY = {"StreamedTrainer": ".training.trainer", "AdamWConfig": ".exec.optim", "run_training": ".training.loop",
-         "load_config": ".training.config"}
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # the next access is a plain attribute
+        return value
     raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

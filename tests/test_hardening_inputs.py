@@ -126,7 +126,7 @@ def test_a_missing_shard_fails_before_the_store_and_the_run_directory_exist(tmp_
     path = _hf_dir(tmp_path, shards=True)
     next(path.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="names shard model-00002"):
-        train(tiny(tmp_path, f"model.name={path}"))
+        train(tiny(tmp_path, f"model.name={path}", "data.tokenizer=bytes"))
     assert not (tmp_path / "runs").exists()
 
 
@@ -136,7 +136,7 @@ def test_a_wrong_tensor_shape_fails_before_the_store(tmp_path, no_allocation):
     cfg["intermediate_size"] += 8
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="has shape"):
-        train(tiny(tmp_path, f"model.name={path}"))
+        train(tiny(tmp_path, f"model.name={path}", "data.tokenizer=bytes"))
 
 
 def test_schedule_rules_fail_before_the_store(tmp_path, no_allocation):

@@ -120,7 +120,8 @@ def test_leftovers_of_a_killed_prune_are_removed_by_the_next_save(tmp_path):
 
 def test_a_renamed_hf_directory_still_resumes(tmp_path):
     export_hf(tmp_path / "hf-a", DEBUG, init_tiles(DEBUG), dtype=torch.float32)
-    train(tiny(tmp_path, f"model.name={tmp_path / 'hf-a'}", "run.steps=2"))
+    train(tiny(tmp_path, f"model.name={tmp_path / 'hf-a'}", "run.steps=2", "data.tokenizer=bytes"))
     (tmp_path / "hf-a").rename(tmp_path / "hf-b")
-    s = train(tiny(tmp_path, f"model.name={tmp_path / 'hf-b'}", "run.steps=4", "run.resume=latest"))
+    s = train(tiny(tmp_path, f"model.name={tmp_path / 'hf-b'}", "run.steps=4", "run.resume=latest",
+               "data.tokenizer=bytes"))
     assert s.start_step == 2 and s.steps == 4

@@ -19,7 +19,7 @@ def tiny(tmp_path: Path, *extra: str, name: str = "t"):
     return load_config(None, [
         f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=6", "run.eval_every=0",
         "run.checkpoint_every=0", "run.progress=false", "run.simulate=false", "data.batch_size=2",
-        "data.seq_len=32", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "schedule.compute_dtype=fp32", *extra])
+        "data.seq_len=32", "run.log_every=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "schedule.compute_dtype=fp32", *extra])
 
 
 def signal_at_step(signum: int, step: int, lines: list[str]):
@@ -54,6 +54,7 @@ def test_the_cli_exits_with_128_plus_the_signal(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(loop, "run_training", run)
     rc = main(["train", "--out-dir", str(tmp_path), "--steps", "4", "--no-progress", "--set", "run.simulate=false",
+               "--set", "run.log_every=1",
                "--set", "run.eval_every=0", "--batch", "2", "--seq", "32"])
     assert rc == 128 + signal.SIGTERM
     assert (tmp_path / "debug" / "checkpoints" / "step_00000001").is_dir()

@@ -9,9 +9,9 @@ import torch
 
 from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.presets import PRESETS
 from megatrain.training.command import add_train_arguments, config_from_args
+from megatrain.training.trainer import StreamedTrainer
 
 DEBUG = PRESETS["debug"]
 B, T = 2, 16

@@ -32,3 +32,7 @@ def test_notebook_03_chooses_a_schedule_trains_and_plots(tmp_path):
     assert f"schedule {best};" in nb.text and "step 30/30" in nb.text and "measured (median)" in nb.text
     assert len(nb.images) == 2  # loss curve, predicted vs measured timeline
     assert len(nb.tables) == 3  # schedule comparison, last metrics, predicted vs measured
+    # The resume hint names this run's own config and directory, with paths that work from anywhere.
+    hint = next(line for line in nb.text.splitlines() if line.startswith("megatrain train --config "))
+    assert f"--config {run.resolve() / 'config.toml'} --set run.out_dir={run.resolve().parent} " in hint
+    assert hint.endswith("--set run.steps=60 --resume")

@@ -1,6 +1,5 @@
 """What people look at: step summaries of any Timeline, Chrome trace, Gantt chart, `megatrain simulate`."""
 import json
-import time
 
 import pandas as pd
 import pytest
@@ -119,8 +118,9 @@ def test_cli_simulate_sweep_writes_artefacts_and_table(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     lines = text.splitlines()
-    assert lines[1].split()[:3] == ["schedule", "knobs", "step_s"]
-    assert lines[2].split()[:2] == ["overlap[micro_batches=2]", "buffers=1,optimizer=after"]
+    assert lines[1].split()[:4] == ["schedule", "knobs", "step", "ms"]  # fastest first (tests/test_cli_basics.py)
+    assert {tuple(line.split()[:2]) for line in lines[2:6]} == {
+        ("overlap[micro_batches=2]", f"buffers={b},optimizer={o}") for b in (1, 2) for o in ("after", "overlap")}
     table = pd.read_csv(out / "comparison.csv")
     assert len(table) == 4 and (table["step_s"] > 0).all()
     assert list(table["knobs"]) == [f"buffers={b},optimizer={o}" for b in (1, 2) for o in ("after", "overlap")]
@@ -153,11 +153,9 @@ def test_cli_simulate_toml_schedule_and_errors(tmp_path, capsys):
     assert rc == 0 and "skipped: batch 4 does not split into micro_batches=3" in capsys.readouterr().out
 
 
-def test_a_96_layer_step_with_8_micro_batches_simulates_quickly():
-    """The speed target is < 1 s on the 2-core CI machine (scripts/sim_speed.py); this guards against 5x."""
-    t = time.perf_counter()
+def test_a_96_layer_step_with_8_micro_batches_simulates():
+    """Its speed (target < 1 s on the 2-core CI machine) is measured by scripts/sim_speed.py, a benchmark, not
+    asserted here: a loaded machine must not fail the suite."""
     prog = lower(build_schedule(PRESETS["dense-120b"], 8, 2048, knobs_for("overlap", micro_batches=8)))
     res = simulate(prog, "h200")
-    elapsed = time.perf_counter() - t
     assert len(res.timeline) == len(prog.tasks) > 1500
-    assert elapsed < 5.0

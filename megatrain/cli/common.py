@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from ..ir.knobs import DEFAULT_SCHEDULE
 
+__all__ = ["DEFAULT_SCHEDULE", "add_run_arguments"]
+
 
 def add_run_arguments(p, model: str, batch: int, seq: int,
                       schedule_help: str = "named schedule or TOML file ([schedule] table of knobs)") -> None:
@@ -12,3 +14,16 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
     p.add_argument("--seq", type=int, default=seq)
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help=schedule_help)
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+
+
+def check_fits(spec, batch: int, seq: int, knobs, device: str, what: str, advice: str,
+               reserve_host_bytes: int = 0) -> None:
+    """The planner's memory for `what` against this machine, before anything is allocated (as `train` does):
+    MemoryFitError (one message with the numbers and `advice`) when it does not fit. `reserve_host_bytes`: host
+    memory the command holds besides the run (compare's shared initial weights, profile's copy buffers)."""
+    from ..training.fit import check_memory, machine_capacity
+
+    backend = "cuda" if device.startswith("cuda") else "cpu"
+    host, _ = machine_capacity(backend)
+    check_memory(spec, batch, seq, knobs, backend, host_bytes=max(0, host - reserve_host_bytes), what=what,
+                 advice=advice)

@@ -15,13 +15,13 @@ import gc
 import json
 from pathlib import Path
 
-import pandas as pd
-
-from ..ir.knobs import resolve_knobs
-from ..presets import get_model
 from . import UserError
-from .common import add_run_arguments
+from .common import add_run_arguments, check_fits
 from .simulate import parse_sweeps, slug, variants
+
+ADVICE = ("lower --batch / --seq, compare a smaller model (a preset such as debug, or fewer layers in a copy of "
+          "the HF config), or set a knob that the planner lists with --set knob=value; `megatrain plan` shows the "
+          "full table")
 
 
 def register(sub) -> None:
@@ -62,10 +62,13 @@ def _profile_for(args, spec, device: str, first_knobs, out: Path):
 
 
 def run(args) -> int:
+    import pandas as pd
     import torch
 
     from ..init import init_tiles
     from ..ir.dag import ScheduleError
+    from ..ir.knobs import resolve_knobs
+    from ..presets import get_model
     from ..profiling.compare import compare, kendall_tau, measure_steps, ranking
 
     if args.steps < 2:
@@ -85,6 +88,16 @@ def run(args) -> int:
         except ScheduleError as e:
             raise UserError(f"{v.label}: {e}") from None
     out = Path(args.out or f"runs/compare-{spec.name}")
+    # Memory first, as `train` does: every variant's host store, buffers and activations against this machine
+    # (with several variants, one fp32 copy of the initial weights is shared by all of them and held throughout).
+    shared = 4 * spec.num_params if len(resolved) > 1 else 0
+    for v, _, knobs in resolved:
+        check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
+    if args.measure_profile:
+        from ..profiling.calibrate import profile_host_reserve
+
+        check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, resolved[0][2], device,
+                   "measuring the profile", ADVICE, profile_host_reserve(spec, device, args.quick))
     profile = _profile_for(args, spec, device, resolved[0][2], out)
     print(f"{spec.name}: {spec.num_params / 1e6:.2f} M parameters, batch {args.batch} x seq {args.seq}, device "
           f"{device}; {args.steps} steps per variant")

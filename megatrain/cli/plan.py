@@ -1,9 +1,6 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from ..ir.knobs import resolve_knobs
-from ..ir.memory import GiB, fit_report, format_plan, plan_memory
-from ..presets import get_model
 from .common import add_run_arguments
 
 
@@ -32,6 +29,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..ir.knobs import resolve_knobs
+    from ..ir.memory import GiB, fit_report, format_plan, plan_memory
+    from ..presets import get_model
+
     spec = get_model(args.model)
     name, knobs = resolve_knobs(args.schedule, args.set)
     plan = plan_memory(spec, args.batch, args.seq, knobs)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..ir.knobs import DEFAULT_SCHEDULE, resolve_knobs
-from ..presets import get_model
 from . import UserError
+from .common import DEFAULT_SCHEDULE, check_fits
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -50,10 +49,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+ADVICE = ("lower --batch / --seq, or profile on a machine with more memory; `megatrain plan --model ... --batch ... "
+          "--seq ...` shows the full table")
+
+
 def run(args) -> int:
     import torch
 
+    from ..ir.knobs import resolve_knobs
+    from ..presets import get_model
     from ..profiling import ProfileRequest, measure_profile
+    from ..profiling.calibrate import profile_host_reserve
     from ..profiling.report import calibration_report
 
     models = [get_model(m.strip()) for m in args.model.split(",") if m.strip()]
@@ -83,6 +89,11 @@ def run(args) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
+    # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
+    # per-unit compute tables need no more than that), plus the copy buffers.
+    for shape in models:
+        check_fits(shape.with_layers(min(2, shape.num_layers)), batch[0], max(seqs), knobs, device,
+                   f"profiling {shape.name}", ADVICE, profile_host_reserve(spec, device, args.quick))
     req = ProfileRequest(spec, batch=batch[0], seqs=seqs, device=device, dtypes=dtypes, quick=args.quick,
                          knobs=knobs, cpu_threads=args.cpu_threads, name=args.name, also_models=models[1:])
     t0 = time.perf_counter()

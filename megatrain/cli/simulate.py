@@ -3,28 +3,25 @@
     megatrain simulate --model bench-3b --batch 8 --seq 2048 --schedule overlap \\
         --sweep buffers=1,2,3 --sweep optimizer=after,overlap [--set micro_batches=2] [--profile h200] [--out DIR]
 
-Prints a comparison table (one row per variant) and writes, per variant, the predicted timeline (CSV and JSON),
-a Chrome trace, a Gantt chart, the summary and the resolved configuration; `comparison.csv` holds the table.
-`--sweep` takes knob=v1,v2,... (any ScheduleKnobs field, or `schedule` to compare named schedules / TOML files);
-several sweeps multiply.
+Prints a comparison table (one row per variant, fastest first, times in milliseconds) and writes, per variant,
+the predicted timeline (CSV and JSON), a Chrome trace, a Gantt chart, the summary and the resolved configuration;
+`comparison.csv` holds the table (sweep order, seconds, as every file of the project). `--sweep` takes
+knob=v1,v2,... (any ScheduleKnobs field, or `schedule` to compare named schedules / TOML files); several sweeps
+multiply.
+
+The output directory holds the latest simulation: the variant folders of an earlier `simulate` into the same
+directory that this one does not write again are removed (only folders that `simulate` wrote: a config.json with
+a "variant" key beside a timeline_sim.csv), so the folders always match comparison.csv.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
-
-from ..analysis.viz import gantt, write_chrome_trace
-from ..ir.builders import build_schedule
-from ..ir.dag import ScheduleError
-from ..ir.knobs import parse_knob_value, resolve_knobs
-from ..ir.program import lower
-from ..presets import get_model
-from ..sim import ProfileError, SimResult, SimulationError, load_profile, simulate
 from . import UserError
 from .common import add_run_arguments
 
@@ -77,6 +74,8 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
         key, values = (s.strip() for s in item.split("=", 1))
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if key != "schedule":
+            from ..ir.knobs import parse_knob_value
+
             for v in vals:
                 parse_knob_value(key, v)  # raises ScheduleError naming the knob and the expected type
         if any(key == k for k, _ in sweeps):
@@ -99,16 +98,21 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label.replace("=", "-")).strip("_") or "variant"
 
 
-COLUMNS = {"step_s": "{:.4f}", "tokens/s": "{:,.0f}", "TFLOP/s": "{:.1f}", "GPU idle %": "{:.1f}",
-           "wait weights s": "{:.4f}", "wait optimizer s": "{:.4f}", "wait gradients s": "{:.4f}",
-           "GPU peak GiB": "{:.2f}"}
+# Printed column -> (row key, scale, format): rows hold seconds, as every file does; the table shows milliseconds.
+COLUMNS = {"step ms": ("step_s", 1e3, "{:.2f}"), "tokens/s": ("tokens/s", 1, "{:,.0f}"),
+           "TFLOP/s": ("TFLOP/s", 1, "{:.1f}"), "GPU idle %": ("GPU idle %", 1, "{:.1f}"),
+           "wait weights ms": ("wait weights s", 1e3, "{:.2f}"),
+           "wait optimizer ms": ("wait optimizer s", 1e3, "{:.2f}"),
+           "wait gradients ms": ("wait gradients s", 1e3, "{:.2f}"), "GPU peak GiB": ("GPU peak GiB", 1, "{:.2f}")}
 
 
 def table(rows: list[dict]) -> str:
-    """Aligned text table of the comparison rows (a failed variant shows its error instead of numbers)."""
+    """Aligned text table of the comparison rows, fastest first, times in milliseconds (a failed variant shows
+    its error instead of numbers, after the others)."""
+    rows = sorted(rows, key=lambda r: (1, 0.0) if "error" in r else (0, r["step_s"]))
     header = ["schedule", "knobs", *COLUMNS]
-    cells = [[r["schedule"], r["knobs"]] + ([COLUMNS[c].format(r[c]) for c in COLUMNS] if "error" not in r else [])
-             for r in rows]
+    cells = [[r["schedule"], r["knobs"]] + ([fmt.format(r[key] * scale) for key, scale, fmt in COLUMNS.values()]
+                                            if "error" not in r else []) for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells if i < len(c)]) for i, h in enumerate(header)]
 
     def line(xs):
@@ -120,7 +124,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def row_of(v: Variant, result: SimResult) -> dict:
+def row_of(v: Variant, result) -> dict:
+    """The comparison row of one simulated variant (a megatrain.sim.SimResult), in seconds."""
     s = result.summary
     return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": s.step_s, "tokens/s": s.tokens_per_s,
             "TFLOP/s": s.model_tflops, "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
@@ -128,8 +133,10 @@ def row_of(v: Variant, result: SimResult) -> dict:
             "GPU peak GiB": s.gpu_peak_bytes / 2**30}
 
 
-def write_artefacts(directory: Path, result: SimResult, config: dict, plots: bool = True) -> None:
+def write_artefacts(directory: Path, result, config: dict, plots: bool = True) -> None:
     """timeline_sim.csv / .json, trace.json, gantt.png, summary.json, config.json of one variant."""
+    from ..analysis.viz import gantt, write_chrome_trace
+
     directory.mkdir(parents=True, exist_ok=True)
     tl = result.timeline
     tl.to_csv(directory / "timeline_sim.csv", index=False)
@@ -143,7 +150,34 @@ def write_artefacts(directory: Path, result: SimResult, config: dict, plots: boo
                                                  f"GPU idle {100 * s.gpu_idle_frac:.1f}%")
 
 
+def remove_stale_variants(out: Path, keep: set[str]) -> list[Path]:
+    """Remove the variant folders an earlier `simulate` wrote into `out` that are not in `keep` (folder names)."""
+    removed = []
+    if not out.is_dir():
+        return removed
+    for d in sorted(out.iterdir()):
+        if d.name in keep or not d.is_dir() or not (d / "timeline_sim.csv").is_file():
+            continue
+        try:
+            written_by_simulate = "variant" in json.loads((d / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            written_by_simulate = False
+        if written_by_simulate:
+            shutil.rmtree(d)
+            removed.append(d)
+    return removed
+
+
 def run(args) -> int:
+    import pandas as pd
+
+    from ..ir.builders import build_schedule
+    from ..ir.dag import ScheduleError
+    from ..ir.knobs import resolve_knobs
+    from ..ir.program import lower
+    from ..presets import get_model
+    from ..sim import ProfileError, SimulationError, load_profile, simulate
+
     spec = get_model(args.model)
     try:
         profile = load_profile(args.profile)
@@ -151,7 +185,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
     out = Path(args.out or f"runs/simulate-{spec.name}")
-    rows = []
+    rows, written = [], set()
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
@@ -167,7 +201,9 @@ def run(args) -> int:
         config = {"variant": v.label, "schedule": name, "model": spec.name, "batch": args.batch, "seq": args.seq,
                   "knobs": knobs.to_dict(), "profile": profile.name}
         write_artefacts(out / slug(v.label), result, config, plots=not args.no_plots)
+        written.add(slug(v.label))
         rows.append(row_of(v, result))
+    stale = remove_stale_variants(out, written)
     print(f"{spec.name}, batch {args.batch} x seq {args.seq}, profile {profile.name}")
     print(table(rows))
     good = [r for r in rows if "error" not in r]
@@ -176,5 +212,6 @@ def run(args) -> int:
         if len(good) > 1:
             best = min(good, key=lambda r: r["step_s"])
             print(f"fastest: {best['schedule']} {best['knobs']} ({best['step_s'] * 1e3:.1f} ms)")
-        print(f"artefacts (timeline_sim.csv/.json, trace.json, gantt.png per variant) in {out}/")
+        print(f"artefacts (timeline_sim.csv/.json, trace.json, gantt.png per variant) in {out}/"
+              + (f"; removed {len(stale)} variant folder(s) of an earlier simulate there" if stale else ""))
     return 0 if good else 1

@@ -1,14 +1,26 @@
 """`megatrain train`: the training CLI (megatrain/training/command.py, megatrain/training/loop.py).
 
     megatrain train                                   # the embedded default: debug model, bundled corpus
-    megatrain train --config run.toml --set optimizer.lr=3e-4 --resume
+    megatrain train --config examples/demo.toml --set optimizer.lr=3e-4 --resume
 """
 from __future__ import annotations
+
+import argparse
+
+EPILOG = """examples (from the repository root; examples/ holds ready configs):
+  megatrain train                                           the debug model on the bundled corpus
+  megatrain train --config examples/demo.toml               the same from a config file
+  megatrain train --config examples/demo.toml --set run.steps=240 --resume
+  megatrain train --config examples/finetune-hf-jsonl.toml --set model.name=/path/to/hf-model
+  megatrain export runs/demo runs/demo-hf                   any checkpoint as a Hugging Face directory
+
+A run writes runs/<name>/: config.toml (every key), train.log, metrics.jsonl, checkpoints/, timelines."""
 
 
 def register(sub) -> None:
     from ..training.command import add_train_arguments, run_from_args
 
-    p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)")
+    p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p)
     p.set_defaults(func=run_from_args)

@@ -39,10 +39,11 @@ from ..spec import EMBED, HEAD, ModelSpec
 from ..training.trainer import set_update_threads
 from . import copies, rates, units
 from .assemble import build_profile
-from .bench import Progress, Worker, median
+from .bench import Progress, Worker, _fmt_s, median
 from .overhead import cpu_update_samples, measure_runtime_gaps
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
+LONG_PROFILE_S = 600.0  # an estimate above this suggests --quick
 
 
 @dataclass
@@ -98,6 +99,45 @@ class _Plan:
     def add(self, label: str, est_s: float, fn) -> None:
         self.items.append((label, est_s, fn))
 
+    @property
+    def total_s(self) -> float:
+        return sum(est for _, est, _ in self.items)
+
+
+def _max_copy_bytes(spec: ModelSpec, on_gpu: bool, quick: bool) -> int:
+    """The largest copy measured: 4x a layer's fp32 bytes rounded up to a power of two, within [4 MiB, 1 GiB]
+    (64 MiB on the CPU backend, where copies are memcpy); smaller with `quick`."""
+    layer_n = unit_layout(spec, 0).numel
+    n = max(4 * copies.MiB, min((1 * copies.GiB) if on_gpu else 64 * copies.MiB, 1 << (4 * layer_n - 1).bit_length()))
+    return min(n, (256 if on_gpu else 16) * copies.MiB) if quick else n
+
+
+def profile_host_reserve(spec: ModelSpec, device: str, quick: bool) -> int:
+    """Host bytes a profile holds besides its 2-layer cut: two pairs of copy buffers (pinned host + device; on
+    the CPU backend the "device" half is host memory too). For the memory check before measuring."""
+    on_gpu = device.startswith("cuda")
+    return 2 * (1 if on_gpu else 2) * _max_copy_bytes(spec, on_gpu, quick)
+
+
+def _probe_matmul(worker: Worker, backend, on_gpu: bool) -> float:
+    """FLOP/s of a small matmul, the fastest call of a second round: the first calls in a fresh worker thread
+    pay for its OpenMP pool (12 ms for a 0.2 ms matmul on the 2-core CPU machine), which made the estimate of the
+    same profile swing between 4 hours and 12 days."""
+    n, dtype = (2048, torch.bfloat16) if on_gpu else (256, torch.float32)
+    a, b = (worker.call(lambda: torch.randn(n, n, device=backend.device).to(dtype)) for _ in range(2))
+    worker.time_for(lambda: a @ b, 0.05, warmup=2)  # warms the thread
+    return 2.0 * n**3 / min(worker.time_for(lambda: a @ b, 0.1, warmup=1))
+
+
+def long_profile_hint(plan: _Plan, quick: _Plan | None) -> str:
+    """What a long profile can do about it: --quick (when not already), and its longest measurement."""
+    label, est, _ = max(plan.items, key=lambda item: item[1])
+    hint = "that is long: "
+    if quick is not None:
+        hint += (f"--quick measures fewer sizes, token counts and repetitions (about {_fmt_s(quick.total_s)}); ")
+    return hint + (f"the longest measurement is {label} (about {_fmt_s(est)}): a smaller --batch or --seq shortens "
+                   "the compute tables; Ctrl-C now costs nothing")
+
 
 def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     """Measure the machine for `req.model` and return the Calibration (see the module docstring)."""
@@ -114,86 +154,91 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     m: dict = {"machine": info, "request": {"model": spec.name, "signature": None, "batch": req.batch,
                                              "seqs": req.seqs, "dtypes": dtypes, "quick": req.quick,
                                              "knobs": req.knobs.to_dict(), "cpu_threads": threads}}
-    quick = req.quick
-    layer_n = unit_layout(spec, 0).numel
-    max_copy = max(4 * copies.MiB, min((1 * copies.GiB) if on_gpu else 64 * copies.MiB,
-                                       1 << (4 * layer_n - 1).bit_length()))
-    if quick:
-        max_copy = min(max_copy, (256 if on_gpu else 16) * copies.MiB)
-    budget = 0.25 if quick else 1.0  # seconds of timed calls per measurement (compute: per unit class)
-
+    bufs: dict = {}  # the copy buffers, allocated by the first measurement and released at the end
     # -- probe: rough rates, to say up front how long this takes --
-    probe_rate = rates.measure_matmul(w["compute"], backend, torch.float32 if not on_gpu else torch.bfloat16,
-                                      256 if not on_gpu else 2048, 0.1)
-    per_op = 5e-6 if on_gpu else 15e-6  # dispatch of one op (a kernel launch, or Python + ATen on the CPU)
-    ops = {"layer": 50, "embed": 3, "head": 40}
+    probe_rate = _probe_matmul(w["compute"], backend, on_gpu)
 
-    def call_s(shape, uclass, kind, b, seq, dtype) -> float:
-        """Rough seconds of one compute task: its ops' dispatch, or its FLOPs at a third of the probed rate."""
-        slow = {True: {"fp32": 15.0}, False: {"bf16": 4.0}}[on_gpu].get(dtype, 1.0)  # the dtype not probed
-        flops = units.analytic_flops(shape, uclass, kind, b, seq)
-        return max(ops[uclass] * per_op * (3 if kind == "B" else 1), slow * flops / (0.3 * probe_rate))
+    def build(req: ProfileRequest) -> _Plan:
+        """The measurements `req` asks for, each with its estimated duration (nothing is measured yet)."""
+        quick = req.quick
+        layer_n = unit_layout(spec, 0).numel
+        max_copy = _max_copy_bytes(spec, on_gpu, quick)
+        budget = 0.25 if quick else 1.0  # seconds of timed calls per measurement (compute: per unit class)
 
-    def timed(budget_s: float, call: float) -> float:
-        """`Worker.time_for`: warm-up + first call, then up to 3 rounds of at most 50 calls within the budget."""
-        return 2 * call + min(budget_s, 150 * call)
+        per_op = 5e-6 if on_gpu else 15e-6  # dispatch of one op (a kernel launch, or Python + ATen on the CPU)
+        ops = {"layer": 50, "embed": 3, "head": 40}
 
-    plan = _Plan()
-    bufs: dict = {}
-    plan.add("copy buffers", 0.5 + 3 * max_copy / 2e9, lambda: _alloc(bufs, backend, max_copy))
-    sizes = copies.copy_sizes(max_copy, quick)
-    for d in ("h2d", "d2h"):
-        plan.add(f"{d} copies, {len(sizes)} sizes up to {max_copy / copies.MiB:.0f} MiB",
-                 0.2 + sum(copies._reps_for(n, quick) * (n / 5e9 + 2e-5) for n in sizes),
-                 lambda d=d: _copy_curve(m, bufs, w, d, sizes, quick))
-    dup = min(max_copy, 256 * copies.MiB)
-    plan.add("both directions at once", 0.5 + 12 * dup / 5e9, lambda: _duplex(m, bufs, w, dup, quick))
-    for shape in [spec, *req.also_models]:
-        for dt in dtypes:
-            knobs = replace(req.knobs, compute_dtype=dt)
-            for seq in req.seqs:
-                bs = units.token_batches(req.batch, quick)
-                for uc in ("layer", "embed", "head"):
-                    kinds = units.KINDS_OF_CLASS[uc]
-                    each = budget / (len(bs) * len(kinds))
-                    est = sum(timed(each, call_s(shape, uc, k, b, seq, dt)) for b in bs for k in kinds)
-                    what = f"{shape.name} " if req.also_models else ""
-                    plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
-                             lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
-                                 m, shape, uc, knobs, seq, bs, backend, w["compute"], budget))
-    for dt in ("bf16", "fp32"):
-        plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
-    plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
-    stream_copy = req.knobs.weight_wire == "bf16"
-    adam_1 = 1e-4 + layer_n / 3e8  # one update on one thread
-    counts = rates.thread_counts(threads, info["cores"], quick)
-    plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads",
-             sum(timed(2 * budget / (len(counts) + 2), adam_1 / t) for t in counts) + layer_n * 18 / 2e9,
-             lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], False, quick, 2 * budget))
-    plan.add("bf16 streaming-copy refresh", budget / 2 + 0.1,
-             lambda: _refresh(m, w, layer_n, threads, budget / 2))
-    plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
-    plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9, lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
-    plan.add("layer forward while a CPU update runs", budget + 0.2,
-             lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
-    plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
-             lambda: _update_under_compute(m, spec, req, backend, w, layer_n, stream_copy, budget))
-    plan.add("first layer forward in a fresh thread", 0.3, lambda: _fresh_thread(m, spec, req, backend, w))
-    plan.add("CPU update while both directions copy", budget + 0.2,
-             lambda: _update_under_copies(m, bufs, w, layer_n, stream_copy, max_copy, budget))
-    plan.add("host wait on a device event", 0.2 if on_gpu else 0.0,
-             lambda: _host_wait(m, backend, w))
-    steps = 3 if quick else 5
-    step_s = sum(call_s(spec, uc, k, req.batch, req.seqs[0], dtypes[0])
-                 for uc, k in (("layer", "F"), ("layer", "F"), ("layer", "B"), ("layer", "B"), ("head", "F")))
-    cut_params = 2 * layer_n + unit_layout(spec, EMBED).numel + unit_layout(spec, HEAD).numel
-    plan.add(f"{steps} real steps of a 2-layer cut ({req.knobs.optimizer} placement, {req.knobs.buffers} buffers)",
-             0.1 + cut_params * 30e-9 + steps * (step_s + 2 * adam_1 / threads),  # init + store, then steps
-             lambda: _runtime(m, spec, req, backend, threads, steps))
+        def call_s(shape, uclass, kind, b, seq, dtype) -> float:
+            """Rough seconds of one compute task: its ops' dispatch, or its FLOPs at a third of the probed rate."""
+            slow = {True: {"fp32": 15.0}, False: {"bf16": 4.0}}[on_gpu].get(dtype, 1.0)  # the dtype not probed
+            flops = units.analytic_flops(shape, uclass, kind, b, seq)
+            return max(ops[uclass] * per_op * (3 if kind == "B" else 1), slow * flops / (0.3 * probe_rate))
 
+        def timed(budget_s: float, call: float) -> float:
+            """`Worker.time_for`: warm-up + first call, then up to 3 rounds of at most 50 calls within the budget."""
+            return 2 * call + min(budget_s, 150 * call)
+
+        plan = _Plan()
+        plan.add("copy buffers", 0.5 + 3 * max_copy / 2e9, lambda: _alloc(bufs, backend, max_copy))
+        sizes = copies.copy_sizes(max_copy, quick)
+        for d in ("h2d", "d2h"):
+            plan.add(f"{d} copies, {len(sizes)} sizes up to {max_copy / copies.MiB:.0f} MiB",
+                     0.2 + sum(copies._reps_for(n, quick) * (n / 5e9 + 2e-5) for n in sizes),
+                     lambda d=d: _copy_curve(m, bufs, w, d, sizes, quick))
+        dup = min(max_copy, 256 * copies.MiB)
+        plan.add("both directions at once", 0.5 + 12 * dup / 5e9, lambda: _duplex(m, bufs, w, dup, quick))
+        for shape in [spec, *req.also_models]:
+            for dt in dtypes:
+                knobs = replace(req.knobs, compute_dtype=dt)
+                for seq in req.seqs:
+                    bs = units.token_batches(req.batch, quick)
+                    for uc in ("layer", "embed", "head"):
+                        kinds = units.KINDS_OF_CLASS[uc]
+                        each = budget / (len(bs) * len(kinds))
+                        est = sum(timed(each, call_s(shape, uc, k, b, seq, dt)) for b in bs for k in kinds)
+                        what = f"{shape.name} " if req.also_models else ""
+                        plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
+                                 lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
+                                     m, shape, uc, knobs, seq, bs, backend, w["compute"], budget))
+        for dt in ("bf16", "fp32"):
+            plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
+        plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
+        stream_copy = req.knobs.weight_wire == "bf16"
+        adam_1 = 1e-4 + layer_n / 3e8  # one update on one thread
+        counts = rates.thread_counts(threads, info["cores"], quick)
+        plan.add(f"CPU AdamW on {layer_n / 1e6:.2f} M-parameter tiles by threads",
+                 sum(timed(2 * budget / (len(counts) + 2), adam_1 / t) for t in counts) + layer_n * 18 / 2e9,
+                 lambda: _cpu_adam(m, w, layer_n, threads, info["cores"], False, quick, 2 * budget))
+        plan.add("bf16 streaming-copy refresh", budget / 2 + 0.1,
+                 lambda: _refresh(m, w, layer_n, threads, budget / 2))
+        plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
+        plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9,
+                 lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
+        plan.add("layer forward while a CPU update runs", budget + 0.2,
+                 lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
+        plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
+                 lambda: _update_under_compute(m, spec, req, backend, w, layer_n, stream_copy, budget))
+        plan.add("first layer forward in a fresh thread", 0.3, lambda: _fresh_thread(m, spec, req, backend, w))
+        plan.add("CPU update while both directions copy", budget + 0.2,
+                 lambda: _update_under_copies(m, bufs, w, layer_n, stream_copy, max_copy, budget))
+        plan.add("host wait on a device event", 0.2 if on_gpu else 0.0,
+                 lambda: _host_wait(m, backend, w))
+        steps = 3 if quick else 5
+        step_s = sum(call_s(spec, uc, k, req.batch, req.seqs[0], dtypes[0])
+                     for uc, k in (("layer", "F"), ("layer", "F"), ("layer", "B"), ("layer", "B"), ("head", "F")))
+        cut_params = 2 * layer_n + unit_layout(spec, EMBED).numel + unit_layout(spec, HEAD).numel
+        plan.add(f"{steps} real steps of a 2-layer cut ({req.knobs.optimizer} placement, {req.knobs.buffers} buffers)",
+                 0.1 + cut_params * 30e-9 + steps * (step_s + 2 * adam_1 / threads),  # init + store, then steps
+                 lambda: _runtime(m, spec, req, backend, threads, steps))
+        return plan
+
+
+    plan = build(req)
     progress = Progress([(label, est) for label, est, _ in plan.items], log)
     progress.announce(f"profiling {backend.name} for {spec.name} (batch {req.batch}, seq {req.seqs}, "
-                      f"{'/'.join(dtypes)}{', quick' if quick else ''})")
+                      f"{'/'.join(dtypes)}{', quick' if req.quick else ''})")
+    if plan.total_s > LONG_PROFILE_S:  # say so before the hours start, not after
+        log(long_profile_hint(plan, None if req.quick else build(replace(req, quick=True))))
     try:
         for label, _, fn in plan.items:
             progress.done(label, fn() or "done")

@@ -88,7 +88,8 @@ class DataConfig:
     path: str = ""  # "" = the bundled corpus; a .bin token file, a nanoGPT dir (train.bin/val.bin), .jsonl or .txt
     format: str = "auto"  # auto (from the suffix) | text (byte-level tokens) | bin | jsonl
     dtype: str = "uint16"  # element type of .bin token files (nanoGPT writes uint16)
-    tokenizer: str = ""  # local tokenizer.json for jsonl (nothing is downloaded)
+    tokenizer: str = ""  # "" = the HF model directory's own (bytes for a preset) | a tokenizer.json or a directory
+    #                      holding one | "bytes" (training/tokenization.py; nothing is downloaded)
     text_key: str = "text"  # the field of each JSONL record holding its text
     eos_token: str = ""  # token appended after every JSONL document ("" = none)
     eval_path: str = ""  # held-out file; "" = the last eval_fraction of the data (val.bin in a nanoGPT dir)
@@ -103,10 +104,10 @@ class DataConfig:
         _one_of("data.dtype", self.dtype, TOKEN_DTYPES)
         for key in ("path", "tokenizer", "eval_path"):
             value = getattr(self, key)
-            if value and not Path(value).exists():
-                raise ConfigError(f"data.{key}={value!r} does not exist")
-        if self.format == "jsonl" and not self.tokenizer:
-            raise ConfigError("data.format='jsonl' needs data.tokenizer, the path of a local tokenizer.json")
+            if value and not Path(value).exists() and not (key == "tokenizer" and value == "bytes"):
+                raise ConfigError(f"data.{key}={value!r} does not exist"
+                                  + ("; give a tokenizer.json, a directory holding one, or 'bytes'"
+                                     if key == "tokenizer" else ""))
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         _positive("data.seq_len", self.seq_len)
@@ -183,7 +184,7 @@ class RunSettings:
     grad_accum: int = 1  # batches whose gradients are summed before one optimizer update
     eval_every: int = 40  # steps between evaluations of the held-out loss (and at the end); 0 = never
     eval_batches: int = 4
-    log_every: int = 1
+    log_every: int = 10  # steps between step lines (and every eval, and the last step)
     checkpoint_every: int = 60  # steps between checkpoints; 0 = none (except at the end if checkpoint_at_end)
     checkpoint_at_end: bool = True
     keep_last: int = 3  # checkpoints kept; 0 = all
@@ -193,7 +194,7 @@ class RunSettings:
     simulate: bool = True  # print the simulator's prediction of the schedule beside the measured numbers
     profile: str = ""  # hardware profile JSON for the simulator; "" = the built-in one for the device
     tensorboard: bool = False
-    progress: bool = True  # tqdm progress bar
+    progress: bool = True  # tqdm progress bar (drawn only when stderr is a terminal)
     export_hf: str = ""  # directory to export the final weights to as a Hugging Face model; "" = none
     wait_timeout_s: float = 300.0  # bound of every wait of the executor (a hung task ends the step with an error)
     max_skipped_steps: int = 5  # consecutive skipped updates (non-finite gradients) that stop the run; 0 = never

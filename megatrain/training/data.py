@@ -2,11 +2,12 @@
 
 Sources (`DataConfig.format`, or from the suffix of `DataConfig.path`):
 
-    text   a UTF-8 text file; byte-level tokens (vocabulary 256, the `debug` preset's) or, with
-           `tokenizer`, tokens of a local tokenizer.json. The default, with no path, is the bundled corpus.
+    text   a UTF-8 text file, tokenized with the run's tokenizer (megatrain/training/tokenization.py: a HF model
+           directory's own tokenizer.json, `data.tokenizer`, or byte-level tokens, vocabulary 256, the `debug`
+           preset's). The default, with no path, is the bundled corpus.
     bin    nanoGPT's pre-tokenized files: a flat array of uint16 (or uint32) token ids, memory-mapped so a
            file larger than RAM costs nothing to open. A directory holding train.bin and val.bin works too.
-    jsonl  one JSON object per line, its `text_key` field tokenized with a local tokenizer.json (the
+    jsonl  one JSON object per line, its `text_key` field tokenized with the run's tokenizer.json (the
            `tokenizers` library; nothing is downloaded), `eos_token` appended after each document.
 
 Packing: a stream of n tokens holds (n - 1) // T windows of T + 1 tokens, window i = tokens[iT : iT + T + 1]
@@ -31,9 +32,16 @@ import numpy as np
 import torch
 
 from ..spec import ModelSpec
+from .tokenization import (  # noqa: F401  (ByteTokenizer and load_tokenizer are re-exported)
+    BYTE_VOCAB_SIZE,
+    ByteTokenizer,
+    TokenizerChoice,
+    TokenizerError,
+    load_tokenizer,
+    resolve_tokenizer,
+)
 
 CORPUS_PATH = Path(__file__).parent.parent / "corpus" / "python_reference.txt"
-BYTE_VOCAB_SIZE = 256
 _SCAN_CHUNK = 1 << 24  # tokens per chunk of the vocabulary scan (64 MiB of uint32)
 
 
@@ -78,26 +86,11 @@ class TokenStream:
                 )
 
 
-class ByteTokenizer:
-    """Byte-level tokenizer: token = UTF-8 byte (vocabulary 256, matching the `debug` preset)."""
-
-    vocab_size = BYTE_VOCAB_SIZE
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-def load_tokenizer(path: str | Path):
-    """A `tokenizers.Tokenizer` from a local tokenizer.json (no network)."""
-    from tokenizers import Tokenizer
-
+def _load_tokenizer(path: str | Path):
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side raises plain Exception subclasses
-        raise DataError(f"data.tokenizer {path} is not a readable tokenizer.json: {e}") from None
+        return load_tokenizer(path)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
 
 
 def read_text(path: str | Path, tokenizer: str | Path | None = None) -> TokenStream:
@@ -105,7 +98,7 @@ def read_text(path: str | Path, tokenizer: str | Path | None = None) -> TokenStr
     path = Path(path)
     if tokenizer is None:
         return TokenStream(np.fromfile(path, dtype=np.uint8), str(path))
-    tok = load_tokenizer(tokenizer)
+    tok = _load_tokenizer(tokenizer)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -129,7 +122,7 @@ def read_bin(path: str | Path, dtype: str = "uint16") -> TokenStream:
 def read_jsonl(path: str | Path, tokenizer: str | Path, text_key: str = "text", eos_token: str = "") -> TokenStream:
     """JSONL documents tokenized with a local tokenizer.json, concatenated, `eos_token` after each."""
     path = Path(path)
-    tok = load_tokenizer(tokenizer)
+    tok = _load_tokenizer(tokenizer)
     eos: list[int] = []
     if eos_token:
         eos_id = tok.token_to_id(eos_token)
@@ -255,6 +248,7 @@ class Data:
 
     train: TrainLoader
     eval: Windows | None  # None when there is no held-out split (eval_fraction = 0 and no eval_path)
+    tokenizer: TokenizerChoice = TokenizerChoice("bytes")  # what the text was tokenized with (an export ships it)
 
     def eval_batches(self, num_batches: int, batch_size: int | None = None) -> Iterator[Batch]:
         """The first `num_batches` held-out batches, in order (the same ones at every evaluation)."""
@@ -273,6 +267,8 @@ class Data:
         s = f"train: {len(t.stream):,} tokens, {len(t):,} windows of {t.seq_len + 1} from {t.stream.source}"
         if self.eval is not None:
             s += f"; eval: {len(self.eval.stream):,} tokens, {len(self.eval):,} windows"
+        if _format_of(Path(t.stream.source), "auto") != "bin":
+            s += f"\ntokenizer {self.tokenizer.describe()}"  # a line of its own: the data line is long already
         return s
 
 
@@ -295,16 +291,32 @@ def read_stream(path: str | Path, fmt: str = "auto", dtype: str = "uint16", toke
         return read_bin(path, dtype)
     if fmt == "jsonl":
         if not tokenizer:
-            raise DataError(f"{path} is JSONL: set data.tokenizer to a local tokenizer.json")
+            raise DataError(f"{path} is JSONL: set data.tokenizer to a local tokenizer.json (or the Hugging Face "
+                            "directory holding it); byte-level tokens are for .txt files")
         return read_jsonl(path, tokenizer, text_key, eos_token)
     return read_text(path, tokenizer or None)
 
 
-def open_data(cfg, vocab_size: int) -> Data:
-    """Open the data a `DataConfig` describes, check every token id against `vocab_size`, and split off eval."""
+def data_tokenizer(cfg, model=None) -> TokenizerChoice:
+    """The tokenizer of the data a `DataConfig` describes, for the model of a `ModelConfig` (None: a preset).
+    See megatrain/training/tokenization.py for the rule; a setting that cannot be used is a DataError."""
     path = Path(cfg.path) if cfg.path else CORPUS_PATH
-    opts = dict(fmt=cfg.format, dtype=cfg.dtype, tokenizer=cfg.tokenizer, text_key=cfg.text_key,
-                eos_token=cfg.eos_token)
+    fmt = "bin" if path.is_dir() else _format_of(path, cfg.format)
+    try:
+        return resolve_tokenizer(cfg.tokenizer, model.name if model is not None else "",
+                                 pretrained=bool(model is not None and model.pretrained),
+                                 needs_tokenizing=fmt != "bin")
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
+def open_data(cfg, vocab_size: int, model=None) -> Data:
+    """Open the data a `DataConfig` describes, check every token id against `vocab_size`, and split off eval.
+    `model` (a ModelConfig): a Hugging Face model directory's own tokenizer is the default tokenizer."""
+    path = Path(cfg.path) if cfg.path else CORPUS_PATH
+    choice = data_tokenizer(cfg, model)
+    opts = dict(fmt=cfg.format, dtype=cfg.dtype, tokenizer="" if choice.is_bytes else str(choice.path),
+                text_key=cfg.text_key, eos_token=cfg.eos_token)
     eval_path = cfg.eval_path
     if path.is_dir():  # a nanoGPT data directory
         if not (path / "train.bin").is_file():
@@ -328,7 +340,7 @@ def open_data(cfg, vocab_size: int) -> Data:
             raise DataError(f"the held-out split of {evals.source} has {len(evals)} tokens, less than one window of "
                             f"{cfg.seq_len + 1}; raise data.eval_fraction or set it to 0")
     loader = TrainLoader(Windows(train, cfg.seq_len), cfg.batch_size, cfg.seed, cfg.shuffle)
-    return Data(loader, eval_windows)
+    return Data(loader, eval_windows, choice)
 
 
 # ---- synthetic tokens ----------------------------------------------------------------------------------------

@@ -27,12 +27,19 @@ def machine_capacity(backend: str) -> tuple[int, int | None]:
     return host, gpu
 
 
+TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train "
+                "fewer layers (model.num_layers); `megatrain plan` shows the full table")
+
+
 def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
-                 host_bytes: int | None = None, gpu_bytes: int | None = None) -> tuple[MemoryPlan, list[str]]:
+                 host_bytes: int | None = None, gpu_bytes: int | None = None, *, what: str = "the run",
+                 advice: str = TRAIN_ADVICE) -> tuple[MemoryPlan, list[str]]:
     """Plan the run's memory and check it against this machine (or the given capacities).
 
     Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
     not fit. On the CPU backend the "GPU" buffers and activations live in host memory, so they count there.
+    `what` names the work in the message ("the run", "compare's variant overlap"); `advice` is its last line, in
+    the words of the command that checks (config keys for `train`, options for `compare` and `profile`).
     """
     plan = plan_memory(spec, batch, seq, knobs, backend)
     have_host, have_gpu = machine_capacity(backend)
@@ -44,10 +51,8 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
         ok, lines = fit_report(plan, host_bytes, gpu_bytes)
     if not ok:
         raise MemoryFitError(
-            f"the run does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines) + "\n  set a knob with --set "
-            "schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train fewer layers "
-            "(model.num_layers); `megatrain plan` shows the full table")
+            f"{what} does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
+            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines) + "\n  " + advice)
     return plan, lines
 
 

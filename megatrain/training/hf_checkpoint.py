@@ -9,8 +9,9 @@ does not stay resident after its unit is done. Everything that can be checked wi
 checked first (every shard present and complete, every tensor the model needs present with its shape and a
 float dtype, no tensor the model does not know), so a bad checkpoint fails before the first byte is copied.
 
-Export: `export_hf(path, spec, tiles)` writes `config.json` (`spec.to_hf_config()`), bf16 (or fp32)
-safetensors shards of at most `max_shard_bytes` and `model.safetensors.index.json` (a single shard is
+Export: `export_hf(path, spec, tiles)` writes `config.json` (`spec.to_hf_config()` over the source directory's
+config.json when there is one, so bos/eos/pad token ids and other fields the spec does not model survive), bf16
+(or fp32) safetensors shards of at most `max_shard_bytes` and `model.safetensors.index.json` (a single shard is
 `model.safetensors`, as `save_pretrained` writes it), one tensor converted at a time, into a temporary directory
 that is renamed into place when complete. `transformers` `from_pretrained` loads the result.
 
@@ -39,13 +40,21 @@ SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tensors some checkpoints carry that are not parameters (old Llama exports saved RoPE's inverse frequencies).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-# Files of a HF directory that describe the tokenizer and generation, copied by export when asked.
+# Files of a HF directory that describe the tokenizer, copied by export from the data's tokenizer directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+GENERATION_FILE = "generation_config.json"  # copied from the source model directory
+PROVENANCE_FILE = "megatrain_export.json"  # what an export was made from (the run, the checkpoint step)
+# Source config.json fields that the spec re-derives, or that are wrong for another dtype / layer count.
+_DERIVED = ("architectures", "torch_dtype", "dtype", "rope_parameters", "rope_scaling", "rope_theta",
+            "transformers_version", "_name_or_path")
+# Fields with one entry per layer: kept only when the layer count is unchanged.
+_PER_LAYER = ("layer_types",)
 
 Tiles = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
 
-__all__ = ["CheckpointError", "weight_files", "check_hf_dir", "load_hf_into", "load_hf_tiles", "load_hf", "export_hf"]
+__all__ = ["CheckpointError", "weight_files", "check_hf_dir", "load_hf_into", "load_hf_tiles", "load_hf", "export_hf",
+           "hf_config_for"]
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -257,14 +266,61 @@ class _UnitCache:
         return self.views[local]
 
 
+def hf_config_for(spec: ModelSpec, dtype: torch.dtype, source: str | Path | None = None,
+                  defaults: Mapping | None = None) -> dict:
+    """The config.json of an export: the source directory's config.json (when given) with every field the spec
+    defines re-derived from the spec, the export dtype, and `defaults` (e.g. token ids) for fields still absent."""
+    cfg: dict = {}
+    if source is not None:
+        src = Path(source)
+        src = src / "config.json" if src.is_dir() else src
+        if src.is_file():
+            try:
+                cfg = json.loads(src.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{src} is not valid JSON ({e}); cannot derive the export's config.json"
+                                      ) from None
+    for key in _DERIVED:
+        cfg.pop(key, None)
+    if cfg.get("num_hidden_layers") != spec.num_layers:
+        for key in _PER_LAYER:
+            cfg.pop(key, None)
+    cfg.update(spec.to_hf_config())
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    for key, value in (defaults or {}).items():
+        if cfg.get(key) is None and value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def _copy_tokenizer(tokenizer: str | Path, dest: Path) -> None:
+    """A tokenizer directory's files (TOKENIZER_FILES), or one tokenizer.json file, into `dest`."""
+    tokenizer = Path(tokenizer)
+    if tokenizer.is_file():
+        shutil.copy2(tokenizer, dest / "tokenizer.json")
+        return
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copy2(tokenizer / name, dest / name)
+
+
 def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtype = torch.bfloat16,
               max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-              copy_tokenizer_from: str | Path | None = None) -> Path:
+              copy_tokenizer_from: str | Path | None = None, *, source: str | Path | None = None,
+              tokenizer: str | Path | None = None, config_defaults: Mapping | None = None,
+              provenance: Mapping | None = None) -> Path:
     """Write a HF model directory (config.json + safetensors shards + index) from per-unit fp32 tiles.
 
     tiles: {unit: flat fp32 tile} or fn(unit) -> tile (called once per unit, in forward order).
-    copy_tokenizer_from: a HF directory whose tokenizer / generation files are copied alongside.
+    source: the HF directory the weights came from: config.json is derived from its config.json (`hf_config_for`)
+    and its generation_config.json is copied. tokenizer: the tokenizer the data was tokenized with (a directory,
+    whose tokenizer files are copied, or a tokenizer.json); None ships no tokenizer. copy_tokenizer_from: a HF
+    directory that is both (the shorthand of earlier versions). config_defaults: config.json fields set when
+    neither the source nor the spec has them (bos/eos token ids). provenance: written as megatrain_export.json.
     """
+    if copy_tokenizer_from is not None:
+        source = source if source is not None else copy_tokenizer_from
+        tokenizer = tokenizer if tokenizer is not None else copy_tokenizer_from
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"export dtype {dtype} is not one of {FLOAT_DTYPES}")
     path = Path(path)
@@ -303,14 +359,14 @@ def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtyp
             index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                      "weight_map": {e.name: file for file, shard in zip(files, shards) for e in shard}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        cfg = spec.to_hf_config()
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        cfg = hf_config_for(spec, dtype, source, config_defaults)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if copy_tokenizer_from is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(copy_tokenizer_from) / name
-                if src.is_file():
-                    shutil.copy2(src, tmp / name)
+        if source is not None and Path(source).is_dir() and (Path(source) / GENERATION_FILE).is_file():
+            shutil.copy2(Path(source) / GENERATION_FILE, tmp / GENERATION_FILE)
+        if tokenizer is not None:
+            _copy_tokenizer(tokenizer, tmp)
+        if provenance is not None:
+            (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=1) + "\n")
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

@@ -49,7 +49,9 @@ from .checkpointing import SessionCheckpoints
 from .config import ConfigError, RunConfig
 from .errors import DivergedError, TrainingError
 from .evaluate import evaluate
+from .export import check_export_target
 from .fit import MemoryFitError, check_memory, machine_capacity
+from .log import RunLog, compile_note, config_line
 from .lr import lr_schedule
 from .metrics import (
     METRIC_KEYS,
@@ -60,7 +62,7 @@ from .metrics import (
     host_rss_bytes,
     reset_gpu_peak,
 )
-from .outputs import export, report_lines, write_timelines
+from .outputs import report_lines, write_timelines
 from .preflight import preflight
 from .resume import restore, resume_state
 from .rundir import RunLock, fresh_run_dir, set_aside_newer
@@ -101,32 +103,31 @@ class RunSummary:
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
-                 stop_at_step: int | None = None) -> RunSummary:
+                 stop_at_step: int | None = None, trackers: tuple = ()) -> RunSummary:
     """Train as `cfg` says (see the module docstring); returns a RunSummary.
 
-    log: where the log lines go (default: printed, above the progress bar). stop_at_step: end the session after
-    this step with a checkpoint, as a preemption would (`run.resume` continues it). Raises TrainingError when the
-    run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
+    log: where the log lines go (default: printed, above the progress bar on a terminal); train.log in the run
+    directory gets them too. stop_at_step: end the session after this step with a checkpoint, as a preemption
+    would (`run.resume` continues it). trackers: callables given each step's metrics record (a dict of
+    METRIC_KEYS), e.g. to send them to an experiment tracker (docs/training.md, "Metrics"). Raises TrainingError
+    when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
-    return _Training(cfg, log, stop_at_step).run()
+    return _Training(cfg, log, stop_at_step, trackers).run()
 
 
 class _Training:
-    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None):
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None,
+                 trackers: tuple = ()):
         self.cfg = cfg.validate()
-        self._log = log
+        self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
+        self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
         self.metrics: MetricsLogger | None = None
         self.lock: RunLock | None = None
         self.tokens_seen = 0  # target tokens trained on since step 0 (a resumed run continues the count)
 
     def log(self, line: str) -> None:
-        if self._log is not None:
-            self._log(line)
-        else:
-            from tqdm import tqdm
-
-            tqdm.write(line)
+        self.runlog(line)
 
     # -- setup --
     def run(self) -> RunSummary:
@@ -140,6 +141,7 @@ class _Training:
                 self.metrics.close()
             if self.lock is not None:
                 self.lock.release()
+            self.runlog.close()
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -157,7 +159,7 @@ class _Training:
             cfg = self.cfg = replace(cfg, run=replace(run, name=run_dir.name))
             run = cfg.run
         self.run_dir = run_dir
-        self.log(cfg.summary())
+        self.log(config_line(cfg, run_dir))
         self.log(f"model {spec.name}: {spec.num_params / 1e6:,.2f} M parameters, {spec.num_layers} layers; schedule "
                  f"{cfg.schedule.name}; batch {cfg.data.batch_size} x {self.accum} accumulated x seq {self.seq}; "
                  f"{self.backend_name} backend")
@@ -170,14 +172,17 @@ class _Training:
         self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
         self.ckpt = SessionCheckpoints(self.manager, self.log)
         resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
+        # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
+        self.replace_export = bool(run.export_hf) and check_export_target(run.export_hf, run_dir)
         check_writable(self.manager.directory)
         self.lock = RunLock(run_dir)  # from here on no other process uses the directory
         cfg.save(run_dir)
+        self.runlog.open(run_dir)
         # 4. the store, then its contents
         self._build_trainer()
         self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
         if resume is not None:
-            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, self.log)
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, cfg, self.log)
             if resume["state"].get("schedule") != cfg.schedule.name:
                 self.log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with "
                          f"{cfg.schedule.name!r} (the schedule changes speed, not results)")
@@ -281,8 +286,6 @@ class _Training:
             raise self.ckpt.stopped(self.trainer.step_count, f"step {step} failed: {e}") from e
 
     def _loop(self) -> RunSummary:
-        from tqdm import tqdm
-
         from ..analysis.summary import summarize
 
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
@@ -292,8 +295,9 @@ class _Training:
         timelines, step_times, idles = [], [], []
         flops_per_token = self.spec.model_flops_per_token()
         device = trainer.backend.device
-        bar = tqdm(total=run.steps, initial=start, disable=not run.progress, unit="step", dynamic_ncols=True,
-                   desc=run.name)
+        bar = self.runlog.progress_bar(total=run.steps, initial=start, enabled=run.progress, desc=run.name)
+        if start < run.steps and compile_note(self.knobs, self.backend_name):
+            self.log(compile_note(self.knobs, self.backend_name))
         t_start = time.perf_counter()
         try:
             with StopRequest(self.log) as stop:
@@ -319,6 +323,8 @@ class _Training:
                     self.tokens_seen += r.tokens
                     summary.steps = step
                     self._write_metrics(record)
+                    for track in self.trackers:
+                        track(dict(record))
                     if step % run.log_every == 0 or step == run.steps or eval_loss is not None:
                         self.log(format_step_line(record, run.steps))
                     bar.update(1)
@@ -338,12 +344,12 @@ class _Training:
                     if self._stop_here(step, stop, summary):
                         break
         except KeyboardInterrupt:
-            bar.close()
+            self.runlog.close_bar()
             where = (f"the last checkpoint is {self.ckpt.last} (continue with --resume)" if self.ckpt.last
                      else "no checkpoint was written, so there is nothing to resume: start the run again")
             self.log(f"interrupted after step {trainer.step_count}; {where}")
             raise
-        bar.close()
+        self.runlog.close_bar()
         summary.elapsed_s = time.perf_counter() - t_start
         if not summary.stopped_early:
             self._finish(summary, start)
@@ -388,6 +394,18 @@ class _Training:
         return True
 
     # -- the end --
+    def _export(self) -> Path:
+        from .export import export_weights
+
+        t0 = time.perf_counter()
+        path = export_weights(self.cfg.run.export_hf, self.spec, self.trainer.store.master, self.cfg.to_dict(),
+                              tokenizer=self.data.tokenizer, overwrite=self.replace_export,
+                              provenance={"run_dir": str(self.run_dir), "checkpoint": str(self.ckpt.last),
+                                          "step": self.trainer.step_count})
+        self.log(f"exported to {path} (Hugging Face, bf16; tokenizer {self.data.tokenizer.describe()}) in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        return path
+
     def _finish(self, summary: RunSummary, start: int) -> None:
         """Final checkpoint and export; the skips the last flush settles are counted too."""
         run = self.cfg.run
@@ -396,7 +414,7 @@ class _Training:
             self._save(summary.steps)
         if run.export_hf:
             try:
-                summary.export_dir = export(self.cfg, self.spec, self.trainer.store, self.log)
+                summary.export_dir = self._export()
             except (CheckpointError, OSError) as e:
                 where = (f"the trained weights are in checkpoint {self.ckpt.last}" if self.ckpt.last
                          else "no checkpoint holds the trained weights (run.checkpoint_at_end=false)")

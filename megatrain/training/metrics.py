@@ -1,5 +1,6 @@
 """Training metrics: one record per step, written as JSONL (the same keys every step), optionally to
-TensorBoard, and shown as one log line.
+TensorBoard event files (`run.tensorboard`; megatrain/training/tensorboard.py writes them, no package needed) and to any tracker passed to `run_training(..., trackers=[fn])` (each `fn` is
+called with every step's record), and shown as one log line every `run.log_every` steps.
 
     logger = MetricsLogger(run_dir / "metrics.jsonl", tensorboard_dir=None)
     logger.write(record)          # record: a dict with exactly METRIC_KEYS
@@ -38,7 +39,7 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipp
 GiB = 2**30
 
 __all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics", "host_rss_bytes",
-           "gpu_peak_bytes", "reset_gpu_peak", "check_tensorboard", "open_tensorboard"]
+           "gpu_peak_bytes", "reset_gpu_peak", "open_tensorboard"]
 
 
 # ---- memory readings ---------------------------------------------------------------------------------------------
@@ -127,10 +128,9 @@ class MetricsLogger:
             raise MetricsWriteError(f"could not append step {record['step']} to {self.path}: "
                                     f"{explain_os_error(e)}") from e
         if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(("eval/" if key == "eval_loss" else "train/") + key, value, step)
+            scalars = {("eval/" if key == "eval_loss" else "train/") + key: value for key, value in record.items()
+                       if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+            self._tb.add_scalars(scalars, record["step"])
 
     def close(self) -> None:
         try:
@@ -154,21 +154,11 @@ def _step_of(line: str) -> int | None:
         return None  # a torn last line (the process was killed mid-write) is dropped
 
 
-def check_tensorboard() -> None:
-    """ImportError saying what to install when TensorBoard logging is unavailable."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except ImportError:
-        raise ImportError("run.tensorboard=true needs the `tensorboard` package (pip install tensorboard); "
-                          "or set run.tensorboard=false (metrics.jsonl is always written)") from None
-
-
 def open_tensorboard(directory: str | Path):
-    """A TensorBoard SummaryWriter writing into `directory` (ImportError when the package is missing)."""
-    check_tensorboard()
-    from torch.utils.tensorboard import SummaryWriter
+    """A writer of TensorBoard scalar event files in `directory` (megatrain/training/tensorboard.py)."""
+    from .tensorboard import ScalarWriter
 
-    return SummaryWriter(log_dir=str(directory))
+    return ScalarWriter(directory)
 
 
 def read_metrics(path: str | Path):
@@ -189,7 +179,8 @@ def _num(value, fmt: str, missing: str = "-") -> str:
 
 
 def format_step_line(r: dict, total_steps: int | None = None) -> str:
-    """One line per step: step, loss, lr, grad norm, s/step, tokens/s, model TFLOP/s, GPU idle %, memory."""
+    """One line per `run.log_every` steps, short enough for a CI log: step, loss, lr, grad norm, s/step,
+    tokens/s, model TFLOP/s, GPU idle %, host RSS, and peak GPU memory where there is a GPU."""
     width = len(str(total_steps)) if total_steps else 5
     step = f"step {r['step']:>{width}d}" + (f"/{total_steps}" if total_steps else "")
     parts = [step, f"loss {_num(r['loss'], '.4f')}"]
@@ -198,8 +189,10 @@ def format_step_line(r: dict, total_steps: int | None = None) -> str:
     parts += [f"lr {_num(r['lr'], '.2e')}", f"gnorm {_num(r['grad_norm'], '.3f')}",
               f"{_num(r['step_s'], '.3f')} s/step", f"{_num(r['tokens_per_s'], ',.0f')} tok/s",
               f"{_num(r['model_tflops'], '.3g')} TFLOP/s", f"GPU idle {_num(r['gpu_idle_pct'], '.1f')}%",
-              f"host {_num(r['host_rss_gib'], '.2f')} GiB", f"GPU {_num(r['gpu_mem_gib'], '.2f', 'n/a')} GiB"]
-    line = " | ".join(parts)
+              f"host {_num(r['host_rss_gib'], '.2f')} GiB"]
+    if r["gpu_mem_gib"] is not None:
+        parts.append(f"GPU {_num(r['gpu_mem_gib'], '.2f')} GiB")
+    line = "  ".join(parts)
     if r["skipped"]:
-        line += f" | SKIPPED {r['skipped_units']} unit update(s) (non-finite gradients)"
+        line += f"  SKIPPED {r['skipped_units']} unit update(s) (non-finite gradients)"
     return line

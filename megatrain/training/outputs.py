@@ -1,24 +1,8 @@
-"""What a run leaves at its end besides checkpoints: the Hugging Face export, the timelines (CSV, Chrome trace,
+"""What a run leaves at its end besides checkpoints and the export (export.py): the timelines (CSV, Chrome trace,
 Gantt chart) and the summary lines (loss, skipped updates, predicted against measured)."""
 from __future__ import annotations
 
-import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
-
-
-def export(cfg, spec, store, log: Callable[[str], None]) -> Path:
-    """The final weights as a Hugging Face directory (bf16) at `run.export_hf`."""
-    from .hf_checkpoint import export_hf
-
-    m, t0 = cfg.model, time.perf_counter()
-    source = m.name if Path(m.name).is_dir() else None
-    path = export_hf(cfg.run.export_hf, spec, store.master, copy_tokenizer_from=source)
-    if source is None and cfg.data.tokenizer:
-        shutil.copy2(cfg.data.tokenizer, path / "tokenizer.json")
-    log(f"exported to {path} (Hugging Face, bf16) in {time.perf_counter() - t0:.2f} s")
-    return path
 
 
 def write_timelines(run_dir: Path, timelines: list, predicted, profile_name: str | None, program, title: str) -> None:

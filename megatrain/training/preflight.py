@@ -15,7 +15,6 @@ from pathlib import Path
 from .config import ConfigError, RunConfig
 from .data import open_data
 from .fit import check_memory
-from .metrics import check_tensorboard
 
 
 @dataclass
@@ -37,7 +36,7 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
     build_schedule(spec, batch, seq, knobs)  # ScheduleError: a rule of the knobs is broken
     plan, lines = check_memory(spec, batch, seq, knobs, backend)
     log("memory: " + "; ".join(line.strip() for line in lines))
-    data = open_data(cfg.data, spec.vocab_size)  # memory-mapped; every token id checked
+    data = open_data(cfg.data, spec.vocab_size, cfg.model)  # memory-mapped; every token id checked
     log(f"data: {data.describe()}")
     if seq > spec.max_position_embeddings:
         log(f"note: data.seq_len={seq} is beyond the model's max_position_embeddings="
@@ -52,14 +51,6 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
         from .hf_checkpoint import check_hf_dir
 
         check_hf_dir(cfg.model.name, spec, strict=not cfg.model.num_layers)
-    if cfg.run.export_hf and Path(cfg.run.export_hf).exists():
-        raise ConfigError(f"run.export_hf={cfg.run.export_hf!r} already exists; the export at the end would fail "
-                          "after the whole run. Choose a new directory or remove it")
-    if cfg.run.tensorboard:
-        try:
-            check_tensorboard()
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
     return Preflight(plan, data, profile, Path(profile_name).stem if profile_name else None)
 
 

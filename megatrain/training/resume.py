@@ -14,6 +14,7 @@ from pathlib import Path
 from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
 from .config import ConfigError, RunConfig
 from .data import DataError
+from .lr import lr_change_note
 
 # Spec fields that name a model rather than shape it: a run may resume after its HF directory was renamed.
 _NAMING_FIELDS = ("name",)
@@ -53,8 +54,10 @@ def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict
     return {"path": path, "step": step, "state": state}
 
 
-def restore(trainer, manager: CheckpointManager, resume: dict, log: Callable[[str], None]) -> tuple[Path, int, int]:
-    """Read the checkpoint `resume_state` checked into the trainer's store; (path, step, tokens seen)."""
+def restore(trainer, manager: CheckpointManager, resume: dict, cfg,
+            log: Callable[[str], None]) -> tuple[Path, int, int]:
+    """Read the checkpoint `resume_state` checked into the trainer's store; (path, step, tokens seen). A learning
+    rate that differs from the checkpoint's run at this step is stated (`lr.lr_change_note`)."""
     store, t0 = trainer.store, time.perf_counter()
     kinds = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
     loaded = manager.load(resume["path"], dest=lambda kind, u: kinds[kind](u), verify=False)  # verified already
@@ -69,4 +72,7 @@ def restore(trainer, manager: CheckpointManager, resume: dict, log: Callable[[st
         raise CheckpointError(f"{loaded.path / STATE_FILE} is damaged ({type(e).__name__}: {e})") from None
     trainer.step_count = loaded.step
     log(f"resumed from {loaded.path} at step {loaded.step} ({time.perf_counter() - t0:.2f} s)")
+    note = lr_change_note(state.get("config"), cfg, loaded.step)
+    if note:
+        log(note)
     return loaded.path, loaded.step, tokens

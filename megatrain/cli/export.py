@@ -1,0 +1,36 @@
+"""`megatrain export`: any checkpoint as a Hugging Face model directory (megatrain/training/export.py).
+
+    megatrain export runs/ft-1 out/ft-1-hf                                   # the run's latest checkpoint
+    megatrain export runs/ft-1/checkpoints/step_00000500 out/ft-500 --dtype fp32
+"""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face directory (from_pretrained loads it)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint directory (runs/NAME/checkpoints/step_...) or a run directory (its latest)")
+    p.add_argument("out", metavar="OUT", help="the Hugging Face directory to write (must not exist)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="weight dtype (default bf16)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import time
+    from pathlib import Path
+
+    from ..training.checkpoint import CheckpointError
+    from ..training.export import export_checkpoint
+
+    if Path(args.out).exists() and not args.overwrite:
+        raise CheckpointError(f"{args.out} already exists; choose another directory or pass --overwrite")
+    t0 = time.perf_counter()
+    out, prov = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite)
+    tok = prov.get("tokenizer") or {}
+    print(f"exported {prov['checkpoint']} (step {prov['step']}) to {out} ({args.dtype}) in "
+          f"{time.perf_counter() - t0:.1f} s; tokenizer: "
+          + ("none (the data was byte-level)" if tok.get("kind", "bytes") == "bytes" else
+             str(tok.get("files_dir") or tok.get("path"))))
+    print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
