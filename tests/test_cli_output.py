@@ -133,7 +133,9 @@ def test_run_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
     assert [round(x["train/loss"], 4) for x in scalars] == [round(v, 4) for v in s.losses]
     assert "eval/eval_loss" in scalars[1] and "eval/eval_loss" not in scalars[0] and "train/skipped" not in scalars[0]
     try:  # and TensorBoard itself, where it is installed
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.backend.event_processing.event_accumulator import (
+            EventAccumulator,
+        )
     except ImportError:
         return
     ea = EventAccumulator(str(events.parent))

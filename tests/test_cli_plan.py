@@ -1,5 +1,9 @@
 """`megatrain plan` prints the table and the verdict; user mistakes are one clear line."""
+import pytest
+
 from megatrain.cli import main
+from megatrain.ir.knobs import NAMED_SCHEDULES
+from megatrain.presets import PRESETS
 
 
 def test_plan_prints_table_and_fit(capsys):
@@ -37,3 +41,35 @@ def test_gpu_checkpoints_move_checkpoints_from_host_to_gpu_in_the_plan():
     ids = {t.id for t in build_schedule(spec, batch, seq, knobs_for("long-context", gpu_checkpoints=2)).graph}
     top = spec.num_layers - 1
     assert f"X{top}.0" not in ids and f"X{top - 1}.0" not in ids and "X1.0" in ids
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SCHEDULES))
+def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
+    """`megatrain plan` lists every GPU buffer kind the placement has, and its rows sum to the peak it reports
+    (bench-3b at 8 x 2048, every named schedule; resident units, state and kept-gradient buffers included)."""
+    import re
+
+    from megatrain.ir.memory import GiB, gpu_rows
+    from megatrain.ir.placement import resolve
+
+    spec = PRESETS["bench-3b"]
+    extra = {"arrival-resident": ["--set", "resident_layers=4"], "overlap-split": ["--set", "retain_grads=2"]}
+    argv = ["plan", "--model", "bench-3b", "--batch", "8", "--seq", "2048", "--schedule", name, *extra.get(name, []),
+            "--host-gib", "4096", "--gpu-gib", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU memory"):out.index("peak")]
+    rows = [float(m) for m in re.findall(r"^  .*?(\d+\.\d\d)$", gpu, flags=re.M)]
+    peak = float(re.search(r"peak \(the sum of the rows\)\s+(\d+\.\d\d)", out).group(1))
+    assert sum(rows) == pytest.approx(peak, abs=0.01 * len(rows))  # each row is rounded to 0.01 GiB
+    from megatrain.ir.knobs import resolve_knobs
+
+    plan_knobs = resolve_knobs(name, [a for a in extra.get(name, []) if a != "--set"])[1]
+    p = resolve(spec, 8, 2048, plan_knobs)
+    from megatrain.ir.memory import plan_placement
+
+    plan = plan_placement(p)
+    assert sum(b for _, b in gpu_rows(plan)) == plan.gpu.peak_bytes  # exactly, in bytes
+    for kind, word in (("state", "state buffers"), ("kept-grads", "kept-gradient"), ("resident", "resident buffers")):
+        assert (word in gpu) == any(b.kind.value == kind for b in p.buffers), (kind, gpu)
+    assert peak == pytest.approx(plan.gpu.peak_bytes / GiB, abs=0.01)

@@ -12,7 +12,13 @@ from megatrain.ir.knobs import knobs_for
 from megatrain.ir.program import lower
 from megatrain.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile
-from megatrain.profiling.compare import compare, kendall_tau, measure_interleaved, ranking, task_group
+from megatrain.profiling.compare import (
+    compare,
+    kendall_tau,
+    measure_interleaved,
+    ranking,
+    task_group,
+)
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import ComputeTable, model_signature
 from megatrain.spec import EMBED, HEAD

@@ -12,7 +12,13 @@ import torch
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.cli import main
 from megatrain.exec.backend import CpuBackend, ExecError
-from megatrain.exec.optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
+from megatrain.exec.optim import (
+    AdamWConfig,
+    UpdatePlan,
+    adamw_update,
+    clip_coefficient,
+    global_norm,
+)
 from megatrain.exec.runtime import Runtime
 from megatrain.exec.store import HostStore
 from megatrain.exec.work import StepWork

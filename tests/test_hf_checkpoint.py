@@ -15,7 +15,13 @@ from megatrain.exec.hf_io import state_dict_from_tiles, tiles_from_state_dict
 from megatrain.exec.layout import unit_layout
 from megatrain.presets import PRESETS
 from megatrain.spec import HEAD, ModelSpec, load_hf_config
-from megatrain.training.hf_checkpoint import CheckpointError, export_hf, load_hf, load_hf_into, load_hf_tiles
+from megatrain.training.hf_checkpoint import (
+    CheckpointError,
+    export_hf,
+    load_hf,
+    load_hf_into,
+    load_hf_tiles,
+)
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

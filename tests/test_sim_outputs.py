@@ -4,7 +4,12 @@ import json
 import pandas as pd
 import pytest
 
-from megatrain.analysis.summary import critical_path, gpu_memory_curve, idle_gaps, summarize
+from megatrain.analysis.summary import (
+    critical_path,
+    gpu_memory_curve,
+    idle_gaps,
+    summarize,
+)
 from megatrain.analysis.viz import chrome_trace, gantt, write_chrome_trace
 from megatrain.cli import main
 from megatrain.ir.builders import build_schedule

@@ -36,7 +36,12 @@ from megatrain.training.loop import (
     run_from_args,
     run_training,
 )
-from megatrain.training.metrics import METRIC_KEYS, MetricsLogger, format_step_line, read_metrics
+from megatrain.training.metrics import (
+    METRIC_KEYS,
+    MetricsLogger,
+    format_step_line,
+    read_metrics,
+)
 
 DEBUG = PRESETS["debug"]
 

@@ -39,7 +39,9 @@ def run(args) -> int:
     host, gpu = machine_memory()
     host = int(args.host_gib * GiB) if args.host_gib else host
     gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
-    print(f"schedule {name}: {knobs}")
+    print(f"schedule {name}")
+    print(plan.placement.describe())
+    print()
     print(format_plan(plan))
     ok, lines = fit_report(plan, host, gpu)
     print()

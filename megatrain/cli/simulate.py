@@ -30,7 +30,7 @@ def register(sub) -> None:
     p = sub.add_parser("simulate", help="predict step time and GPU idle time of schedules (no GPU needed)")
     add_run_arguments(p, model="bench-3b", batch=8, seq=2048)
     p.add_argument("--profile", default="h200-measured",
-                   help="hardware profile: h200-measured (run 7 of docs/calibration.md), h200 (BENCHMARKS.md numbers), "
+                   help="hardware profile: h200-measured (run 7 of docs/calibration.md), h200 (copy, matmul and AdamW ceilings measured on the GPU machine; not calibrated), "
                         "cpu, or a profile JSON path")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
@@ -192,6 +192,8 @@ def run(args) -> int:
             program = lower(build_schedule(spec, args.batch, args.seq, knobs))
             program.name = name
             result = simulate(program, profile)
+            for note in program.placement.notes:
+                print(f"{v.schedule_label}: note: {note}")
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:
                 raise UserError(str(e)) from None

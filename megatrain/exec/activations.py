@@ -63,7 +63,7 @@ class Activations:
         key = (t.unit, t.micro)
         x = self.checkpoints.pop(key)
         self.host[key].view(x.shape).copy_(x, non_blocking=True)
-        self.backend.keep_alive(x, self.backend.stream("d2h"))  # allocated on compute, read here
+        self.backend.keep_alive(x, self.backend.stream(t.stream))  # allocated on compute, read here
 
     def act_prefetch(self, t: ProgramTask) -> None:
         key = (t.unit, t.micro)

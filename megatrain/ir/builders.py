@@ -24,7 +24,14 @@ import networkx as nx
 from ..spec import EMBED, HEAD, ModelSpec
 from .dag import Schedule
 from .knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_for
-from .placement import GradLanding, Placement, Timing, UpdateSite, resident_buffer, resolve
+from .placement import (
+    GradLanding,
+    Placement,
+    Timing,
+    UpdateSite,
+    resident_buffer,
+    resolve,
+)
 from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
 
 

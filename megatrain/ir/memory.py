@@ -248,7 +248,7 @@ def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
     p, g = plan.placement, plan.gpu
     rows = []
     labels = {BufferKind.WEIGHTS: "weights + grads", BufferKind.STATE: "master+m+v+grad",
-              BufferKind.KEPT_GRADS: "fp32 grads", BufferKind.RESIDENT: "resident master+m+v+grad"}
+              BufferKind.KEPT_GRADS: "fp32 grads", BufferKind.RESIDENT: "master+m+v+grad"}
     ring = [b for b in p.buffers if b.kind is BufferKind.WEIGHTS and b.unit is None]
     if ring:
         rows.append((f"layer ring ({len(ring)} x {labels[BufferKind.WEIGHTS]})", sum(b.nbytes for b in ring)))
@@ -259,8 +259,7 @@ def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
                        (BufferKind.RESIDENT, "resident buffers")):
         group = [b for b in p.buffers if b.kind is kind]
         if group:
-            names = ", ".join(b.name for b in group)
-            rows.append((f"{what} ({names}: {labels[kind]})", sum(b.nbytes for b in group)))
+            rows.append((f"{what} ({len(group)} x {labels[kind]})", sum(b.nbytes for b in group)))
     rows.append(("activation checkpoints", g.checkpoint_bytes))
     which = "layer working set" if g.working_bytes >= g.logits_bytes else "head logits chunk"
     rows.append((f"working set (the larger: {which})", max(g.working_bytes, g.logits_bytes)))
@@ -283,6 +282,4 @@ def format_plan(plan: MemoryPlan) -> str:
     out.append(f"  {'peak (the sum of the rows)':<54}{g.peak_bytes / GiB:>10.2f}")
     out.append(f"  {'  (layer working set / head logits chunk)':<54}{g.working_bytes / GiB:>5.2f} / "
                f"{g.logits_bytes / GiB:.2f}")
-    for note in plan.placement.notes:
-        out.append(f"note: {note}")
     return "\n".join(out)

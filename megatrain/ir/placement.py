@@ -226,7 +226,9 @@ class Placement:
         from ..ir.tasks import unit_text
 
         def units_of(pred) -> str:
-            return " ".join(unit_text(u.unit) for u in self.units if pred(u)) or "-"
+            chosen = [u.unit for u in self.units if pred(u)]
+            ends = [unit_text(u) for u in chosen if u < 0]
+            return " ".join([*ends[:1], _ranges([u for u in chosen if u >= 0]), *ends[1:]]).strip() or "-"
 
         clip = f"exact at max norm {self.clip_max_norm:g}" if self.exact_clip else "none (per-unit non-finite skip)"
         lines = [
@@ -236,7 +238,8 @@ class Placement:
             f"updates on the GPU, streamed state: {units_of(lambda u: u.update is UpdateSite.GPU_STREAMED)}"
             f" (gradients kept on the GPU: {units_of(lambda u: u.grads is GradLanding.GPU_KEPT)})",
             f"resident on the GPU: {units_of(lambda u: u.resident)}",
-            f"checkpoints: layers {list(self.checkpoint_layers)}, offloaded {list(self.offloaded_checkpoints)}; "
+            f"checkpoints: layers {_ranges(self.checkpoint_layers) or '-'}, offloaded "
+            f"{_ranges(self.offloaded_checkpoints) or '-'}; "
             f"{self.micro_batches} micro-batch(es), recompute block {self.recompute_block}",
             "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
         ]
@@ -453,6 +456,21 @@ def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
     out += [Buffer(f"g{u}", BufferKind.KEPT_GRADS, u, layer, 4 * layer) for u in p.kept_grad_layers]
     out += [Buffer(f"r{u}", BufferKind.RESIDENT, u, layer, 16 * layer) for u in p.resident_units if u >= 0]
     return tuple(out)
+
+
+def _ranges(layers) -> str:
+    """"0-3 6 8-9" for [0, 1, 2, 3, 6, 8, 9]."""
+    out, run = [], []
+    for layer in layers:
+        if run and layer == run[-1] + 1:
+            run.append(layer)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [layer]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return " ".join(out)
 
 
 def resident_buffer(unit: int) -> str:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from ..spec import ModelSpec
-from .dag import Schedule
+from .dag import Schedule, ScheduleError
 from .memory import GpuMemoryPlan, plan_gpu_memory
 from .placement import Placement
 from .tasks import Task, TaskKind
@@ -149,10 +149,24 @@ class Program:
         return cls.from_dict(json.loads(text))
 
 
+# Copies move bytes one way whatever queue they wait in; a schedule may put one on the other copy stream
+# (megatrain/ir/edit.py: move_to_stream), nothing else moves.
+COPY_DIRECTION = {TaskKind.PREFETCH: "h2d", TaskKind.STATE_PREFETCH: "h2d", TaskKind.ACT_PREFETCH: "h2d",
+                  TaskKind.OFFLOAD: "d2h", TaskKind.STATE_OFFLOAD: "d2h", TaskKind.ACT_OFFLOAD: "d2h"}
+
+
 def stream_of(schedule: Schedule, task: Task) -> str:
+    """The stream a task runs on: by kind (an update: by its device), or the copy stream the schedule names."""
+    attrs = schedule.attrs(task)
     if task.kind is TaskKind.OPTIMIZER:
-        return "compute" if schedule.attrs(task).get("device") == "gpu" else "cpu"
-    return _STREAM_OF_KIND[task.kind]
+        default = "compute" if attrs.get("device") == "gpu" else "cpu"
+    else:
+        default = _STREAM_OF_KIND[task.kind]
+    chosen = attrs.get("stream", default)
+    if chosen != default and not (task.kind in COPY_DIRECTION and chosen in ("h2d", "d2h")):
+        raise ScheduleError(f"{task.id} is set to run on stream {chosen!r}; a {task.kind.name} runs on {default!r}"
+                            " (only copies move, between the h2d and d2h streams)")
+    return chosen
 
 
 def lower(schedule: Schedule) -> Program:

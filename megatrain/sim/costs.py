@@ -12,7 +12,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..ir.program import Program, ProgramTask
+from ..ir.program import COPY_DIRECTION, Program, ProgramTask
+from ..ir.tasks import TaskKind
 from .profile import HardwareProfile, ProfileError, model_signature, unit_class
 
 COPY_STREAMS = ("h2d", "d2h")
@@ -102,8 +103,10 @@ class CostModel:
         return over
 
     def copy_cost(self, task: ProgramTask) -> CopyCost:
-        """The copy a task on the h2d / d2h stream performs."""
-        curve = self.profile.h2d if task.stream == "h2d" else self.profile.d2h
+        """The copy a task on the h2d / d2h stream performs: priced by the direction its bytes go (a copy moved to the
+        other stream keeps its direction's curve; the link model shares bandwidth by stream, so two copies of one
+        direction on the two streams share only the duplex limit, an approximation)."""
+        curve = self.profile.h2d if COPY_DIRECTION[TaskKind(task.kind)] == "h2d" else self.profile.d2h
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
 

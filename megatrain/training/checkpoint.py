@@ -44,7 +44,10 @@ import torch
 from ..exec.hf_io import CheckpointError
 from ..spec import EMBED, HEAD
 from . import safetensors_io as stio
-from .rng import rng_state, set_rng_state  # re-exported: a checkpoint's trainer state holds them
+from .rng import (  # re-exported: a checkpoint's trainer state holds them
+    rng_state,
+    set_rng_state,
+)
 
 KINDS = ("master", "adam_m", "adam_v")
 STATE_FILE = "trainer_state.json"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..ir.knobs import ScheduleKnobs
-from ..ir.memory import GiB, MemoryPlan, fit_report, gpu_alternatives, host_alternatives, plan_memory
+from ..ir.memory import (
+    GiB,
+    MemoryPlan,
+    fit_report,
+    gpu_alternatives,
+    host_alternatives,
+    plan_memory,
+)
 from ..spec import ModelSpec
 from .config import ConfigError
 from .metrics import host_rss_bytes

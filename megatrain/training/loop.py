@@ -44,7 +44,13 @@ from pathlib import Path
 import torch
 
 from ..ir.memory import GiB
-from .checkpoint import CheckpointError, CheckpointManager, check_writable, rng_state, unit_key
+from .checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    check_writable,
+    rng_state,
+    unit_key,
+)
 from .checkpointing import SessionCheckpoints
 from .config import ConfigError, RunConfig
 from .errors import DivergedError, TrainingError
@@ -202,6 +208,8 @@ class _Training:
             raise self.ckpt.stopped(self.trainer.step_count, str(e)) from e
         # 5. the prediction of the same Program
         self.program = self.trainer.program(self.batch, self.seq)
+        for note in self.program.placement.notes:
+            self.log(f"note: {note}")
         self.predicted = None
         if self.profile is not None:
             from ..sim import simulate

@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
+from .checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    CheckpointManager,
+    key_unit,
+    set_rng_state,
+    verify_checkpoint,
+)
 from .config import ConfigError, RunConfig
 from .data import DataError
 from .lr import lr_change_note
