@@ -185,15 +185,14 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
     out = Path(args.out or f"runs/simulate-{spec.name}")
-    rows, written = [], set()
+    rows, written, notes = [], set(), set()
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
             program = lower(build_schedule(spec, args.batch, args.seq, knobs))
             program.name = name
             result = simulate(program, profile)
-            for note in program.placement.notes:
-                print(f"{v.schedule_label}: note: {note}")
+            notes.update(program.placement.notes)
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:
                 raise UserError(str(e)) from None
@@ -208,6 +207,8 @@ def run(args) -> int:
     stale = remove_stale_variants(out, written)
     print(f"{spec.name}, batch {args.batch} x seq {args.seq}, profile {profile.name}")
     print(table(rows))
+    for note in sorted(notes):  # settings the model's shape clamps (Placement.notes)
+        print(f"note: {note}")
     good = [r for r in rows if "error" not in r]
     if good:
         pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)
