@@ -21,10 +21,10 @@ import psutil
 import torch
 
 from megatrain.exec.optim import AdamWConfig
-from megatrain.training.trainer import StreamedTrainer
 from megatrain.ir.knobs import resolve_knobs
 from megatrain.ir.memory import plan_memory
 from megatrain.presets import get_model
+from megatrain.training.trainer import StreamedTrainer
 
 
 def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float:
