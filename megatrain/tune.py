@@ -24,8 +24,8 @@ from .ir.builders import build_schedule
 from .ir.dag import ScheduleError
 from .ir.knobs import ScheduleKnobs
 from .ir.memory import plan_memory
-from .ir.placement import FRACTION_RULES, OPTIMIZER_PRESETS
 from .ir.program import lower
+from .ir.resolve import FRACTION_RULES, OPTIMIZER_PRESETS
 from .sim.engine import SimResult, simulate
 from .sim.profile import HardwareProfile, load_profile
 from .spec import ModelSpec

@@ -50,7 +50,7 @@ def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
     import re
 
     from megatrain.ir.memory import GiB, gpu_rows
-    from megatrain.ir.placement import resolve
+    from megatrain.ir.resolve import resolve
 
     spec = PRESETS["bench-3b"]
     extra = {"arrival-resident": ["--set", "resident_layers=4"], "overlap-split": ["--set", "retain_grads=2"]}

@@ -27,8 +27,8 @@ from megatrain.ir.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.knobs import ScheduleKnobs, knobs_for
 from megatrain.ir.memory import NOT_STORE, plan_memory
-from megatrain.ir.placement import resolve_host_layout
 from megatrain.ir.program import lower
+from megatrain.ir.resolve import resolve_host_layout
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD, ModelSpec
 from megatrain.training.trainer import StreamedTrainer

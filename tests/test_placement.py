@@ -10,16 +10,9 @@ import pytest
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.ir.placement import (
-    DEFAULT_GPU_FRACTION,
-    OPTIMIZER_PRESETS,
-    BufferKind,
-    GradLanding,
-    Timing,
-    UpdateSite,
-    resolve,
-)
+from megatrain.ir.placement import BufferKind, GradLanding, Timing, UpdateSite
 from megatrain.ir.program import lower
+from megatrain.ir.resolve import DEFAULT_GPU_FRACTION, OPTIMIZER_PRESETS, resolve
 from megatrain.ir.tasks import Task
 from megatrain.presets import PRESETS
 

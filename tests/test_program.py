@@ -4,8 +4,9 @@ import pytest
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.ir.memory import GiB, fit_report, plan_memory
-from megatrain.ir.placement import GRAD_SCRATCH_ELEMENTS, resolve
+from megatrain.ir.placement import GRAD_SCRATCH_ELEMENTS
 from megatrain.ir.program import STREAMS, Program, lower
+from megatrain.ir.resolve import resolve
 from megatrain.presets import PRESETS
 
 DEBUG = PRESETS["debug"]

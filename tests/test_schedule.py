@@ -7,7 +7,7 @@ import pytest
 from megatrain.ir.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.ir.placement import resolve
+from megatrain.ir.resolve import resolve
 from megatrain.ir.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, W
 from megatrain.presets import PRESETS
 from megatrain.spec import EMBED, HEAD

@@ -11,86 +11,23 @@ and has a one-sentence contract:
     add_updates              each unit's AdamW update, where and when the placement says, and the global norm
     add_checkpoint_offloads  offloaded checkpoints go to the host after the forward and back before the backward
     order_queues             the program order: emission order, with state copies and GPU updates moved to anchors
+                             (megatrain/ir/order.py)
 
 `build_schedule(spec, batch, seq, knobs)` resolves the knobs and runs the chain; `build_from_placement` runs it on
 a placement you made or changed yourself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
-import networkx as nx
+from dataclasses import replace
 
 from ..spec import EMBED, HEAD, ModelSpec
 from .dag import Schedule
 from .knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_for
-from .placement import (
-    GradLanding,
-    Placement,
-    Timing,
-    UpdateSite,
-    resident_buffer,
-    resolve,
-)
+from .order import order_queues
+from .placement import GradLanding, Placement, Timing, UpdateSite, resident_buffer
+from .resolve import resolve
+from .stepgraph import StepGraph, Visit, copy_attrs, work_attrs
 from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
-
-
-@dataclass
-class _Visit:
-    """An interval during which a unit's weights (and gradient area) occupy one GPU buffer."""
-
-    unit: int
-    backward: bool
-    readers: list[Task]
-    first: int = 0  # position of the first reader in the compute order
-    last: int = 0
-    slot: str = ""
-    fill: Task | None = None  # the task that fills the buffer (None: reused from the forward, or resident)
-    previous: _Visit | None = None  # the occupant the fill evicts
-
-
-@dataclass
-class StepGraph:
-    """The DAG under construction, with what the passes share: the compute order, the weight visits, and where
-    the non-compute tasks go in program order (just before / after a compute task, at the start, at the end)."""
-
-    placement: Placement
-    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
-    compute: list[Task] = field(default_factory=list)  # compute tasks in program order
-    visits: list[_Visit] = field(default_factory=list)  # sorted by first reader
-    blocks: list[tuple[int, int]] = field(default_factory=list)  # recompute blocks [l0, l1)
-    before: dict[Task, list[Task]] = field(default_factory=dict)
-    after: dict[Task, list[Task]] = field(default_factory=dict)
-    start: list[Task] = field(default_factory=list)
-    end: list[Task] = field(default_factory=list)
-    # task -> (anchor task, rank, tie-break): `order_queues` puts the task next to the anchor's emission position,
-    # rank 0 just before it (ties by tie-break), 2 and 3 just after it.
-    anchors: dict[Task, tuple[Task, int, int]] = field(default_factory=dict)
-
-    def add(self, task: Task, **attrs) -> Task:
-        if task in self.graph:
-            raise AssertionError(f"duplicate task {task}")
-        self.graph.add_node(task, device=attrs.pop("device", "gpu"), **attrs)
-        return task
-
-    def edge(self, a: Task, b: Task, why: str = "data") -> None:
-        for t in (a, b):
-            if t not in self.graph:
-                raise AssertionError(f"edge {a.id} -> {b.id}: task {t.id} has not been added")
-        self.graph.add_edge(a, b, why=why)
-
-    def visit_of_fill(self, fill: Task) -> _Visit:
-        return next(v for v in self.visits if v.fill == fill)
-
-
-def _work(p: Placement, kind: TaskKind, unit: int) -> dict:
-    s, mb = p.model, p.batch // p.micro_batches
-    return dict(flops=s.task_flops(kind.value, unit, mb, p.seq), tokens=mb * p.seq, bytes=0,
-                params=s.unit_params(unit))
-
-
-def _copy(nbytes: int, params: int, **attrs) -> dict:
-    return dict(bytes=nbytes, params=params, flops=0.0, tokens=0, **attrs)
 
 
 # ---- passes -----------------------------------------------------------------------------------------------------
@@ -100,10 +37,10 @@ def add_compute(sg: StepGraph) -> None:
     p = sg.placement
     M, L, r = p.micro_batches, p.model.num_layers, p.recompute_block
     order: list[Task] = []
-    visits: list[_Visit] = []
+    visits: list[Visit] = []
     for unit in [EMBED, *range(L), HEAD]:  # forward; the head's forward is the fused loss forward + backward
         readers = [F(unit, m) for m in range(M)]
-        visits.append(_Visit(unit, unit == HEAD, readers))
+        visits.append(Visit(unit, unit == HEAD, readers))
         order += readers
     # Backward, block by block from the top. A block [l0, l1) recomputes l0..l1-2 from l0's checkpoint.
     sg.blocks = blocks = [(l0, min(l0 + r, L)) for l0 in range(0, L, r)]
@@ -119,15 +56,15 @@ def add_compute(sg: StepGraph) -> None:
             order += bs
     be = [B(EMBED, m) for m in range(M)]
     order += be
-    visits += [_Visit(layer, True, rd) for layer, rd in bwd_readers.items()]
-    visits.append(_Visit(EMBED, True, be))
+    visits += [Visit(layer, True, rd) for layer, rd in bwd_readers.items()]
+    visits.append(Visit(EMBED, True, be))
     pos = {t: i for i, t in enumerate(order)}
     for v in visits:
         v.first, v.last = min(pos[t] for t in v.readers), max(pos[t] for t in v.readers)
     sg.visits = sorted(visits, key=lambda v: v.first)
     sg.compute = order
     for t in order:
-        sg.add(t, **_work(p, t.kind, t.unit))
+        sg.add(t, **work_attrs(p, t.kind, t.unit))
 
     chain = [EMBED, *range(L), HEAD]
     for m in range(M):
@@ -153,7 +90,7 @@ def assign_weight_slots(sg: StepGraph) -> None:
     """Each visit gets a GPU buffer: the resident unit's own, the embedding's and head's dedicated ones, or the least
     recently used slot of the layer ring (a layer still there from its forward is reused by its backward)."""
     p = sg.placement
-    ring: list[_Visit | None] = [None] * p.ring_buffers
+    ring: list[Visit | None] = [None] * p.ring_buffers
     fwd_embed = None
     fills_by_update = p.timing is Timing.OVERLAP  # a GPU update of the previous step writes the forward's weights
     for v in sg.visits:
@@ -199,7 +136,7 @@ def add_weight_fills(sg: StepGraph) -> None:
             sg.before.setdefault(first, []).extend(_add_gpu_update(sg, v.unit, -1, fills=v.slot))
         else:
             n = p.model.unit_params(v.unit)
-            sg.before.setdefault(first, []).append(sg.add(v.fill, slot=v.slot, **_copy(n * wire_w, n)))
+            sg.before.setdefault(first, []).append(sg.add(v.fill, slot=v.slot, **copy_attrs(n * wire_w, n)))
     for v in sg.visits:
         if v.fill is None:
             continue
@@ -220,11 +157,11 @@ def add_gradient_offloads(sg: StepGraph) -> None:
             continue
         n, where = s.unit_params(v.unit), p.unit(v.unit).grads
         if where is GradLanding.GPU_RESIDENT:
-            attrs = dict(slot=v.slot, weights=None, resident=True, **_copy(0, n))
+            attrs = dict(slot=v.slot, weights=None, resident=True, **copy_attrs(0, n))
         elif where is GradLanding.GPU_KEPT:  # a device-to-device copy into the layer's own gradient buffer
-            attrs = dict(slot=v.slot, weights=v.fill, fills=f"g{v.unit}", **_copy(0, n))
+            attrs = dict(slot=v.slot, weights=v.fill, fills=f"g{v.unit}", **copy_attrs(0, n))
         else:
-            attrs = dict(slot=v.slot, weights=v.fill, **_copy(n * wire_g, n))
+            attrs = dict(slot=v.slot, weights=v.fill, **copy_attrs(n * wire_g, n))
         sg.after.setdefault(sg.compute[v.last], []).append(sg.add(O(v.unit), **attrs))
     for unit in s.units():
         producers = [F(HEAD, m) if unit == HEAD else B(unit, m) for m in range(p.micro_batches)]
@@ -249,7 +186,7 @@ def add_updates(sg: StepGraph) -> None:
             if v.backward:
                 sg.after[sg.compute[v.last]] += _add_update(sg, v, 0)
     if p.exact_clip:
-        sg.end.append(sg.add(NORM, device="cpu", **_copy(0, s.num_params)))
+        sg.end.append(sg.add(NORM, device="cpu", **copy_attrs(0, s.num_params)))
         for unit in s.units():
             sg.edge(O(unit), NORM, "clip")
     if p.timing is Timing.AFTER:
@@ -258,13 +195,13 @@ def add_updates(sg: StepGraph) -> None:
     _connect_updates(sg)
 
 
-def _add_update(sg: StepGraph, visit: _Visit | None, step_offset: int, unit: int | None = None) -> list[Task]:
+def _add_update(sg: StepGraph, visit: Visit | None, step_offset: int, unit: int | None = None) -> list[Task]:
     unit = visit.unit if visit is not None else unit
     where = sg.placement.unit(unit).update
     if where is UpdateSite.GPU_RESIDENT:
         n = sg.placement.model.unit_params(unit)
         return [sg.add(U(unit), step_offset=step_offset, slot=visit.slot, weights=None, resident=True,
-                       **_copy(0, n))]
+                       **copy_attrs(0, n))]
     if where is UpdateSite.GPU_STREAMED:
         return _add_gpu_update(sg, unit, step_offset)
     return [_add_host_update(sg, unit, step_offset)]
@@ -274,7 +211,7 @@ def _add_host_update(sg: StepGraph, unit: int, step_offset: int) -> Task:
     s = sg.placement.model
     # A tied head's lm_head is the embedding: its update is the embedding's.
     n = s.hidden_size if unit == HEAD and s.tie_word_embeddings else s.unit_params(unit)
-    return sg.add(U(unit), device="cpu", step_offset=step_offset, **_copy(0, n))
+    return sg.add(U(unit), device="cpu", step_offset=step_offset, **copy_attrs(0, n))
 
 
 def _add_gpu_update(sg: StepGraph, unit: int, step_offset: int, fills: str | None = None) -> list[Task]:
@@ -285,10 +222,10 @@ def _add_gpu_update(sg: StepGraph, unit: int, step_offset: int, fills: str | Non
     n, slot = p.model.unit_params(unit), placed.state_buffer
     grads = 0 if placed.grads is GradLanding.GPU_KEPT else p.wire_bytes("grad_wire")  # widened on the device
     shadow = 2 if p.weight_wire == "bf16" else 0
-    return [sg.add(S(unit), slot=slot, step_offset=step_offset, **_copy(n * (12 + grads), n)),
+    return [sg.add(S(unit), slot=slot, step_offset=step_offset, **copy_attrs(n * (12 + grads), n)),
             sg.add(U(unit), step_offset=step_offset, slot=slot, weights=S(unit), **({"fills": fills} if fills else {}),
-                   **_copy(0, n)),
-            sg.add(W(unit), slot=slot, weights=S(unit), step_offset=step_offset, **_copy(n * (12 + shadow), n))]
+                   **copy_attrs(0, n)),
+            sg.add(W(unit), slot=slot, weights=S(unit), step_offset=step_offset, **copy_attrs(n * (12 + shadow), n))]
 
 
 def _connect_updates(sg: StepGraph) -> None:
@@ -341,8 +278,8 @@ def add_checkpoint_offloads(sg: StepGraph) -> None:
     for l0 in sorted(offloaded):
         for m in range(M):
             src = F(l0 - 1 if l0 else EMBED, m)  # F(l-1) (F(E) for l = 0) produces layer l's input
-            sg.after.setdefault(src, []).append(sg.add(X(l0, m), **_copy(act, 0)))
-        sg.before.setdefault(starts[l0], []).extend(sg.add(Y(l0, m), **_copy(act, 0)) for m in range(M))
+            sg.after.setdefault(src, []).append(sg.add(X(l0, m), **copy_attrs(act, 0)))
+        sg.before.setdefault(starts[l0], []).extend(sg.add(Y(l0, m), **copy_attrs(act, 0)) for m in range(M))
         for m in range(M):  # the block's first readers take the checkpoint from Y instead of from the forward
             src = F(l0 - 1 if l0 else EMBED, m)
             readers = [t for t in (B(l0, m), R(l0, m)) if sg.graph.has_edge(src, t)]
@@ -358,72 +295,6 @@ def add_checkpoint_offloads(sg: StepGraph) -> None:
                 sg.edge(prev_first, Y(l0, m), "slot")
         prev_first = starts[l0]
 
-
-def order_queues(sg: StepGraph) -> None:
-    """The program order (`order`, 0..n-1) that lowering breaks ties with: tasks in emission order (what runs
-    first at the start, each compute task with its fills before and its offloads after, the global norm and
-    post-step updates at the end), then state copies and GPU updates moved next to their anchors."""
-    p = sg.placement
-    _anchor_state_copies(sg)
-    if p.timing is Timing.ARRIVAL:
-        _anchor_arrival_updates(sg)
-    emitted = list(sg.start)
-    for t in sg.compute:
-        emitted += sg.before.get(t, []) + [t] + sg.after.get(t, [])
-    emitted += sg.end
-    position = {t: i for i, t in enumerate(emitted)}
-    assert len(position) == sg.graph.number_of_nodes(), "a task was added but never emitted"
-
-    def key(t: Task) -> tuple[int, int, int]:
-        if t in sg.anchors:
-            anchor, rank, tie = sg.anchors[t]
-            return position[anchor], rank, tie
-        return position[t], 1, 0
-
-    for i, t in enumerate(sorted(emitted, key=key)):
-        sg.graph.nodes[t]["order"] = i
-
-
-def _anchor_state_copies(sg: StepGraph) -> None:
-    """"overlap" GPU updates: a layer's state copy S goes on h2d ahead of the fills of the `state_lookahead` layers
-    before its own (the PREFETCHes of host-updated layers wait for their CPU update, and a copy queued behind them
-    would idle the link meanwhile)."""
-    p = sg.placement
-    if p.timing is not Timing.OVERLAP:
-        return
-    fill_of = {v.unit: v.fill for v in sg.visits if not v.backward and v.fill is not None}
-    for layer in p.gpu_streamed_layers:
-        ahead = layer - p.state_lookahead
-        fill = fill_of[ahead if ahead >= 0 else EMBED]
-        first = S(fill.unit) if fill.kind is TaskKind.OPTIMIZER else fill  # a GPU update's fill starts with its S
-        sg.anchors[S(layer)] = (first, 0, layer)
-
-
-def _anchor_arrival_updates(sg: StepGraph) -> None:
-    """Arrival placements: S(l) goes on h2d just before the backward fetch of layer l + 1 + state_lookahead, so
-    master and moments stream in while the layers above run their backward; a GPU update goes on the compute stream
-    after the next unit's backward has been issued (the update waits for its O, and the GPU should not idle
-    meanwhile); W follows its update."""
-    p, g, L = sg.placement, sg.graph, sg.placement.model.num_layers
-    first_bwd, last_bwd = {}, {}  # unit -> its first (layers) / last backward compute task
-    for t in sg.compute:
-        if t.kind in (TaskKind.RECOMPUTE, TaskKind.BACKWARD):
-            if t.unit >= 0:
-                first_bwd.setdefault(t.unit, t)
-            if t.kind is TaskKind.BACKWARD:
-                last_bwd[t.unit] = t
-    for unit in p.resident_units:
-        nxt = {HEAD: L - 1, EMBED: None}.get(unit, unit - 1 if unit > 0 else EMBED)
-        if nxt is None or nxt not in last_bwd:  # the embedding's update ends the step anyway; a head without layers
-            continue
-        sg.anchors[U(unit)] = (last_bwd[nxt], 2, 0)
-    for layer in p.gpu_streamed_layers:
-        ahead = min(layer + 1 + p.state_lookahead, L - 1)
-        fetch = P(ahead, back=True)
-        sg.anchors[S(layer)] = (fetch if fetch in g else first_bwd[ahead], 0, layer)
-        below = last_bwd[layer - 1 if layer > 0 else EMBED]
-        sg.anchors[U(layer)] = (below, 2, 0)
-        sg.anchors[W(layer)] = (below, 3, 0)
 
 
 PASSES = (add_compute, assign_weight_slots, add_weight_fills, add_gradient_offloads, add_updates,

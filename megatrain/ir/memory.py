@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from ..spec import ModelSpec
 from .dag import ScheduleError
 from .knobs import ScheduleKnobs
-from .placement import BufferKind, Placement, resolve
+from .placement import BufferKind, Placement
+from .resolve import resolve
 
 GiB = 2**30
 

@@ -10,24 +10,16 @@ Knobs are the user's words (megatrain/ir/knobs.py); a `Placement` is what they m
 - the GPU buffers, as a typed table (`Buffer`: kind, occupant, elements, bytes);
 - wires and compute dtype, the layer kernel (compiled or eager), clipping.
 
-`resolve()` is the only code that reads placement knobs and the only place that checks the rules between them:
-every invalid combination is refused there with a message naming the knobs that conflict and what to set instead,
-and a knob that would have no effect in a combination is refused rather than ignored (tests/test_placement.py
-walks the knob space to prove it). Lowering copies the placement into the Program, and the simulator, the
-executor and the memory planner read it from there.
-
-The seven optimizer placements users name are presets of this description: a timing and a rule for choosing the
-decoder layers updated on the GPU (`OPTIMIZER_PRESETS`).
+`resolve()` (megatrain/ir/resolve.py) is the only code that makes one from the knobs. Lowering copies the placement
+into the Program, and the simulator, the executor and the memory planner read it from there.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ..spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
-from .dag import ScheduleError
-from .knobs import WIRE_DTYPES, ScheduleKnobs
+from .knobs import WIRE_DTYPES
 
 
 class Timing(str, Enum):
@@ -87,40 +79,6 @@ class Buffer:
     unit: int | None  # the unit it always holds (None: a ring slot or a state slot, whose occupant changes)
     numel: int  # elements of the largest unit it holds
     nbytes: int
-
-
-def _layer_selectors() -> dict[str, Callable[[int, int], list[int]]]:
-    """Rules choosing n of L decoder layers for GPU updates, in forward order."""
-    return {
-        "none": lambda n, L: [],
-        "all": lambda n, L: list(range(L)),
-        "first": lambda n, L: list(range(n)),
-        # n layers spread evenly over the depth from layer 0: during the next forward the host threads and the GPU
-        # each update every few layers and proceed side by side (layer 0 on the GPU: its state copy overlaps the
-        # host's update of the embedding, which the forward needs first).
-        "spread": lambda n, L: [i * L // n for i in range(n)],
-        # The same from the top, where the backward starts: the host threads fall behind the gradients as they
-        # land, and each GPU layer lets them catch up before the bottom layers, whose updates end the step.
-        "top-spread": lambda n, L: sorted(L - 1 - i * L // n for i in range(n)),
-    }
-
-
-LAYER_SELECTORS = _layer_selectors()
-
-# optimizer placement name -> (timing, rule for the GPU-updated layers, whether gpu_optimizer_fraction sizes it)
-OPTIMIZER_PRESETS: dict[str, tuple[Timing, str]] = {
-    "after": (Timing.AFTER, "none"),
-    "gpu": (Timing.AFTER, "all"),
-    "split": (Timing.AFTER, "first"),
-    "overlap": (Timing.OVERLAP, "none"),
-    "overlap-split": (Timing.OVERLAP, "spread"),
-    "arrival": (Timing.ARRIVAL, "none"),
-    "arrival-split": (Timing.ARRIVAL, "top-spread"),
-}
-FRACTION_RULES = ("first", "spread", "top-spread")  # the rules gpu_optimizer_fraction sizes
-DEFAULT_GPU_FRACTION = 0.5
-DEFAULT_STATE_BUFFERS = 2
-DEFAULT_STATE_LOOKAHEAD = 1
 
 
 @dataclass(frozen=True)
@@ -272,172 +230,6 @@ class Placement:
         tuples = ("checkpoint_layers", "offloaded_checkpoints", "state_order", "notes")
         return cls(model=model, batch=batch, seq=seq, timing=Timing(d.pop("timing")), units=units, buffers=buffers,
                    **{k: tuple(v) if k in tuples else v for k, v in d.items()})
-
-
-# ---- the resolver ------------------------------------------------------------------------------------------------
-def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Placement:
-    """The placement `knobs` mean for `spec` at batch x seq; raises ScheduleError naming the conflicting knobs."""
-    k, L = knobs, spec.num_layers
-    if batch < 1 or seq < 1:
-        raise ScheduleError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
-    if batch % k.micro_batches:
-        raise ScheduleError(f"batch {batch} does not split into micro_batches={k.micro_batches}; choose a "
-                            "micro-batch count that divides the batch")
-    notes: list[str] = []
-    ring_buffers, recompute_block = _ring(k, L, notes)
-    timing, rule = OPTIMIZER_PRESETS[k.optimizer]
-    gpu_layers = _gpu_layers(k, rule, L)
-    _check_state_knobs(k, timing, gpu_layers)
-    clip = _resolve_clip(k, timing)
-    resident = _resident_units(spec, k, timing, gpu_layers)
-    kept = _kept_grad_layers(k, gpu_layers)
-    state_order = gpu_layers[::-1] if timing is Timing.ARRIVAL else list(gpu_layers)
-    state_buffers = min(k.state_buffers or DEFAULT_STATE_BUFFERS, len(gpu_layers))
-    state_of = {u: f"s{i % state_buffers}" for i, u in enumerate(state_order)}
-    units = tuple(_unit_placement(u, resident, gpu_layers, kept, state_of) for u in spec.units())
-    checkpoint_layers = tuple(range(0, L, recompute_block))
-    offloaded = _offloaded_checkpoints(k, checkpoint_layers)
-    tokens_mb = batch // k.micro_batches * seq
-    if k.loss_chunk_tokens > tokens_mb:
-        notes.append(f"loss_chunk_tokens={k.loss_chunk_tokens} is above the {tokens_mb} tokens of a micro-batch: "
-                     "the loss runs in one chunk")
-    placement = Placement(
-        model=spec, batch=batch, seq=seq, timing=timing, units=units, ring_buffers=ring_buffers,
-        recompute_block=recompute_block, micro_batches=k.micro_batches, checkpoint_layers=checkpoint_layers,
-        offloaded_checkpoints=offloaded, state_order=tuple(state_order), state_buffers=state_buffers,
-        state_lookahead=DEFAULT_STATE_LOOKAHEAD if k.state_lookahead is None else k.state_lookahead,
-        buffers=(), weight_wire=k.weight_wire, grad_wire=k.grad_wire, compute_dtype=k.compute_dtype,
-        layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
-        loss_chunk_tokens=k.loss_chunk_tokens, notes=tuple(notes))
-    object.__setattr__(placement, "buffers", gpu_buffers(placement))
-    return placement
-
-
-def resolve_host_layout(spec: ModelSpec, knobs: ScheduleKnobs) -> HostLayout:
-    """The host store's layout for a schedule, before any batch shape is known (it does not depend on one)."""
-    return resolve(spec, knobs.micro_batches, 1, knobs).host_layout
-
-
-def _ring(k: ScheduleKnobs, L: int, notes: list[str]) -> tuple[int, int]:
-    """(weight ring slots, recompute block) in use: a model with fewer layers than either uses fewer (reported
-    in the notes: the same schedule runs on a model cut to a few layers, as the profiler's real steps do)."""
-    if k.buffers < k.recompute_block:
-        r = k.recompute_block
-        raise ScheduleError(f"{k.buffers} weight buffer(s) cannot hold the {r} layers that a recompute block keeps "
-                            f"resident during its backward; use buffers >= {r} ({r + 1} to overlap the copies), "
-                            "or a smaller recompute_block")
-    buffers, block = k.buffers, k.recompute_block
-    if L and buffers > L:
-        notes.append(f"buffers={buffers} but the model has {L} layers: {L} ring slots are used")
-        buffers = L
-    if L and block > L:
-        notes.append(f"recompute_block={block} but the model has {L} layers: one block of {L} spans the model")
-        block = L
-    return buffers, block
-
-
-def _gpu_layers(k: ScheduleKnobs, rule: str, L: int) -> list[int]:
-    """Decoder layers updated on the GPU with streamed state, in forward order."""
-    if rule not in FRACTION_RULES:
-        if k.gpu_optimizer_fraction is not None:
-            what = "every layer" if rule == "all" else "no layer"
-            raise ScheduleError(f"gpu_optimizer_fraction={k.gpu_optimizer_fraction} has no effect with "
-                                f"optimizer={k.optimizer!r}, which updates {what} on the GPU; use one of "
-                                f"split, overlap-split, arrival-split, or leave gpu_optimizer_fraction unset")
-        return LAYER_SELECTORS[rule](L, L)
-    fraction = DEFAULT_GPU_FRACTION if k.gpu_optimizer_fraction is None else k.gpu_optimizer_fraction
-    return LAYER_SELECTORS[rule](round(fraction * L), L) if round(fraction * L) else []
-
-
-def _check_state_knobs(k: ScheduleKnobs, timing: Timing, gpu_layers: list[int]) -> None:
-    """state_buffers and state_lookahead exist only for GPU updates on streamed state."""
-    if k.state_buffers is not None:
-        if not gpu_layers:
-            raise ScheduleError(f"state_buffers={k.state_buffers} sizes the GPU buffers of streamed GPU updates, "
-                                f"but optimizer={k.optimizer!r} (gpu_optimizer_fraction="
-                                f"{k.gpu_optimizer_fraction}) updates no layer on the GPU; leave it unset")
-        if k.state_buffers > len(gpu_layers):
-            raise ScheduleError(f"state_buffers={k.state_buffers} but only {len(gpu_layers)} layer(s) are updated on "
-                                f"the GPU: the extra buffers would stay unused; use state_buffers <= "
-                                f"{len(gpu_layers)}")
-    if k.state_lookahead is not None:
-        # Only where a state copy can be queued ahead of weight copies: "overlap" with GPU layers, and "arrival"
-        # when the GPU layer's gradients stay on the GPU (otherwise S waits for its own gradients' OFFLOAD anyway).
-        useful = gpu_layers and (timing is Timing.OVERLAP or (timing is Timing.ARRIVAL and k.retain_grads))
-        if not useful:
-            raise ScheduleError(f"state_lookahead={k.state_lookahead} has no effect with optimizer={k.optimizer!r}"
-                                f" and retain_grads={k.retain_grads}: it queues state copies ahead of weight copies "
-                                "for optimizer='overlap-split', or 'arrival-split' with retain_grads >= 1; leave "
-                                "it unset")
-
-
-def _resolve_clip(k: ScheduleKnobs, timing: Timing) -> float | None:
-    if not k.clip:
-        return None
-    if timing is Timing.ARRIVAL:
-        raise ScheduleError(f"clip={k.clip} needs the global gradient norm before any update, but "
-                            f"optimizer={k.optimizer!r} updates a unit as soon as its gradients land (the later "
-                            "units' gradients do not exist yet); use clip=0 (no clipping), or optimizer='overlap' "
-                            "(updates overlap the next forward and stay exact)")
-    return float(k.clip)
-
-
-def _resident_units(spec: ModelSpec, k: ScheduleKnobs, timing: Timing, gpu_layers: list[int]) -> list[int]:
-    if not (k.resident_embeddings or k.resident_layers):
-        return []
-    if timing is not Timing.ARRIVAL:
-        raise ScheduleError(f"resident_embeddings / resident_layers update their units on the GPU as the gradients "
-                            f"land, which needs an arrival placement; optimizer={k.optimizer!r}: use "
-                            "optimizer='arrival' or 'arrival-split' (clip=0), or no resident units")
-    if k.resident_layers > spec.num_layers:
-        raise ScheduleError(f"resident_layers={k.resident_layers} but the model has {spec.num_layers} layers")
-    if k.resident_embeddings and spec.tie_word_embeddings:
-        raise ScheduleError("resident_embeddings is not supported with tied embeddings (the head's matrix is the "
-                            "embedding's, updated once for both); set resident_embeddings=false")
-    clash = set(range(k.resident_layers)) & set(gpu_layers)
-    if clash:
-        raise ScheduleError(f"layers {sorted(clash)} are both resident (resident_layers={k.resident_layers}) and "
-                            f"streamed for a GPU update (gpu_optimizer_fraction={k.gpu_optimizer_fraction}); lower "
-                            "one of them")
-    return ([EMBED, HEAD] if k.resident_embeddings else []) + list(range(k.resident_layers))
-
-
-def _kept_grad_layers(k: ScheduleKnobs, gpu_layers: list[int]) -> list[int]:
-    """GPU-updated layers whose gradients stay on the GPU: the first `retain_grads` of them, in forward order."""
-    if k.retain_grads > len(gpu_layers):
-        if not gpu_layers:
-            raise ScheduleError(f"retain_grads={k.retain_grads} keeps gradients of GPU-updated layers on the GPU, "
-                                f"but optimizer={k.optimizer!r} updates every layer on the host; use one of gpu, "
-                                "split, overlap-split, arrival-split, or retain_grads=0")
-        raise ScheduleError(f"retain_grads={k.retain_grads} but only {len(gpu_layers)} layer(s) are updated on the "
-                            f"GPU (optimizer={k.optimizer!r}, gpu_optimizer_fraction={k.gpu_optimizer_fraction}); "
-                            f"use retain_grads <= {len(gpu_layers)} or a larger fraction")
-    return gpu_layers[:k.retain_grads]
-
-
-def _unit_placement(unit: int, resident: list[int], gpu_layers: list[int], kept: list[int],
-                    state_of: dict[int, str]) -> UnitPlacement:
-    if unit in resident:
-        return UnitPlacement(unit, UpdateSite.GPU_RESIDENT, GradLanding.GPU_RESIDENT)
-    if unit in gpu_layers:
-        grads = GradLanding.GPU_KEPT if unit in kept else GradLanding.HOST
-        return UnitPlacement(unit, UpdateSite.GPU_STREAMED, grads, state_of[unit])
-    return UnitPlacement(unit, UpdateSite.HOST, GradLanding.HOST)
-
-
-def _offloaded_checkpoints(k: ScheduleKnobs, checkpoint_layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Checkpoints that go to the host, bottom up: all but the top `gpu_checkpoints` blocks'."""
-    if not k.offload_checkpoints:
-        if k.gpu_checkpoints:
-            raise ScheduleError(f"gpu_checkpoints={k.gpu_checkpoints} keeps some offloaded checkpoints on the GPU, "
-                                "but offload_checkpoints is false (every checkpoint is on the GPU already); set "
-                                "offload_checkpoints=true or gpu_checkpoints=0")
-        return ()
-    if k.gpu_checkpoints >= len(checkpoint_layers):
-        raise ScheduleError(f"gpu_checkpoints={k.gpu_checkpoints} keeps every one of the {len(checkpoint_layers)} "
-                            "checkpoints on the GPU, so offload_checkpoints offloads none; use gpu_checkpoints < "
-                            f"{len(checkpoint_layers)} or offload_checkpoints=false")
-    return checkpoint_layers[:len(checkpoint_layers) - k.gpu_checkpoints]
 
 
 def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:

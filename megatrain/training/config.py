@@ -265,7 +265,7 @@ class RunConfig:
     def placement(self):
         """The resolved placement of the run's schedule (megatrain.ir.placement.resolve): ConfigError if the
         knobs conflict for this model and batch."""
-        from ..ir.placement import resolve
+        from ..ir.resolve import resolve
 
         try:
             return resolve(self.model.spec(), *self.step_shape(), self.step_knobs())

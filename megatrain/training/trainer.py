@@ -28,8 +28,8 @@ from ..exec.work import StepWork
 from ..init import init_into
 from ..ir.builders import build_schedule
 from ..ir.knobs import ScheduleKnobs, knobs_for
-from ..ir.placement import resolve_host_layout
 from ..ir.program import Program, lower
+from ..ir.resolve import resolve_host_layout
 from ..spec import ModelSpec
 
 
