@@ -73,3 +73,19 @@ def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
     for kind, word in (("state", "state buffers"), ("kept-grads", "kept-gradient"), ("resident", "resident buffers")):
         assert (word in gpu) == any(b.kind.value == kind for b in p.buffers), (kind, gpu)
     assert peak == pytest.approx(plan.gpu.peak_bytes / GiB, abs=0.01)
+
+
+def test_plan_and_train_agree_on_what_is_valid(tmp_path, capsys):
+    """One resolver: a schedule `train` refuses, `plan` refuses with the same words (and the reverse)."""
+    bad = ["--set", "recompute_block=10"]  # more layers per recompute block than weight buffers
+    assert main(["plan", "--model", "debug", "--batch", "4", "--seq", "32", *bad]) == 2
+    plan_err = capsys.readouterr().err
+    assert main(["train", "--model", "debug", "--batch", "4", "--seq", "32", "--steps", "1", "--device", "cpu",
+                 "--out-dir", str(tmp_path), *bad]) == 2
+    train_err = capsys.readouterr().err
+    why = "weight buffer(s) cannot hold the 10 layers"
+    assert why in plan_err and why in train_err
+    # The fastest schedules train with their defaults: they do not clip, and nothing else has to be switched off.
+    assert main(["train", "--model", "debug", "--batch", "2", "--seq", "16", "--steps", "1", "--device", "cpu",
+                 "--schedule", "arrival-resident", "--set", "compile_layers=false", "--no-progress",
+                 "--out-dir", str(tmp_path)]) == 0

@@ -65,7 +65,8 @@ def test_a_wait_that_cannot_be_satisfied_times_out_with_an_error_naming_task_str
     t0 = time.perf_counter()
     with pytest.raises(ExecError) as e:
         rt.run()
-    assert time.perf_counter() - t0 < 5, "the runtime must give up soon after the timeout"
+    # Liveness, not speed: a 0.5 s timeout ends the step in seconds; a hang would never return (bound: 30 s).
+    assert time.perf_counter() - t0 < 30, "the runtime must give up after the timeout, not hang"
     msg = str(e.value)
     assert "PE" in msg and "h2d" in msg and "FE.0" in msg and "compute" in msg, msg
     assert "0.5 s" in msg
