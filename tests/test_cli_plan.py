@@ -89,3 +89,22 @@ def test_plan_and_train_agree_on_what_is_valid(tmp_path, capsys):
     assert main(["train", "--model", "debug", "--batch", "2", "--seq", "16", "--steps", "1", "--device", "cpu",
                  "--schedule", "arrival-resident", "--set", "compile_layers=false", "--no-progress",
                  "--out-dir", str(tmp_path)]) == 0
+
+
+def test_one_set_grammar_for_every_command(tmp_path, capsys):
+    """`--set` values parse the same way for plan, simulate and train: on/off booleans, 1_000, quoted strings,
+    none for an optional knob (megatrain/settings.py)."""
+    sets = ["--set", "compile_layers=on", "--set", "loss_chunk_tokens=1_024", "--set", "grad_wire='bf16'",
+            "--set", "gpu_optimizer_fraction=none"]
+    assert main(["plan", "--model", "debug", "--batch", "2", "--seq", "16", *sets]) == 0
+    assert main(["simulate", "--model", "debug", "--batch", "2", "--seq", "16", "--profile", "cpu", "--no-plots",
+                 "--out", str(tmp_path / "sim"), *sets]) == 0
+    import argparse
+
+    from megatrain.training.command import add_train_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    knobs = config_from_args(parser.parse_args(sets)).schedule.knobs()
+    assert (knobs.compile_layers, knobs.loss_chunk_tokens, knobs.grad_wire) == (True, 1024, "bf16")
+    assert knobs.gpu_optimizer_fraction is None

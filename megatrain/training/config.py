@@ -26,18 +26,15 @@ from typing import Any, Iterable
 from ..ir.dag import ScheduleError
 from ..ir.knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_from_table
 from ..presets import PRESETS
-from ..settings import SettingError, check_setting, field_types, parse_setting
+from ..settings import field_types
 from ..tomlfile import read_toml
+from .config_values import ConfigError, at_least, check_type, one_of, parse_override, positive
 
 DATA_FORMATS = ("auto", "text", "bin", "jsonl")
 TOKEN_DTYPES = ("uint16", "uint32")
 LR_DECAYS = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_INITS = ("auto", "pretrained", "random")
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message names the key and says what to do."""
 
 
 @dataclass
@@ -51,7 +48,7 @@ class ModelConfig:
     num_layers: int = 0  # 0: as the model has; n: keep only the first n layers (quick experiments)
 
     def validate(self) -> None:
-        _one_of("model.init", self.init, MODEL_INITS)
+        one_of("model.init", self.init, MODEL_INITS)
         if self.name not in PRESETS and not Path(self.name).exists():
             raise ConfigError(
                 f"model.name={self.name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path; "
@@ -60,8 +57,8 @@ class ModelConfig:
         if self.init == "pretrained" and self.name in PRESETS:
             raise ConfigError(f"model.init='pretrained' needs a Hugging Face directory, but model.name={self.name!r} "
                               "is a preset (it has no weights); use init='random' or point model.name at a directory")
-        _at_least("model.num_layers", self.num_layers, 0)
-        _positive("model.init_std", self.init_std)
+        at_least("model.num_layers", self.num_layers, 0)
+        positive("model.init_std", self.init_std)
 
     @property
     def pretrained(self) -> bool:
@@ -100,8 +97,8 @@ class DataConfig:
     seed: int = 0  # seed of the shuffling
 
     def validate(self) -> None:
-        _one_of("data.format", self.format, DATA_FORMATS)
-        _one_of("data.dtype", self.dtype, TOKEN_DTYPES)
+        one_of("data.format", self.format, DATA_FORMATS)
+        one_of("data.dtype", self.dtype, TOKEN_DTYPES)
         for key in ("path", "tokenizer", "eval_path"):
             value = getattr(self, key)
             if value and not Path(value).exists() and not (key == "tokenizer" and value == "bytes"):
@@ -110,8 +107,8 @@ class DataConfig:
                                      if key == "tokenizer" else ""))
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
-        _positive("data.seq_len", self.seq_len)
-        _positive("data.batch_size", self.batch_size)
+        positive("data.seq_len", self.seq_len)
+        positive("data.batch_size", self.batch_size)
 
 
 _KNOB_TYPES = field_types(ScheduleKnobs)
@@ -160,18 +157,18 @@ class OptimizerConfig:
     threads: int = 0  # host threads for the CPU optimizer; 0 = the trainer's default (CUDA: all cores but 3)
 
     def validate(self) -> None:
-        _one_of("optimizer.decay", self.decay, LR_DECAYS)
-        _positive("optimizer.lr", self.lr)
-        _at_least("optimizer.min_lr", self.min_lr, 0.0)
+        one_of("optimizer.decay", self.decay, LR_DECAYS)
+        positive("optimizer.lr", self.lr)
+        at_least("optimizer.min_lr", self.min_lr, 0.0)
         if self.min_lr > self.lr:
             raise ConfigError(f"optimizer.min_lr={self.min_lr} is above optimizer.lr={self.lr}")
-        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        at_least("optimizer.warmup_steps", self.warmup_steps, 0)
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"optimizer.{key}={getattr(self, key)} must be in [0, 1)")
-        _positive("optimizer.eps", self.eps)
-        _at_least("optimizer.weight_decay", self.weight_decay, 0.0)
-        _at_least("optimizer.threads", self.threads, 0)
+        positive("optimizer.eps", self.eps)
+        at_least("optimizer.weight_decay", self.weight_decay, 0.0)
+        at_least("optimizer.threads", self.threads, 0)
 
 
 @dataclass
@@ -207,14 +204,14 @@ class RunSettings:
         if not (math.isfinite(self.wait_timeout_s) and self.wait_timeout_s > 0):
             raise ConfigError(f"run.wait_timeout_s={self.wait_timeout_s} must be a positive number of seconds (every "
                               "executor wait is bounded so that a hung task ends the run with an error)")
-        _at_least("run.max_skipped_steps", self.max_skipped_steps, 0)
-        _positive("run.steps", self.steps)
-        _positive("run.grad_accum", self.grad_accum)
-        _positive("run.log_every", self.log_every)
-        _positive("run.eval_batches", self.eval_batches)
+        at_least("run.max_skipped_steps", self.max_skipped_steps, 0)
+        positive("run.steps", self.steps)
+        positive("run.grad_accum", self.grad_accum)
+        positive("run.log_every", self.log_every)
+        positive("run.eval_batches", self.eval_batches)
         for key in ("eval_every", "checkpoint_every", "keep_last"):
-            _at_least(f"run.{key}", getattr(self, key), 0)
-        _one_of("run.device", self.device, DEVICES)
+            at_least(f"run.{key}", getattr(self, key), 0)
+        one_of("run.device", self.device, DEVICES)
         if self.profile and not Path(self.profile).is_file():
             raise ConfigError(f"run.profile={self.profile!r} is not a file")
 
@@ -349,12 +346,12 @@ def _sections(raw: dict, source: str) -> dict:
         if name == "schedule":
             values = dict(values)
             sched_name = values.pop("name", DEFAULT_SCHEDULE)
-            sections[name] = ScheduleConfig(_check_type("schedule.name", sched_name, str), {})
+            sections[name] = ScheduleConfig(check_type("schedule.name", sched_name, str), {})
             for key, value in values.items():
                 if key not in _KNOB_TYPES:
                     raise ConfigError(f"{source}: unknown key schedule.{key}; [schedule] has name, "
                                       f"{', '.join(_KNOB_TYPES)}")
-                sections[name].overrides[key] = _check_type(f"schedule.{key}", value, _KNOB_TYPES[key])
+                sections[name].overrides[key] = check_type(f"schedule.{key}", value, _KNOB_TYPES[key])
             continue
         kwargs = {}
         hints = _field_types(section_cls)
@@ -363,7 +360,7 @@ def _sections(raw: dict, source: str) -> dict:
                 raise ConfigError(f"{source}: {name}.{key} is {MOVED[key][1]} now; {MOVED[key][2]}")
             if key not in hints:
                 raise ConfigError(f"{source}: unknown key {name}.{key}; [{name}] has {', '.join(hints)}")
-            kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+            kwargs[key] = check_type(f"{name}.{key}", value, hints[key])
         sections[name] = section_cls(**kwargs)
     return sections
 
@@ -371,22 +368,6 @@ def _sections(raw: dict, source: str) -> dict:
 # ---- helpers ---------------------------------------------------------------------------------------------------
 def _field_types(cls) -> dict[str, Any]:
     return field_types(cls)
-
-
-def _check_type(key: str, value: Any, t: Any) -> Any:
-    """`value` as type `t`, or a ConfigError naming the key (megatrain/settings.py)."""
-    try:
-        return check_setting(key, value, t)
-    except SettingError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _parse_override(key: str, text: str, t: Any) -> Any:
-    """Parse the text of `--set key=text` to the field's type: the one grammar of every command."""
-    try:
-        return parse_setting(key, text, t)
-    except SettingError as e:
-        raise ConfigError(f"--set {key}={text.strip()}: {e}") from None
 
 
 def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
@@ -407,7 +388,7 @@ def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raw[section] = {}
-        raw[section][name] = _parse_override(key, text, hints[name])
+        raw[section][name] = parse_override(key, text, hints[name])
     return raw
 
 
@@ -417,18 +398,3 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     return json.dumps(v)  # a TOML basic string: JSON's escapes are valid TOML escapes
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
-
-
-def _positive(key: str, value) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}={value} must be positive")
-
-
-def _at_least(key: str, value, low) -> None:
-    if value < low:
-        raise ConfigError(f"{key}={value} must be >= {low}")

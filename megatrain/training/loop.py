@@ -38,7 +38,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,7 +53,7 @@ from .checkpoint import (
 )
 from .checkpointing import SessionCheckpoints
 from .config import ConfigError, RunConfig
-from .errors import DivergedError, TrainingError
+from .errors import TrainingError
 from .evaluate import evaluate
 from .export import check_export_target
 from .fit import MemoryFitError, check_memory, machine_capacity
@@ -70,41 +70,16 @@ from .metrics import (
 )
 from .outputs import report_lines, write_timelines
 from .preflight import preflight
+from .result import RunSummary
 from .resume import restore, resume_state
 from .rundir import RunLock, fresh_run_dir, set_aside_newer
 from .signals import StopRequest
 from .skips import Skip, SkipTracker
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
-           "evaluate", "add_train_arguments", "config_from_args", "run_from_args", "TrainingError", "DivergedError"]
+           "evaluate"]
 
 KEEP_TIMELINE_STEPS = 10  # measured timelines kept for timeline_measured.csv (the last ones)
-
-
-# ---- summary ---------------------------------------------------------------------------------------------------
-@dataclass
-class RunSummary:
-    """What `run_training` did."""
-
-    run_dir: Path
-    start_step: int  # steps done before this session (0 for a fresh run)
-    steps: int  # steps done at the end of this session
-    losses: list[float] = field(default_factory=list)  # training loss of each step of this session
-    eval_losses: dict[int, float] = field(default_factory=dict)  # {step: held-out loss}
-    tokens: int = 0  # target tokens trained on in this session
-    elapsed_s: float = 0.0
-    measured_step_s: float | None = None  # median step time (the first step of the session left out)
-    measured_idle_pct: float | None = None  # median GPU idle %
-    predicted: object | None = field(default=None, repr=False)  # megatrain.sim.SimResult (run.simulate)
-    checkpoint: Path | None = None  # the newest checkpoint
-    export_dir: Path | None = None
-    stopped_early: bool = False  # stop_at_step or a signal ended the session before run.steps
-    stop_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the session
-    skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped, wholly or in part
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.losses[-1] if self.losses else None
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -435,6 +410,3 @@ def _backend_name(device: str) -> str:
         raise ConfigError("run.device='cuda' but torch sees no CUDA device here; use run.device='cpu' or 'auto'")
     return "cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu"
 
-
-# ---- command line (megatrain/training/command.py; re-exported so `megatrain.training.loop` is the one entry point) -------
-from .command import add_train_arguments, config_from_args, run_from_args  # noqa: E402
