@@ -8,6 +8,7 @@ from ..ir.knobs import ScheduleKnobs
 from ..ir.memory import (
     GiB,
     MemoryPlan,
+    alternative_plans,
     fit_report,
     gpu_alternatives,
     host_alternatives,
@@ -74,8 +75,8 @@ def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
     if total <= have:
         return True, [f"host: fits: needs {what} of {have / GiB:.1f} GiB ({100 * total / have:.0f}%)"]
     lines = [f"host: DOES NOT FIT: needs {what}, has {have / GiB:.1f} GiB, short by {(total - have) / GiB:.1f} GiB"]
-    for label, knobs in host_alternatives(plan.knobs) + gpu_alternatives(plan):
-        alt = need(plan_memory(plan.spec, plan.batch, plan.seq, knobs, "cpu"))
+    for label, alt_plan in alternative_plans(plan, host_alternatives(plan.knobs) + gpu_alternatives(plan), "cpu"):
+        alt = need(alt_plan)
         lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
     return False, lines
 
