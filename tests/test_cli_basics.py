@@ -31,6 +31,20 @@ def test_help_imports_no_heavy_module():
     assert out.strip() == "[]"
 
 
+@pytest.mark.parametrize("argv", [["plan", "--model", "bench-3b"],
+                                  ["simulate", "--model", "debug", "--batch", "2", "--seq", "16", "--no-plots"],
+                                  ["plan", "--model", "debug", "--set", "recompute_block=9"]],  # an error too
+                         ids=["plan", "simulate", "plan-error"])
+def test_plan_and_simulate_import_no_torch(argv, tmp_path):
+    """The planner and the simulator need no torch (seconds of import on a CPU machine; DESIGN.md: fast CLI)."""
+    if argv[0] == "simulate":
+        argv = argv + ["--out", str(tmp_path / "s")]
+    code = (f"import sys; from megatrain.cli import main; rc = main({argv!r}); "
+            "print('RC', rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert out.strip().splitlines()[-1] in ("RC 0 False", "RC 1 False", "RC 2 False"), out
+
+
 def _tiny_machine(monkeypatch, host_bytes=64 * 2**20):
     monkeypatch.setattr(fit, "machine_capacity", lambda backend: (host_bytes, None))
 

@@ -31,34 +31,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    """The exceptions that are user mistakes (one line, exit 2), imported only when a command runs."""
+def _is_user_error(e: Exception) -> bool:
+    """Whether `e` is a user mistake (one line, exit 2). The error types are imported only once one was raised, the
+    torch-free ones first: `plan` and `simulate` never need torch, not even to report a mistake."""
     from ..ir.dag import ScheduleError
     from ..spec import SpecError
+    from ..training.config_values import ConfigError
+
+    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
+        return True
     from ..training.checkpoint import CheckpointError
-    from ..training.config import ConfigError
     from ..training.data import DataError
     from ..training.safetensors_io import SafetensorsFormatError
 
-    return UserError, SpecError, ScheduleError, ConfigError, DataError, CheckpointError, SafetensorsFormatError
+    return isinstance(e, (DataError, CheckpointError, SafetensorsFormatError))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    errors = _user_errors()
-    from ..training.errors import TrainingError
-
     try:
         return int(args.func(args) or 0)
-    except errors as e:
-        print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:  # the run started and stopped on its own: what happened and how to continue
-        print(f"megatrain {args.command}: stopped: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # Ctrl-C anywhere (start-up included): one line, no traceback
         print(f"megatrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _is_user_error(e):
+            print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        from ..training.errors import TrainingError
+
+        if isinstance(e, TrainingError):  # the run started and stopped on its own: what happened, how to go on
+            print(f"megatrain {args.command}: stopped: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

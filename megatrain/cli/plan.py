@@ -1,6 +1,8 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .common import add_run_arguments
 
 
@@ -10,13 +12,14 @@ def machine_memory() -> tuple[int | None, int | None]:
 
     host = psutil.virtual_memory().total
     gpu = None
-    try:
-        import torch
+    if Path("/proc/driver/nvidia").exists():  # importing torch costs seconds; only where a GPU can be
+        try:
+            import torch
 
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_properties(0).total_memory
-    except ImportError:
-        pass
+            if torch.cuda.is_available():
+                gpu = torch.cuda.get_device_properties(0).total_memory
+        except ImportError:
+            pass
     return host, gpu
 
 
