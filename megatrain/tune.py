@@ -104,3 +104,60 @@ def best_gpu_fraction(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnob
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["gpu_layers"]))
     best_knobs, best_result = results[order[0]]
     return TuneResult(best_knobs, best_result, table.iloc[order].reset_index(drop=True))
+
+
+# ---- --schedule auto --------------------------------------------------------------------------------------------
+# Knobs that decide the numbers training computes: `auto` keeps the user's, and searches only where and when work
+# runs (placement, buffers, resident units, kept gradients, wires of the weights, checkpoint offload).
+NUMERICS_KNOBS = ("clip", "compute_dtype", "grad_wire", "compile_layers", "loss_chunk_tokens", "micro_batches")
+
+
+def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleKnobs]:
+    """Schedules `auto` tries: every named schedule whose timing allows the base's clipping, with the base's
+    numerics, 2 or 3 weight buffers, and for the arrival placements resident units in a few sizes."""
+    from dataclasses import fields as dc_fields
+
+    from .ir.knobs import NAMED_SCHEDULES
+
+    keep = {f.name: getattr(base, f.name) for f in dc_fields(ScheduleKnobs) if f.name in NUMERICS_KNOBS}
+    L = spec.num_layers
+    out: dict[str, ScheduleKnobs] = {}
+    for name, named in NAMED_SCHEDULES.items():
+        timing = OPTIMIZER_PRESETS[named.optimizer][0].value
+        if base.clip and timing == "arrival":
+            continue  # it could not clip: auto never changes the numerics asked for
+        for buffers in sorted({2, 3} & set(range(1, max(L, 1) + 1))):
+            knobs = replace(named, **keep, buffers=buffers)
+            out[f"{name}[buffers={buffers}]"] = knobs
+            if timing == "arrival" and not spec.tie_word_embeddings:
+                for r in sorted({0, 2, 4, 8, L // 2} & set(range(L + 1))):
+                    out[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}]"] = replace(
+                        knobs, resident_embeddings=True, resident_layers=r,
+                        gpu_optimizer_fraction=None if r else knobs.gpu_optimizer_fraction)
+    return out
+
+
+def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
+                    profile: HardwareProfile | str, gpu_bytes: int) -> TuneResult:
+    """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
+    the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches).
+    `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
+    profile = load_profile(profile)
+    rows, results = [], []
+    for label, knobs in auto_candidates(spec, base).items():
+        try:
+            peak = plan_memory(spec, batch, seq, knobs).gpu.peak_bytes
+            if peak > gpu_bytes:
+                continue
+            res = simulate(lower(build_schedule(spec, batch, seq, knobs)), profile)
+        except ScheduleError:
+            continue
+        results.append((knobs, res))
+        rows.append(dict(schedule=label, step_s=res.step_s, tokens_per_s=res.summary.tokens_per_s,
+                         gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
+    if not rows:
+        raise ScheduleError(f"no schedule keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB; "
+                            "see `megatrain plan` for what takes the memory, or raise the budget")
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["schedule"]))
+    knobs, result = results[order[0]]
+    return TuneResult(knobs, result, pd.DataFrame(rows).iloc[order].reset_index(drop=True))

@@ -1,6 +1,8 @@
 """Subcommands of the `megatrain` CLI, one module each (see megatrain/cli/__init__.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..ir.knobs import DEFAULT_SCHEDULE
 
 __all__ = ["DEFAULT_SCHEDULE", "add_run_arguments"]
@@ -14,6 +16,34 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
     p.add_argument("--seq", type=int, default=seq)
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help=schedule_help)
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
+
+
+def gpu_budget_bytes(gib: float | None) -> int:
+    """The GPU memory `--schedule auto` may plan for: `--gpu-budget-gib`, or this GPU's free memory less 10%."""
+    from . import UserError
+
+    if gib is not None:
+        return int(gib * 2**30)
+    if Path("/proc/driver/nvidia").exists():
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info()[0] * 0.9)
+    raise UserError("--schedule auto needs a GPU memory budget and there is no GPU here to measure: give "
+                    "--gpu-budget-gib (e.g. 16)")
+
+
+def write_schedule_file(path: Path, knobs) -> Path:
+    """A schedule file (`[schedule]` table: name plus every knob) that reproduces `knobs`."""
+    import json
+
+    lines = ["[schedule]", 'name = "overlap"  # the base; every knob is set below']
+    for key, value in knobs.to_dict().items():
+        if value is not None:
+            lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else str(value).lower()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def check_fits(spec, batch: int, seq: int, knobs, device: str, what: str, advice: str,

@@ -36,6 +36,9 @@ def register(sub) -> None:
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
+    p.add_argument("--gpu-budget-gib", type=float,
+                   help="--schedule auto: the GPU memory the chosen schedule may plan for (default: this GPU's free "
+                        "memory less 10%%)")
     p.set_defaults(func=run)
 
 
@@ -168,6 +171,29 @@ def remove_stale_variants(out: Path, keep: set[str]) -> list[Path]:
     return removed
 
 
+def _choose(args, spec, profile, out: Path) -> Path:
+    """`--schedule auto`: the fastest predicted schedule that fits the GPU budget and keeps the numerics of the
+    --set knobs (megatrain/tune.py); printed with the next best, and written as a schedule file."""
+    from ..ir.dag import ScheduleError
+    from ..ir.knobs import DEFAULT_SCHEDULE, resolve_knobs
+    from ..tune import choose_schedule
+    from .common import gpu_budget_bytes, write_schedule_file
+
+    budget = gpu_budget_bytes(args.gpu_budget_gib)
+    try:
+        best = choose_schedule(spec, args.batch, args.seq, resolve_knobs(DEFAULT_SCHEDULE, args.set)[1], profile,
+                               budget)
+    except ScheduleError as e:
+        raise UserError(str(e)) from None
+    table = best.table.head(5).assign(step_ms=lambda d: (1e3 * d.step_s).round(1)).drop(columns="step_s")
+    print(f"--schedule auto ({budget / 2**30:.1f} GiB GPU budget, profile {profile.name}): "
+          f"{len(best.table)} schedules fit; the fastest five:")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
+    path = write_schedule_file(out / "auto_schedule.toml", best.knobs)
+    print(f"chosen: {best.table.schedule[0]} (written to {path})")
+    return path
+
+
 def run(args) -> int:
     import pandas as pd
 
@@ -183,8 +209,10 @@ def run(args) -> int:
         profile = load_profile(args.profile)
     except ProfileError as e:
         raise UserError(str(e)) from None
-    runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
     out = Path(args.out or f"runs/simulate-{spec.name}")
+    if args.schedule == "auto":
+        args.schedule, args.set = str(_choose(args, spec, profile, out)), []
+    runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
     rows, written, notes = [], set(), set()
     for v in runs:
         try:

@@ -9,6 +9,8 @@ ConfigError naming the key (megatrain.cli prints it as one line).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from .config import ConfigError, RunConfig
 
 _SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
@@ -28,7 +30,12 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--model", help="[model.name] preset or Hugging Face model directory")
     parser.add_argument("--data", help="[data.path] token file (.bin), nanoGPT dir, .jsonl or .txt")
     parser.add_argument("--steps", type=int, help="[run.steps]")
-    parser.add_argument("--schedule", help="[schedule.name] a named schedule, or a TOML file of schedule knobs")
+    parser.add_argument("--schedule", help="[schedule.name] a named schedule, a TOML file of schedule knobs, or "
+                                           "'auto': the fastest predicted one that fits --gpu-budget-gib and keeps "
+                                           "the numerics of the config (clipping, dtypes, kernel)")
+    parser.add_argument("--gpu-budget-gib", dest="gpu_budget_gib", type=float,
+                        help="--schedule auto: GPU memory the schedule may plan for (default: the GPU's free memory "
+                             "less 10%%; on the CPU backend half the available host memory)")
     parser.add_argument("--batch", type=int, help="[data.batch_size]")
     parser.add_argument("--seq", type=int, help="[data.seq_len]")
     parser.add_argument("--lr", type=float, help="[optimizer.lr]")
@@ -50,7 +57,7 @@ def config_from_args(args) -> RunConfig:
     overrides = []
     for attr, key in _SHORTCUTS.items():
         value = getattr(args, attr, None)
-        if value is None:
+        if value is None or (attr == "schedule" and value == "auto"):
             continue
         if attr == "schedule" and value not in NAMED_SCHEDULES:  # a schedule file: the same [schedule] table
             from ..ir.dag import ScheduleError
@@ -75,7 +82,41 @@ def config_from_args(args) -> RunConfig:
         overrides.append("run.progress=false")
     from .config import load_config
 
-    return load_config(getattr(args, "config", None), overrides)
+    cfg = load_config(getattr(args, "config", None), overrides)
+    if getattr(args, "schedule", None) == "auto":
+        cfg = cfg.with_overrides(_auto_schedule(cfg, getattr(args, "gpu_budget_gib", None)))
+    return cfg
+
+
+def _auto_schedule(cfg: RunConfig, budget_gib: float | None) -> list[str]:
+    """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune.py),
+    printed with the next best; the config's numerics (clipping, dtypes, kernel, micro-batches) are kept."""
+    from dataclasses import replace
+
+    import psutil
+
+    from ..ir.dag import ScheduleError
+    from ..tune import choose_schedule
+    from .fit import machine_capacity
+
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and Path("/proc/driver/nvidia").exists()
+                                        and machine_capacity("cuda")[1] is not None)
+    if budget_gib is not None:
+        budget = int(budget_gib * 2**30)
+    else:
+        budget = int(machine_capacity("cuda")[1] * 0.9) if cuda else psutil.virtual_memory().available // 2
+    profile = cfg.run.profile or ("h200-measured" if cuda else "cpu")
+    batch, seq = cfg.step_shape()
+    try:
+        best = choose_schedule(cfg.model.spec(), batch, seq, cfg.step_knobs(), profile, budget)
+    except ScheduleError as e:
+        raise ConfigError(f"--schedule auto: {e}") from None
+    print(f"--schedule auto ({budget / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
+          f"{len(best.table)} that fit:")
+    for row in best.table.head(3).itertuples():
+        print(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
+    knobs = replace(best.knobs, micro_batches=cfg.schedule.micro_batches)  # the loop multiplies it by grad_accum
+    return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
 
 
 def run_from_args(args) -> int:

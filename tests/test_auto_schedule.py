@@ -1,0 +1,52 @@
+"""`--schedule auto`: the fastest predicted schedule that fits a GPU budget, never one that changes the numerics."""
+from pathlib import Path
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.knobs import ScheduleKnobs, resolve_knobs
+from megatrain.ir.memory import plan_memory
+from megatrain.ir.resolve import OPTIMIZER_PRESETS
+from megatrain.presets import PRESETS
+from megatrain.tune import choose_schedule
+
+SPEC = PRESETS["bench-3b"]
+GiB = 2**30
+
+
+def test_auto_keeps_exact_clipping_and_picks_the_fastest_that_fits():
+    best = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=1.0), "h200-measured", 16 * GiB)
+    assert best.knobs.clip == 1.0 and OPTIMIZER_PRESETS[best.knobs.optimizer][0].value != "arrival"
+    assert (best.table.gpu_peak_gib <= 16).all() and best.table.step_s.is_monotonic_increasing
+    assert best.result.step_s == pytest.approx(best.table.step_s[0])
+    # Without clipping the arrival placements are allowed, and they are faster here.
+    free = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=0), "h200-measured", 16 * GiB)
+    assert free.result.step_s < best.result.step_s and free.knobs.clip == 0
+
+
+def test_auto_keeps_the_other_numerics_and_respects_the_budget():
+    base = ScheduleKnobs(clip=0, compute_dtype="fp32", grad_wire="bf16", micro_batches=2)
+    tight = choose_schedule(SPEC, 8, 2048, base, "h200-measured", 12 * GiB)
+    k = tight.knobs
+    assert (k.compute_dtype, k.grad_wire, k.micro_batches, k.compile_layers) == ("fp32", "bf16", 2, False)
+    assert plan_memory(SPEC, 8, 2048, k).gpu.peak_bytes <= 12 * GiB
+    with pytest.raises(ScheduleError, match="fits a GPU peak of 0.50 GiB"):
+        choose_schedule(SPEC, 8, 2048, base, "h200-measured", GiB // 2)
+
+
+def test_simulate_and_train_take_schedule_auto(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--model", "bench-3b", "--schedule", "auto", "--gpu-budget-gib", "16", "--set", "clip=0",
+                 "--no-plots", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "--schedule auto (16.0 GiB GPU budget" in text and "chosen: " in text
+    chosen = resolve_knobs(str(out / "auto_schedule.toml"))[1]  # a schedule file anyone can reuse
+    assert chosen.clip == 0 and plan_memory(SPEC, 8, 2048, chosen).gpu.peak_bytes <= 16 * GiB
+    if not Path("/proc/driver/nvidia").exists():  # no GPU to measure and no budget given: one clear line
+        assert main(["simulate", "--model", "debug", "--schedule", "auto", "--no-plots",
+                     "--out", str(tmp_path / "x")]) == 2
+        assert "--gpu-budget-gib" in capsys.readouterr().err
+    assert main(["train", "--schedule", "auto", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cpu",
+                 "--no-progress", "--out-dir", str(tmp_path / "runs")]) == 0
+    assert "--schedule auto" in capsys.readouterr().out
