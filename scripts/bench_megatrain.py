@@ -7,6 +7,7 @@ simulator for the same Program when a profile is given.
     PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --set retain_grads=10 --set state_buffers=3
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --tune --profile my_profile.json
+    PYTHONPATH=. python scripts/bench_megatrain.py --schedule auto --set clip=0 --gpu-limit-gib 16
 
 `--tune` picks gpu_optimizer_fraction, retain_grads and state_buffers (2 or 3) by simulation with `--profile`, under
 `--gpu-limit-gib` of planned GPU peak (a GPU-share placement, or "overlap", which is tuned as "overlap-split").
@@ -53,7 +54,8 @@ def main() -> None:
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
-    p.add_argument("--gpu-limit-gib", type=float, default=16.0, help="planned GPU peak limit for --tune")
+    p.add_argument("--gpu-limit-gib", type=float, default=16.0,
+                   help="planned GPU peak limit for --tune and --schedule auto")
     p.add_argument("--timeout-s", type=float,
                    help="the runtime's wait timeout (default: 300 s, or 3x the simulated step when that is longer: "
                         "a 524k-token step waits minutes for one task legitimately)")
@@ -62,7 +64,16 @@ def main() -> None:
     spec = get_model(a.model)
     if a.layers:
         spec = spec.with_layers(a.layers)
-    name, knobs = resolve_knobs(a.schedule, a.set)
+    if a.schedule == "auto":  # the fastest predicted schedule under --gpu-limit-gib, numerics of --set kept
+        from megatrain.ir.knobs import DEFAULT_SCHEDULE
+        from megatrain.tune import choose_schedule
+
+        best = choose_schedule(spec, a.batch, a.seq, resolve_knobs(DEFAULT_SCHEDULE, a.set)[1], a.profile or "h200",
+                               int(a.gpu_limit_gib * 2**30))
+        print(best.table.head(5).to_string(index=False), flush=True)
+        name, knobs = f"auto:{best.table.schedule[0]}", best.knobs
+    else:
+        name, knobs = resolve_knobs(a.schedule, a.set)
     if a.tune:
         from megatrain.tune import best_gpu_fraction
 
