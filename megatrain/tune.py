@@ -138,16 +138,18 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
 
 
 def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
-                    profile: HardwareProfile | str, gpu_bytes: int) -> TuneResult:
+                    profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None) -> TuneResult:
     """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
-    the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches).
+    the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches), and
+    whose host plan fits `host_bytes` when given.
     `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
     profile = load_profile(profile)
     rows, results = [], []
     for label, knobs in auto_candidates(spec, base).items():
         try:
-            peak = plan_memory(spec, batch, seq, knobs).gpu.peak_bytes
-            if peak > gpu_bytes:
+            plan = plan_memory(spec, batch, seq, knobs)
+            peak = plan.gpu.peak_bytes
+            if peak > gpu_bytes or (host_bytes is not None and plan.host.total_bytes > host_bytes):
                 continue
             res = simulate(lower(build_schedule(spec, batch, seq, knobs)), profile)
         except ScheduleError:
@@ -156,8 +158,9 @@ def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
         rows.append(dict(schedule=label, step_s=res.step_s, tokens_per_s=res.summary.tokens_per_s,
                          gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
     if not rows:
-        raise ScheduleError(f"no schedule keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB; "
-                            "see `megatrain plan` for what takes the memory, or raise the budget")
+        host = f" and {host_bytes / 2**30:.1f} GiB of host memory" if host_bytes is not None else ""
+        raise ScheduleError(f"no schedule keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
+                            f"{host}; see `megatrain plan` for what takes the memory, or raise the budget")
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["schedule"]))
     knobs, result = results[order[0]]
     return TuneResult(knobs, result, pd.DataFrame(rows).iloc[order].reset_index(drop=True))

@@ -50,3 +50,13 @@ def test_simulate_and_train_take_schedule_auto(tmp_path, capsys):
     assert main(["train", "--schedule", "auto", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cpu",
                  "--no-progress", "--out-dir", str(tmp_path / "runs")]) == 0
     assert "--schedule auto" in capsys.readouterr().out
+
+
+def test_auto_fits_the_host_too():
+    """Llama-3-8B on a 128 GiB host: a bf16 streaming copy (18 B/param) would not fit, so auto streams the fp32
+    master (16 B/param) — a change of where bytes live, not of the numbers computed."""
+    spec = PRESETS["llama3-8b"]
+    best = choose_schedule(spec, 8, 2048, ScheduleKnobs(clip=0), "h200-measured", 40 * GiB, host_bytes=128 * GiB)
+    plan = plan_memory(spec, 8, 2048, best.knobs)
+    assert plan.host.total_bytes <= 128 * GiB and plan.gpu.peak_bytes <= 40 * GiB
+    assert best.knobs.weight_wire == "fp32" and best.knobs.grad_wire == "fp32"

@@ -108,7 +108,8 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None) -> list[str]:
     profile = cfg.run.profile or ("h200-measured" if cuda else "cpu")
     batch, seq = cfg.step_shape()
     try:
-        best = choose_schedule(cfg.model.spec(), batch, seq, cfg.step_knobs(), profile, budget)
+        best = choose_schedule(cfg.model.spec(), batch, seq, cfg.step_knobs(), profile, budget,
+                               host_bytes=machine_capacity("cuda" if cuda else "cpu")[0])
     except ScheduleError as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     print(f"--schedule auto ({budget / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
