@@ -31,7 +31,14 @@ import pandas as pd
 
 from ..ir.program import COPY_DIRECTION, Program
 from ..ir.tasks import TaskKind
-from ..sim import ComputeTable, CopyCurve, HardwareProfile, SimResult, model_signature, simulate
+from ..sim import (
+    ComputeTable,
+    CopyCurve,
+    HardwareProfile,
+    SimResult,
+    model_signature,
+    simulate,
+)
 from ..sim.costs import COPY_STREAMS
 from ..sim.profile import COMPUTE_KINDS, unit_class
 from .compare import step_time_s, task_table
@@ -70,8 +77,8 @@ class LiveCalibration:
         """The task groups whose summed time the uncalibrated profile missed most, as "B 3.1x, U 0.6x"."""
         g = self.groups.reindex((self.groups["meas_s"] - self.groups["pred_s"]).abs()
                                 .sort_values(ascending=False).index).head(top)
-        parts = [f"{_GROUP_NAMES.get(r.group, r.group)} ({r.group}) took {r.meas_s / r.pred_s:.2f}x the profile's "
-                 f"time" if r.pred_s > 0 else f"{r.group} took {r.meas_s * 1e3:.1f} ms the profile had no time for"
+        parts = [(f"{_GROUP_NAMES.get(r.group, r.group)} ({r.group}) took {r.meas_s / r.pred_s:.2f}x the "
+                  f"profile's time") if r.pred_s > 0 else f"{r.group} took {r.meas_s * 1e3:.1f} ms, unpredicted"
                  for r in g.itertuples()]
         return "; ".join(parts)
 
@@ -80,13 +87,14 @@ class LiveCalibration:
         name = profile_name or self.before.profile.name
         m = self.measured_step_s
         slow_fast = "fast" if self.error_before < 0 else "slow"
-        return [f"live calibration on {self.steps} measured steps (after the warm-up): step time predicted "
-                f"{self.before.step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
-                f"{self.after.step_s:.3f} s (calibrated, {100 * self.error_after:+.0f}%); measured {m:.3f} s "
-                f"(median)",
-                f"the {name} profile predicted this run {_times(self.before.step_s, m)} too {slow_fast}, mainly "
-                f"because {self.reason()} (a profile measures one machine on one day; the calibrated profile "
-                f"refits its rates to this run)"]
+        first = (f"live calibration on {self.steps} measured steps (after the warm-up): step time predicted "
+                 f"{self.before.step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
+                 f"{self.after.step_s:.3f} s (calibrated, {100 * self.error_after:+.0f}%); measured {m:.3f} s "
+                 f"(median)")
+        return [first,
+                (f"the {name} profile predicted this run {_times(self.before.step_s, m)} too {slow_fast}, mainly "
+                 f"because {self.reason()} (a profile measures one machine on one day; the calibrated profile "
+                 f"refits its rates to this run)")]
 
     def save(self, directory: str | Path) -> Path:
         """Write `profile_calibrated.json` (loadable by `load_profile` / `--profile`) into `directory`."""

@@ -61,7 +61,7 @@ def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set
 
 
 class _Flow:
-    __slots__ = ("remaining", "ceiling", "draw", "rate", "done")
+    __slots__ = ("ceiling", "done", "draw", "rate", "remaining")
 
     def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event):
         self.remaining, self.ceiling, self.draw, self.rate, self.done = float(amount), ceiling, draw, 0.0, done

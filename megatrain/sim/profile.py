@@ -217,7 +217,7 @@ class HardwareProfile:
         if self.host_memory_Bps is None:
             derived, why = derive_host_memory_Bps(self)
             object.__setattr__(self, "host_memory_Bps", derived)
-            object.__setattr__(self, "notes", {**self.notes, "host_memory_Bps": why})
+            object.__setattr__(self, "notes", {"host_memory_Bps": why, **self.notes})  # a note given wins
         if not self.host_memory_Bps > 0 or not self.cpu_update_bytes_per_param > 0 \
                 or not self.copy_host_bytes_per_byte >= 0:
             raise ProfileError(f"profile {self.name}: host_memory_Bps and cpu_update_bytes_per_param must be > 0, "
