@@ -110,3 +110,17 @@ def test_profile_with_free_copies_gets_finite_fitted_rates():
     assert math.isfinite(cal.profile.h2d.Bps[0]) and math.isfinite(cal.profile.d2h.Bps[0])
     assert abs(cal.error_after) < 0.02
     assert isinstance(cal.profile, HardwareProfile)
+
+
+def test_compare_calibrates_too(tmp_path):
+    """`compare` fits the profile to its measured steps: the report prints both predictions, `write` saves it."""
+    from megatrain.profiling.compare import compare
+
+    truth, start = truth_and_start()
+    prog = lower(build_schedule(PRESETS["debug"], 4, 64, knobs_for("overlap")))
+    steps = [simulate(prog, truth).timeline.assign(step=i) for i in range(3)]
+    c = compare(prog, steps, start)
+    assert abs(c.step_error) > 0.3 and abs(c.headline()["calibrated_step_err_pct"]) < 2
+    assert "live calibration on 2 measured steps" in c.report()
+    paths = c.write(tmp_path, plots=False)
+    assert load_profile(str(paths["profile_calibrated"])).name == "cpu-calibrated"
