@@ -122,8 +122,8 @@ class CostModel:
 
     def copy_cost(self, task: ProgramTask) -> CopyCost:
         """The copy a task on the h2d / d2h stream performs: priced by the direction its bytes go (a copy moved to the
-        other stream keeps its direction's curve; the link model shares bandwidth by stream, so two copies of one
-        direction on the two streams share only the duplex limit, an approximation)."""
+        other stream keeps its direction's curve; the host-memory model shares bandwidth by stream, so two copies of
+        one direction on the two streams share only the duplex limit, an approximation)."""
         curve = self.profile.h2d if COPY_DIRECTION[TaskKind(task.kind)] == "h2d" else self.profile.d2h
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))

@@ -2,16 +2,14 @@
 
 One simpy process per stream walks that stream's queue in Program order. A task starts when the previous task
 of its stream is done and every task in its `waits` is done; it then holds its stream for the duration the cost
-model gives, except copies, whose bytes flow through a fluid model of the PCIe link:
+model gives, except host-side work, whose bytes flow through the fluid model of host memory (`hostmem.py`):
 
-- each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream);
-- a copy alone moves at its curve's rate for its size; when both directions carry bytes and their rates add up
-  to more than `duplex_Bps`, both are scaled down to share it; while a CPU optimizer update runs, every copy is
-  slowed by `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth), and the update itself
-  is slowed by `cpu_optimizer_slowdown` for the number of copy directions busy meanwhile (the update is a flow of
-  work seconds on the same link model);
-- whenever one of these conditions changes, the bytes (and work) still in flight are re-rated, so a copy that
-  overlapped the other direction for only part of its life is slowed for only that part.
+- each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream); a copy alone moves
+  at its curve's rate for its size, and the two directions share `duplex_Bps`;
+- a CPU optimizer update is a flow of its host bytes (AdamW + bf16 conversion passes), at most the rate its
+  threads reach alone; copies and the update share `host_memory_Bps` max-min fairly;
+- whenever a flow starts or ends, the bytes still in flight are re-rated, so a copy that overlapped the other
+  direction (or an update) for only part of its life is slowed for only that part.
 
 The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
 a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck
