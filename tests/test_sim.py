@@ -131,24 +131,7 @@ def test_a_copy_joining_midway_slows_the_other_only_while_both_run():
     assert ends(res) == pytest.approx({"U0": 5.0, "P0": 13.0, "O0": 11.0}, rel=1e-12)
 
 
-def test_cpu_optimizer_slows_dma_while_it_runs():
-    # The update runs 0-4 s and halves copy rates: 4 s x 5 B/s = 20 bytes, then 80 bytes at 10 B/s -> 12 s.
-    prog = copy_program(100, 0, cpu_params=4)
-    res = simulate(prog, make_profile(h2d=10, d2h=10, cpu_adam=1.0, dma=0.5))
-    assert ends(res)["P0"] == pytest.approx(12.0, rel=1e-12)
-
-
-def test_dma_slows_the_cpu_optimizer_while_it_runs():
-    # A 10 s update, 1.5x slower while both directions copy and 1.25x while one does. Both copies (20 B at
-    # 10 B/s, 40 B at 10 B/s) start with it: 0-2 s both busy -> 2/1.5 s of work; 2-4 s one busy -> 2/1.25 s;
-    # then alone: 10 - 4/3 - 1.6 = 7.0667 s more -> the update ends at 11.0667 s.
-    prog = copy_program(20, 40, cpu_params=10)
-    profile = dataclasses.replace(make_profile(h2d=10, d2h=10, cpu_adam=1.0),
-                                  cpu_optimizer_slowdown={1: 1.25, 2: 1.5})
-    res = simulate(prog, profile)
-    assert ends(res) == pytest.approx({"P0": 2.0, "O0": 4.0, "U0": 4 + 10 - 2 / 1.5 - 2 / 1.25}, rel=1e-12)
-    with pytest.raises(ValueError, match="cpu_optimizer_slowdown"):
-        dataclasses.replace(profile, cpu_optimizer_slowdown={3: 2.0})
+# How a CPU update and the copies share host memory: tests/test_sim_host_memory.py.
 
 
 @pytest.mark.parametrize("start_s", [4999.37, 77777.7])

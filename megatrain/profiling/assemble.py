@@ -34,7 +34,7 @@ def not_simulated(m: dict) -> str:
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
             f"{uu['factor']:.2f}x as long while the compute stream runs ({uc['factor']:.2f}x while both copy "
-            f"directions run is simulated, see cpu_optimizer_slowdown); the first layer forward in a fresh "
+            f"directions run is simulated, see host_memory_Bps); the first layer forward in a fresh "
             f"issuing thread (the runtime keeps its threads, so only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
 
 
@@ -136,10 +136,15 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
-        "cpu_optimizer_slowdown": "measured: a CPU update alone and while both copy directions run in loops "
-                                  "(host memory bandwidth shared); one direction is taken as half the slowdown.",
-        "dma_factor_cpu_optimizer": f"measured: h2d {dma['alone_Bps'] / 1e9:.2f} GB/s alone, "
-                                    f"{dma['with_update_Bps'] / 1e9:.2f} GB/s while CPU updates run.",
+        "cpu_optimizer_slowdown": "legacy, not simulated (host_memory_Bps is derived from it): a CPU update alone "
+                                  "and while both copy directions run in loops; one direction is taken as half.",
+        "host_memory_Bps": f"measured: a CPU update {slowdown.get(2, 1.0):.2f}x as long while both copy directions "
+                           "run in loops; the budget that gives it that share beside the copies under the max-min "
+                           "fair model: cpu_update_bytes_per_param x the alone rate / that factor + the copies' "
+                           "duplex rate (sim.profile.derive_host_memory_Bps; inf when no slowdown was measured).",
+        "dma_factor_cpu_optimizer": f"legacy, not simulated (host_memory_Bps replaces it): h2d "
+                                    f"{dma['alone_Bps'] / 1e9:.2f} GB/s alone, {dma['with_update_Bps'] / 1e9:.2f} GB/s "
+                                    "while CPU updates run.",
         "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
                            f"{rt['layers']}-layer cut of {spec.name} (batch {rt['batch']} x {rt['seq']}); 'cpu' adds "
                            "the update's fixed cost; 'N' is the norm's whole ready-to-done time.",

@@ -14,6 +14,10 @@ Per task the comparison is on the time from *ready* (its stream predecessor and 
 the simulator starts a task at its ready time and charges the runtime's launch/sync overhead inside it
 (`task_overhead_s`), while a measured task shows that overhead as a gap before its start event. Comparing
 ready-to-done on both sides compares like with like; `dur` (start to done) is kept in the table too.
+
+Every comparison also fits the profile to the measured steps (`live.calibrate_run`, as `megatrain train` does):
+`Comparison.calibration` holds the fitted profile and its prediction, the report prints the prediction before and
+after calibration beside the measurement, and `write` saves `profile_calibrated.json`.
 """
 from __future__ import annotations
 
@@ -119,6 +123,11 @@ class Comparison:
     extra: dict = field(default_factory=dict)
 
     @property
+    def calibration(self):
+        """The profile fitted to these measured steps (profiling.live.LiveCalibration)."""
+        return self.extra.get("calibration")
+
+    @property
     def step_error(self) -> float:
         """(predicted - measured) / measured step time."""
         return (self.pred_summary.step_s - self.meas_summary.step_s) / self.meas_summary.step_s
@@ -134,7 +143,10 @@ class Comparison:
                 "meas_tokens_per_s": m.tokens_per_s, "pred_gpu_idle_pct": 100 * p.gpu_idle_frac,
                 "meas_gpu_idle_pct": 100 * m.gpu_idle_frac,
                 "task_err_median_pct": 100 * float(self.tasks["rel_err"].median()),
-                "task_err_p90_pct": 100 * float(self.tasks["rel_err"].quantile(0.9))}
+                "task_err_p90_pct": 100 * float(self.tasks["rel_err"].quantile(0.9)),
+                **({"calibrated_pred_step_s": self.calibration.after.step_s,
+                    "calibrated_step_err_pct": 100 * (self.calibration.after.step_s / m.step_s - 1)}
+                   if self.calibration is not None else {})}
 
     def report(self, worst: int = 8) -> str:
         p, m, prog = self.pred_summary, self.meas_summary, self.program
@@ -165,6 +177,8 @@ class Comparison:
                                      err_pct=lambda d: 100 * (d["pred_span_s"] - d["meas_span_s"]) / d["meas_span_s"])
         lines.append(_table(w, {"task": "{}", "stream": "{}", "pred_ms": "{:.3f}", "meas_ms": "{:.3f}",
                                 "err_ms": "{:+.3f}", "err_pct": "{:+.1f}"}))
+        if self.calibration is not None:
+            lines += self.calibration.lines(self.profile.name)
         return "\n".join(lines)
 
     def write(self, directory: str | Path, plots: bool = True) -> dict[str, Path]:
@@ -186,6 +200,8 @@ class Comparison:
                    "profile": self.profile.name, "knobs": self.program.knobs,
                    "model": self.program.model.name, "batch": self.program.batch, "seq": self.program.seq}
         paths["summary"].write_text(json.dumps(summary, indent=1, default=float) + "\n")
+        if self.calibration is not None:
+            paths["profile_calibrated"] = self.calibration.save(d)
         pair = {"predicted": self.predicted, "measured": _shifted(self.measured)}
         write_chrome_trace(paths["trace"], pair, self.program)
         if plots:
@@ -267,9 +283,12 @@ def compare(program: Program, measured_steps: list[pd.DataFrame], profile) -> Co
     order = sorted(range(len(steps)), key=lambda i: times[i])
     rep = steps[order[(len(order) - 1) // 2]]  # the median step (lower median)
     tasks = task_table(program, sim.timeline, steps)
+    from .live import calibrate_run  # live.py builds on this module's task table
+
+    extra = {"all_measured": pd.concat(measured_steps), "calibration": calibrate_run(program, profile, measured_steps)}
     return Comparison(program=program, profile=profile, predicted=sim.timeline, measured=rep, measured_steps_s=times,
                       tasks=tasks, by_group=error_by_group(tasks), pred_summary=sim.summary,
-                      meas_summary=summarize(rep, program), extra={"all_measured": pd.concat(measured_steps)})
+                      meas_summary=summarize(rep, program), extra=extra)
 
 
 def ranking(comparisons: dict[str, Comparison]) -> pd.DataFrame:

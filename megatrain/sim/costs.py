@@ -4,8 +4,8 @@ Compute tasks (F, R, B on the compute stream) take a measured table's time where
 model's signature, kind, unit class and compute dtype, otherwise `flops / (matmul rate x efficiency)`; tasks of
 no FLOPs (the embedding's gather and scatter-add) are memory bound: `tokens x hidden x 8 bytes / GPU memory rate`.
 Optimizer tasks take `params / AdamW rate` (CPU threads or GPU), the global norm `params / clip-norm rate`.
-Every task pays its stream's launch overhead. Copies are not given a duration here: their bytes flow through the
-engine's fluid link model, which shares the PCIe bandwidth between directions.
+Every task pays its stream's launch overhead. Copies and CPU updates are not given a duration here: they are
+flows of host-memory bytes (`copy_cost`, `cpu_update`) that the engine's fluid model (hostmem.py) shares.
 """
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ class CopyCost:
     delay_s: float
     nbytes: int
     rate_Bps: float
+
+
+@dataclass(frozen=True)
+class UpdateCost:
+    """A CPU update: a fixed delay (launch overhead), then `nbytes` of host memory, `alone_s` when alone."""
+
+    delay_s: float
+    nbytes: float
+    alone_s: float
 
 
 class CostModel:
@@ -92,20 +101,29 @@ class CostModel:
         if task.kind == "U":
             if task.stream == "compute":
                 return over + task.params / p.gpu_adam_params_per_s
-            # A CPU update also makes a bf16 <-> fp32 conversion pass over the tile for each bf16 wire: the
-            # streaming-copy refresh (weight_wire) and the gradients' conversion (grad_wire).
-            passes = (self.placement.weight_wire == "bf16") + (self.placement.grad_wire == "bf16")
-            return over + task.params / p.cpu_adam_rate() + passes * task.params / p.cpu_convert_params_per_s
+            u = self.cpu_update(task)  # its time alone on host memory (the engine shares it with the copies)
+            return u.delay_s + u.alone_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
         if task.stream in COPY_STREAMS:
             raise ProfileError(f"{task.id} is a copy; use copy_cost()")
         return over
 
+    def conversion_passes(self) -> int:
+        """bf16 <-> fp32 passes a CPU update makes besides AdamW: the streaming-copy refresh (weight_wire bf16)
+        and the gradients' conversion into the fp32 scratch (grad_wire bf16)."""
+        return (self.placement.weight_wire == "bf16") + (self.placement.grad_wire == "bf16")
+
+    def cpu_update(self, task: ProgramTask) -> UpdateCost:
+        """The host-memory flow of a CPU update: its bytes (AdamW + conversion passes) and its time alone."""
+        p, passes = self.profile, self.conversion_passes()
+        alone = task.params / p.cpu_adam_rate() + passes * task.params / p.cpu_convert_params_per_s
+        return UpdateCost(p.overhead(task.stream, task.kind), p.cpu_update_bytes(task.params, passes), alone)
+
     def copy_cost(self, task: ProgramTask) -> CopyCost:
         """The copy a task on the h2d / d2h stream performs: priced by the direction its bytes go (a copy moved to the
-        other stream keeps its direction's curve; the link model shares bandwidth by stream, so two copies of one
-        direction on the two streams share only the duplex limit, an approximation)."""
+        other stream keeps its direction's curve; the host-memory model shares bandwidth by stream, so two copies of
+        one direction on the two streams share only the duplex limit, an approximation)."""
         curve = self.profile.h2d if COPY_DIRECTION[TaskKind(task.kind)] == "h2d" else self.profile.d2h
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
@@ -114,5 +132,5 @@ class CostModel:
         return task.stream in COPY_STREAMS
 
     def is_cpu_optimizer(self, task: ProgramTask) -> bool:
-        """CPU AdamW work contends with DMA for host memory bandwidth."""
+        """CPU AdamW work shares host memory bandwidth with the copies."""
         return task.kind == "U" and task.stream == "cpu"

@@ -2,16 +2,14 @@
 
 One simpy process per stream walks that stream's queue in Program order. A task starts when the previous task
 of its stream is done and every task in its `waits` is done; it then holds its stream for the duration the cost
-model gives, except copies, whose bytes flow through a fluid model of the PCIe link:
+model gives, except host-side work, whose bytes flow through the fluid model of host memory (`hostmem.py`):
 
-- each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream);
-- a copy alone moves at its curve's rate for its size; when both directions carry bytes and their rates add up
-  to more than `duplex_Bps`, both are scaled down to share it; while a CPU optimizer update runs, every copy is
-  slowed by `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth), and the update itself
-  is slowed by `cpu_optimizer_slowdown` for the number of copy directions busy meanwhile (the update is a flow of
-  work seconds on the same link model);
-- whenever one of these conditions changes, the bytes (and work) still in flight are re-rated, so a copy that
-  overlapped the other direction for only part of its life is slowed for only that part.
+- each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream); a copy alone moves
+  at its curve's rate for its size, and the two directions share `duplex_Bps`;
+- a CPU optimizer update is a flow of its host bytes (AdamW + bf16 conversion passes), at most the rate its
+  threads reach alone; copies and the update share `host_memory_Bps` max-min fairly;
+- whenever a flow starts or ends, the bytes still in flight are re-rated, so a copy that overlapped the other
+  direction (or an update) for only part of its life is slowed for only that part.
 
 The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
 a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck
@@ -19,7 +17,6 @@ tasks and what they wait for.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import networkx as nx
@@ -30,6 +27,7 @@ from ..analysis.summary import StepSummary, summarize
 from ..analysis.timeline import make_timeline
 from ..ir.program import STREAMS, Program
 from .costs import CostModel
+from .hostmem import HostMemory
 from .profile import HardwareProfile, load_profile
 
 
@@ -51,87 +49,12 @@ class SimResult:
         return self.summary.step_s
 
 
-class _Flow:
-    __slots__ = ("nbytes", "remaining", "alone_Bps", "rate", "done")
-
-    def __init__(self, nbytes: int, alone_Bps: float, done: simpy.Event):
-        self.nbytes, self.remaining, self.alone_Bps, self.rate, self.done = nbytes, float(nbytes), alone_Bps, 0.0, done
-
-
-class _Link:
-    """PCIe as a fluid: the bytes in flight in each direction, re-rated whenever the sharing changes."""
-
-    def __init__(self, env: simpy.Environment, profile: HardwareProfile):
-        self.env = env
-        self.profile = profile
-        self.duplex_Bps = profile.duplex_Bps
-        self.dma_factor = profile.dma_factor_cpu_optimizer
-        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (bytes) and "cpu" (a CPU update's work seconds)
-        self._t = 0.0  # time up to which `remaining` is accounted
-        self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
-
-    def transfer(self, direction: str, nbytes: int, alone_Bps: float) -> simpy.Event:
-        """Start moving `nbytes`; the returned event fires when the last byte has arrived."""
-        done = self.env.event()
-        if nbytes <= 0 or math.isinf(alone_Bps):
-            done.succeed()
-            return done
-        self._advance()
-        self.flows[direction] = _Flow(nbytes, alone_Bps, done)
-        self._replan()
-        return done
-
-    def cpu_update(self, work_s: float) -> simpy.Event:
-        """Run a CPU optimizer update of `work_s` seconds when alone; fires when its work is done."""
-        return self.transfer("cpu", work_s, 1.0)
-
-    def _advance(self) -> None:
-        dt = self.env.now - self._t
-        if dt > 0:
-            for f in self.flows.values():
-                f.remaining -= f.rate * dt
-        self._t = self.env.now
-
-    def _replan(self) -> None:
-        self._gen += 1
-        if not self.flows:
-            return
-        copies = [f for d, f in self.flows.items() if d != "cpu"]
-        scale = 1.0
-        total = sum(f.alone_Bps for f in copies)
-        if len(copies) > 1 and total > self.duplex_Bps:
-            scale = self.duplex_Bps / total
-        if "cpu" in self.flows:
-            scale *= self.dma_factor
-            self.flows["cpu"].rate = 1.0 / self.profile.cpu_slowdown(len(copies))
-        for f in copies:
-            f.rate = f.alone_Bps * scale
-        dt, due = min((max(f.remaining, 0.0) / f.rate, d) for d, f in self.flows.items())
-        gen = self._gen
-        self.env.timeout(dt).callbacks.append(lambda _e: self._wake(gen, due))
-
-    def _wake(self, gen: int, due: str) -> None:
-        if gen != self._gen:
-            return
-        self._advance()
-        # The flow the wake-up was planned for is done, whatever rounding left in `remaining` (a wake-up for a
-        # residue below the clock's resolution would never advance time). Another flow finishing within the
-        # clock's resolution of it is done too.
-        slack_s = max(1e-12, 8 * math.ulp(self.env.now))
-        for direction in sorted(self.flows):
-            f = self.flows[direction]
-            if direction == due or f.remaining <= f.rate * slack_s:
-                del self.flows[direction]
-                f.done.succeed()
-        self._replan()
-
-
 class _Engine:
     def __init__(self, program: Program, profile: HardwareProfile):
         self.program, self.profile = program, profile
         self.cost = CostModel(program, profile)
         self.env = simpy.Environment()
-        self.link = _Link(self.env, profile)
+        self.host = HostMemory(self.env, profile.host_memory_Bps, profile.duplex_Bps, profile.copy_host_bytes_per_byte)
         self.done = {t: self.env.event() for t in program.tasks}
         self.rows: list[dict] = []
 
@@ -156,12 +79,12 @@ class _Engine:
                 c = cost.copy_cost(t)
                 if c.delay_s:
                     yield env.timeout(c.delay_s)
-                yield self.link.transfer(c.direction, c.nbytes, c.rate_Bps)
-            elif cost.is_cpu_optimizer(t):  # contends with DMA for host memory, both ways
-                over = self.profile.overhead(t.stream, t.kind)
-                if over:
-                    yield env.timeout(over)
-                yield self.link.cpu_update(cost.duration_s(t) - over)
+                yield self.host.copy(c.direction, c.nbytes, c.rate_Bps)
+            elif cost.is_cpu_optimizer(t):  # shares host memory bandwidth with the copies
+                u = cost.cpu_update(t)
+                if u.delay_s:
+                    yield env.timeout(u.delay_s)
+                yield self.host.update(u.nbytes, u.alone_s)
             else:
                 yield env.timeout(cost.duration_s(t))
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,

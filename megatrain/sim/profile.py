@@ -10,9 +10,15 @@ A profile holds
                          analytic fallback
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
-    dma_factor_cpu_optimizer  host-memory contention: copy rates are multiplied by it while a CPU update runs
-    cpu_optimizer_slowdown    the other side of it: a CPU update takes this many times longer while 1 / 2 copy
-                         directions move bytes ({"2": 1.49} = 49% longer while both do; a missing key is 1.0)
+    host_memory_Bps      the host DRAM bandwidth that every host-side flow draws on at once: CPU updates and
+                         every host<->GPU copy (sim/hostmem.py shares it max-min fairly); a profile without it
+                         derives it from the legacy contention fields below (see `derive_host_memory_Bps`)
+    cpu_update_bytes_per_param  host bytes a CPU AdamW update moves per parameter (fused fp32 AdamW: ~28 = read
+                         master, grad, m, v, write master, m, v); each bf16 conversion pass adds 6
+    copy_host_bytes_per_byte  host bytes drawn per byte copied (1 for DMA; 2 on the CPU backend's memcpy)
+    dma_factor_cpu_optimizer, cpu_optimizer_slowdown  legacy (before host_memory_Bps): copy rates while a CPU
+                         update runs, and how many times longer an update takes while 1 / 2 copy directions run;
+                         read only to derive host_memory_Bps for profiles that lack it
     cpu_convert_params_per_s  a bf16 <-> fp32 conversion pass over a tile on the host: charged to a CPU update
                          once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
                          conversion (grad_wire="bf16")
@@ -37,6 +43,12 @@ UNIT_CLASSES = ("layer", "embed", "head")
 COMPUTE_KINDS = ("F", "R", "B")
 STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
 TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "S", "W", "X", "Y")
+# Host bytes per parameter of torch's fused CPU AdamW on fp32 tiles: read master, gradient, m, v (16 B) and write
+# master, m, v (12 B). Measured ~28 B/param on the H200 hosts (shared/DESIGN.md section 4).
+ADAM_BYTES_PER_PARAM = 28.0
+# A bf16 <-> fp32 conversion pass: read 4 + write 2 bytes (refresh of the streaming copy) or read 2 + write 4
+# (a bf16 gradient into the fp32 scratch).
+CONVERT_BYTES_PER_PARAM = 6.0
 
 
 class ProfileError(ValueError):
@@ -172,6 +184,9 @@ class HardwareProfile:
     dma_factor_cpu_optimizer: float = 1.0
     cpu_optimizer_slowdown: dict[int, float] = field(default_factory=dict)
     cpu_convert_params_per_s: float = math.inf
+    host_memory_Bps: float | None = None  # None: derived in __post_init__ (derive_host_memory_Bps)
+    cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
+    copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
@@ -199,6 +214,14 @@ class HardwareProfile:
         missing = set(UNIT_CLASSES) - set(self.efficiency)
         if missing or any(not 0 < e <= 1 for e in self.efficiency.values()):
             raise ProfileError(f"profile {self.name}: efficiency needs a value in (0, 1] for each of {UNIT_CLASSES}")
+        if self.host_memory_Bps is None:
+            derived, why = derive_host_memory_Bps(self)
+            object.__setattr__(self, "host_memory_Bps", derived)
+            object.__setattr__(self, "notes", {"host_memory_Bps": why, **self.notes})  # a note given wins
+        if not self.host_memory_Bps > 0 or not self.cpu_update_bytes_per_param > 0 \
+                or not self.copy_host_bytes_per_byte >= 0:
+            raise ProfileError(f"profile {self.name}: host_memory_Bps and cpu_update_bytes_per_param must be > 0, "
+                               "copy_host_bytes_per_byte >= 0")
         seen = set()
         for t in self.compute_tables:
             if (t.key, t.seq) in seen:
@@ -229,9 +252,9 @@ class HardwareProfile:
         """Measured tables that match, any seq."""
         return self._tables.get((model, kind, unit, dtype, compiled), [])
 
-    def cpu_slowdown(self, copies: int) -> float:
-        """How many times longer a CPU update takes while `copies` (0, 1, 2) copy directions move bytes."""
-        return self.cpu_optimizer_slowdown.get(copies, 1.0) if copies else 1.0
+    def cpu_update_bytes(self, params: int, conversion_passes: int = 0) -> float:
+        """Host bytes a CPU update of `params` moves: AdamW plus `conversion_passes` bf16 <-> fp32 passes."""
+        return params * (self.cpu_update_bytes_per_param + conversion_passes * CONVERT_BYTES_PER_PARAM)
 
     def overhead(self, stream: str, kind: str | None = None) -> float:
         """Launch / dispatch seconds of a task: its kind's entry if there is one, else its stream's, else 0."""
@@ -240,7 +263,7 @@ class HardwareProfile:
         return self.task_overhead_s.get(stream, 0.0)
 
     def with_(self, **changes) -> HardwareProfile:
-        """A copy with some fields replaced (`profile.with_(dma_factor_cpu_optimizer=1.0)`)."""
+        """A copy with some fields replaced (`profile.with_(host_memory_Bps=math.inf)`)."""
         return replace(self, **changes)
 
     # ---- JSON ------------------------------------------------------------------------------------------------
@@ -292,6 +315,26 @@ class HardwareProfile:
             return cls.from_dict(json.loads(text), where)
         except json.JSONDecodeError as e:
             raise ProfileError(f"{where} is not valid JSON: {e}") from None
+
+
+def derive_host_memory_Bps(p: HardwareProfile) -> tuple[float, str]:
+    """The host memory budget of a profile written before `host_memory_Bps` existed, and the note saying how.
+
+    Such a profile may carry the measured slowdown f2 of a CPU update while both copy directions run
+    (`cpu_optimizer_slowdown[2]`). Under the max-min fair share (sim/hostmem.py) copies below their fair share
+    keep their rate, so the budget is what the update kept plus what the copies moved:
+    B = bytes/param x cpu_adam_rate() / f2 + copy_host_bytes_per_byte x min(duplex_Bps, h2d + d2h at their
+    largest size). Without f2 nothing says how much the host memory was shared: B = inf (no contention).
+    """
+    f2 = p.cpu_optimizer_slowdown.get(2)
+    if not f2 or f2 <= 1.0:
+        return math.inf, ("derived: the profile has no host_memory_Bps and no measured update slowdown under copies "
+                          "(cpu_optimizer_slowdown['2']); inf, i.e. CPU updates and copies do not contend")
+    update = p.cpu_update_bytes_per_param * p.cpu_adam_rate() / f2
+    copies = p.copy_host_bytes_per_byte * min(p.duplex_Bps, p.h2d.Bps[-1] + p.d2h.Bps[-1])
+    return update + copies, (f"derived from legacy fields: {p.cpu_update_bytes_per_param:g} B/param x "
+                             f"{p.cpu_adam_rate() / 1e9:.2f} Gparam/s / {f2:.3f} (update under both copy "
+                             f"directions) + {copies / 1e9:.1f} GB/s of copies = {(update + copies) / 1e9:.1f} GB/s")
 
 
 def shipped_profiles() -> list[str]:

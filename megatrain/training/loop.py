@@ -20,8 +20,8 @@ What a run does, in this order (nothing is allocated before the checks that can 
    update counted and logged (`skips.py`), the run stopped after `run.max_skipped_steps` skipped steps in a row;
    SIGTERM / SIGINT end the run at the next step boundary with a checkpoint (`signals.py`); a failed write of
    metrics or a checkpoint stops the run with one message after a last attempt to checkpoint;
-7. the end: final checkpoint, Hugging Face export (`run.export_hf`), timelines, Chrome trace, Gantt chart, and
-   the predicted-vs-measured table.
+7. the end: final checkpoint, Hugging Face export (`run.export_hf`), timelines, Chrome trace, Gantt chart,
+   the predicted-vs-measured table, and the profile fitted to the run (`profile_calibrated.json`, profiling/live.py).
 
 Gradient accumulation (`run.grad_accum = k`) is the schedule's micro-batching: the k batches of an optimizer step
 run as one streamed step of k x batch_size sequences with k times the schedule's micro-batches, so each layer's
@@ -347,6 +347,11 @@ class _Training:
                                           f"x seq {self.seq}")
         for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
             self.log(line)
+        if self.predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
+            from ..profiling.live import calibrate_training_run
+
+            summary.calibration = calibrate_training_run(self.run_dir, self.program, self.predicted,
+                                                         self.profile_name, timelines, start, self.log)
         return summary
 
     def _write_metrics(self, record: dict) -> None:

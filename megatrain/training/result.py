@@ -24,6 +24,7 @@ class RunSummary:
     stopped_early: bool = False  # stop_at_step or a signal ended the session before run.steps
     stop_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the session
     skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped, wholly or in part
+    calibration: object | None = field(default=None, repr=False)  # megatrain.profiling.live.LiveCalibration
 
     @property
     def final_loss(self) -> float | None:

@@ -1,0 +1,261 @@
+"""Live calibration: fit a hardware profile's rates to a run's own measured steps, and say how far off it was.
+
+    cal = calibrate_run(program, profile, timelines, warmup=1)    # measured Timelines of the same Program
+    cal.profile.save(run_dir / "profile_calibrated.json"); print("\\n".join(cal.lines()))
+
+A profile is a measurement of one machine on one day (shared/DESIGN.md section 4); a run is a better measurement of
+itself. After its warm-up steps, the run's timelines give, task by task, the time from *ready* to *done* (the
+quantity `compare` compares, `compare.task_table`) and the runtime's gap before each task (`overhead.with_spans`).
+What is fitted, and from what:
+
+- `task_overhead_s` by stream: the mean gap before a task's start on that stream (as `megatrain profile` measures
+  it on its real steps); `N` is the norm's median ready-to-done time;
+- `compute_tables`: each compute task kind and unit class at the run's token counts, the median measured duration
+  (a table for this model's signature, seq and dtype replaces the profile's; others are kept);
+- the rates of the flows the simulator shares (host CPU AdamW and conversion, GPU AdamW, each copy direction's
+  curve): scaled until the simulated ready-to-done times of their tasks add up to the measured ones. This is a
+  fixed-point iteration through the simulator itself, so contention the simulator models (host memory, PCIe
+  duplex) is not counted twice: the rate that comes out is the rate *alone* that reproduces the run.
+
+The fit changes only rates and times, never the model: a prediction that is still off after calibration points at
+something the simulator does not model (the per-group table of `compare` says where).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from ..ir.program import COPY_DIRECTION, Program
+from ..ir.tasks import TaskKind
+from ..sim import (
+    ComputeTable,
+    CopyCurve,
+    HardwareProfile,
+    SimResult,
+    model_signature,
+    simulate,
+)
+from ..sim.costs import COPY_STREAMS
+from ..sim.profile import COMPUTE_KINDS, unit_class
+from .compare import step_time_s, task_table
+from .overhead import with_spans
+
+FIT_ITERATIONS = 4
+_GROUP_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "FH": "head (forward + loss + backward)",
+                "FE": "embedding forward", "BE": "embedding backward", "P": "weight prefetch (h2d)",
+                "O": "gradient offload (d2h)", "U": "optimizer update", "UE": "embedding update",
+                "UH": "head update", "N": "global norm", "S": "state copy in", "W": "state copy out",
+                "X": "checkpoint offload", "Y": "checkpoint prefetch", "PE": "embedding prefetch",
+                "PH": "head prefetch", "OE": "embedding offload", "OH": "head offload"}
+
+
+@dataclass
+class LiveCalibration:
+    """The profile fitted to a run, and the predictions before and after beside the measurement."""
+
+    profile: HardwareProfile  # the calibrated profile
+    before: SimResult  # the prediction with the profile the run started with
+    after: SimResult  # the prediction with the calibrated profile
+    measured_step_s: float  # median step time of the measured steps after the warm-up
+    steps: int  # measured steps the fit used
+    groups: pd.DataFrame  # per task group: summed ready-to-done time predicted before and measured, per step
+
+    @property
+    def error_before(self) -> float:
+        """(predicted - measured) / measured step time, with the profile the run started with."""
+        return self.before.step_s / self.measured_step_s - 1.0
+
+    @property
+    def error_after(self) -> float:
+        return self.after.step_s / self.measured_step_s - 1.0
+
+    def reason(self, top: int = 2) -> str:
+        """The task groups whose summed time the uncalibrated profile missed most, as "B 3.1x, U 0.6x"."""
+        g = self.groups.reindex((self.groups["meas_s"] - self.groups["pred_s"]).abs()
+                                .sort_values(ascending=False).index).head(top)
+        parts = [(f"{_GROUP_NAMES.get(r.group, r.group)} ({r.group}) took {r.meas_s / r.pred_s:.2f}x the "
+                  f"profile's time") if r.pred_s > 0 else f"{r.group} took {r.meas_s * 1e3:.1f} ms, unpredicted"
+                 for r in g.itertuples()]
+        return "; ".join(parts)
+
+    def lines(self, profile_name: str | None = None) -> list[str]:
+        """What the run prints: both predictions beside the measurement, and one line of how far off and why."""
+        name = profile_name or self.before.profile.name
+        m = self.measured_step_s
+        slow_fast = "fast" if self.error_before < 0 else "slow"
+        first = (f"live calibration on {self.steps} measured steps (after the warm-up): step time predicted "
+                 f"{self.before.step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
+                 f"{self.after.step_s:.3f} s (calibrated, {100 * self.error_after:+.0f}%); measured {m:.3f} s "
+                 f"(median)")
+        return [first,
+                (f"the {name} profile predicted this run {_times(self.before.step_s, m)} too {slow_fast}, mainly "
+                 f"because {self.reason()} (a profile measures one machine on one day; the calibrated profile "
+                 f"refits its rates to this run)")]
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `profile_calibrated.json` (loadable by `load_profile` / `--profile`) into `directory`."""
+        path = Path(directory) / "profile_calibrated.json"
+        self.profile.save(path)
+        return path
+
+
+def _times(pred: float, meas: float) -> str:
+    r = max(pred, meas) / min(pred, meas)
+    return f"{r:.1f}x" if r >= 1.5 else f"{100 * abs(pred / meas - 1):.0f}%"
+
+
+def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd.DataFrame],
+                  warmup: int = 1) -> LiveCalibration:
+    """Fit `profile` to measured Timelines of `program` (the first `warmup` are left out; see the module
+    docstring); returns the LiveCalibration. Needs at least one step after the warm-up."""
+    steps = [_one_step(t) for t in timelines[warmup:]]
+    if not steps:
+        raise ValueError(f"live calibration needs a measured step after the {warmup} warm-up step(s)")
+    before = simulate(program, profile)
+    fitted = fit_profile(program, profile, steps)
+    after = simulate(program, fitted)
+    measured = statistics.median(step_time_s(s) for s in steps)
+    tasks = task_table(program, before.timeline, steps)
+    groups = tasks.groupby("group", sort=False).agg(pred_s=("pred_span_s", "sum"), meas_s=("meas_span_s", "sum"))
+    groups = groups.reset_index()
+    return LiveCalibration(fitted, before, after, measured, len(steps), groups)
+
+
+def _one_step(timeline: pd.DataFrame) -> pd.DataFrame:
+    return timeline.reset_index(drop=True)
+
+
+def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataFrame]) -> HardwareProfile:
+    """The calibrated profile (module docstring): overheads and compute tables measured, flow rates fitted."""
+    rows = pd.concat([with_spans(s, program) for s in steps], ignore_index=True)
+    p = replace(profile, task_overhead_s=_overheads(rows, profile), compute_tables=_tables(program, profile, rows))
+    measured = task_table(program, simulate(program, p).timeline, steps).set_index("task")["meas_span_s"]
+    p = _seeded(p, program, measured)
+    for _ in range(FIT_ITERATIONS):
+        pred = simulate(program, p).timeline
+        spans = with_spans(pred, program).set_index("task")["span_s"]
+        factors = {}
+        for flow, tasks in _flow_groups(program).items():
+            over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
+            meas = sum(measured[t] for t in tasks) - over
+            sim = sum(spans[t] for t in tasks) - over
+            if meas > 0 and sim > 0:
+                factors[flow] = min(10.0, max(0.1, meas / sim))  # > 1: the flow must go slower
+        if all(abs(f - 1.0) < 1e-3 for f in factors.values()):
+            break
+        p = _scaled(p, factors)
+    notes = {**p.notes, "live calibration": (
+        f"fitted to {len(steps)} measured steps of {program.model.name} (batch {program.batch} x seq "
+        f"{program.seq}, {program.placement.weight_wire} weight wire) by megatrain.profiling.live: task_overhead_s "
+        f"from the runtime's gaps, compute tables from the median measured durations, CPU/GPU AdamW and copy rates "
+        f"scaled until the simulated ready-to-done times of their tasks add up to the measured ones")}
+    return replace(p, name=f"{profile.name}-calibrated", notes=notes,
+                   description=f"{profile.description} Calibrated to a run of {program.model.name}.")
+
+
+def _overheads(rows: pd.DataFrame, profile: HardwareProfile) -> dict[str, float]:
+    """The mean measured gap before a task, by stream; the norm's median ready-to-done time as its kind's."""
+    out = {s: float(g.mean()) for s, g in rows.groupby("stream")["gap_s"]}
+    norm = rows[rows["kind"] == "N"]
+    if len(norm):
+        out["N"] = float(norm["span_s"].median())
+    return out
+
+
+def _tables(program: Program, profile: HardwareProfile, rows: pd.DataFrame) -> tuple[ComputeTable, ...]:
+    """Compute tables of this model at the run's token counts: the median measured duration of each task kind and
+    unit class (they replace the profile's tables for the same key and seq)."""
+    sig, dtype = model_signature(program.model), program.placement.compute_dtype
+    compiled = program.placement.layer_kernel == "compiled"
+    durs: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for task, dur in zip(rows["task"], rows["dur_s"]):
+        t = program.tasks[task]
+        if t.stream != "compute" or t.kind not in COMPUTE_KINDS or t.tokens <= 0:
+            continue
+        durs.setdefault((t.kind, unit_class(t.unit)), {}).setdefault(t.tokens, []).append(float(dur))
+    new = []
+    for (kind, uclass), by_tokens in sorted(durs.items()):
+        toks = sorted(by_tokens)
+        new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks),
+                                tuple(max(0.0, statistics.median(by_tokens[n])) for n in toks), dtype,
+                                compiled and uclass == "layer"))
+    replaced = {(t.key, t.seq) for t in new}
+    return tuple(t for t in profile.compute_tables if (t.key, t.seq) not in replaced) + tuple(new)
+
+
+def _flow_groups(program: Program) -> dict[str, list[str]]:
+    """The tasks whose time each fitted rate sets: host updates, device updates, each copy direction's curve."""
+    groups: dict[str, list[str]] = {}
+    for tid, t in program.tasks.items():
+        if t.kind == "U":
+            groups.setdefault("cpu_update" if t.stream == "cpu" else "gpu_update", []).append(tid)
+        elif t.stream in COPY_STREAMS and t.bytes > 0:
+            groups.setdefault(COPY_DIRECTION[TaskKind(t.kind)], []).append(tid)
+    return groups
+
+
+def _seeded(p: HardwareProfile, program: Program, measured: pd.Series) -> HardwareProfile:
+    """Finite starting rates where the profile has none (inf = free) but the run measured time: the fixed point
+    can only scale a rate that costs something."""
+    groups, changes = _flow_groups(program), {}
+
+    def work(tasks):  # measured seconds beyond the launch overhead, and the tasks' params / bytes
+        over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
+        return sum(measured[t] for t in tasks) - over
+
+    if "gpu_update" in groups and math.isinf(p.gpu_adam_params_per_s) and work(groups["gpu_update"]) > 0:
+        changes["gpu_adam_params_per_s"] = (sum(program.tasks[t].params for t in groups["gpu_update"])
+                                            / work(groups["gpu_update"]))
+    for d in ("h2d", "d2h"):
+        c = getattr(p, d)
+        if d in groups and not all(math.isfinite(b) for b in c.Bps) and work(groups[d]) > 0:
+            rate = sum(program.tasks[t].bytes for t in groups[d]) / work(groups[d])
+            changes[d] = CopyCurve.constant(rate, c.latency_s)
+    return replace(p, **changes)
+
+
+def _scaled(p: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
+    """`p` with each fitted flow's rate divided by its factor (> 1: slower)."""
+    changes = {}
+    if "cpu_update" in factors:
+        f = factors["cpu_update"]
+        changes["cpu_adam_params_per_s"] = {k: v / f for k, v in p.cpu_adam_params_per_s.items()}
+        if math.isfinite(p.cpu_convert_params_per_s):
+            changes["cpu_convert_params_per_s"] = p.cpu_convert_params_per_s / f
+    if "gpu_update" in factors and math.isfinite(p.gpu_adam_params_per_s):
+        changes["gpu_adam_params_per_s"] = p.gpu_adam_params_per_s / factors["gpu_update"]
+    for d in ("h2d", "d2h"):
+        if d in factors:
+            c = getattr(p, d)
+            if all(math.isfinite(b) for b in c.Bps):
+                changes[d] = CopyCurve(c.sizes_bytes, tuple(b / factors[d] for b in c.Bps), c.latency_s)
+    return replace(p, **changes)
+
+
+
+
+WARMUP_STEPS = 2  # the first step allocates and selects kernels (and with `overlap` its updates are no-ops)
+MIN_STEPS = 2  # measured steps after the warm-up that a fit needs
+
+
+def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult, profile_name: str | None,
+                           timelines: list[pd.DataFrame], session_start: int, log) -> LiveCalibration | None:
+    """The hook `megatrain train` calls at the end of a session: fit the run's profile to its measured steps
+    after the session's warm-up (`timelines` carry their `step`), write `profile_calibrated.json` into the run
+    directory and log the predictions before and after beside the measurement. Returns None (and says why) when
+    the session measured too few steps."""
+    steps = [t for t in timelines if int(t["step"].iloc[0]) > session_start + WARMUP_STEPS]
+    if len(steps) < MIN_STEPS:
+        log(f"live calibration skipped: it needs {MIN_STEPS} steps after {WARMUP_STEPS} warm-up steps; this session "
+            f"kept {len(steps)}")
+        return None
+    cal = calibrate_run(program, predicted.profile, steps, warmup=0)
+    path = cal.save(run_dir)
+    for line in cal.lines(profile_name):
+        log(line)
+    log(f"calibrated profile: {path} (use it with --set run.profile={path} or `megatrain simulate --profile`)")
+    return cal

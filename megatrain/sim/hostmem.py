@@ -1,0 +1,132 @@
+"""Host memory as a shared resource: every host-side activity is a flow of bytes, re-rated whenever one starts or ends.
+
+The flows of a step are the copies (one per direction at a time: each direction is one in-order stream; H2D
+reads host memory, D2H writes it; offloaded checkpoints are copies too) and the CPU optimizer updates (AdamW reads
+master, gradient and both moments and writes three of them back: ~28 B/param, plus 6 B/param per bf16
+conversion pass). Each flow has
+
+- a ceiling: the rate it reaches alone (a copy: its curve's rate for its size; an update: its bytes over the
+  time its threads need alone, `params / cpu_adam_rate + passes x params / cpu_convert_params_per_s`);
+- a draw on host memory per byte of progress (1 for an update's bytes; `copy_host_bytes_per_byte` for a copy:
+  1 for DMA, 2 for the CPU backend's memcpy, which reads and writes host memory).
+
+Rates are shared in two layers. The copies first share PCIe: when both directions together would exceed
+`duplex_Bps`, both ceilings are scaled in proportion (as before this model, and as measured: the directions are
+symmetric). Then every flow shares the host memory budget `host_memory_Bps` **max-min fairly** on host bytes/s
+(water-filling): no flow gets more than its ceiling, and no flow can be given more without taking from one that
+has no more. Why max-min and not proportional sharing: on the 1xH200 host a 13-thread update fell from 4.14 to
+2.50 Gparam/s (-40%) while full-duplex copies fell only from 97.7 to 89.5 GB/s (-8%). Proportional sharing slows
+every flow by the same factor (with the budget fitted to the update, the copies would lose 40% too); max-min
+leaves the copies, whose ~49 GB/s per direction is below the fair share, at their rate and gives the update the
+rest, which is what was measured (docs/simulator.md has the arithmetic).
+"""
+from __future__ import annotations
+
+import math
+
+import simpy
+
+
+def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set[str], host_Bps: float,
+                duplex_Bps: float) -> dict[str, float]:
+    """Rates (progress units/s) of concurrent flows: PCIe duplex in proportion among `copies`, then host memory
+    max-min fair on host bytes/s (`draws[f]` host bytes per unit of progress of flow f).
+
+    Deterministic: flows are visited in sorted order, and the result depends only on the inputs."""
+    caps = dict(ceilings)
+    busy = sorted(f for f in copies if f in caps)
+    total = sum(caps[f] for f in busy)
+    if len(busy) > 1 and total > duplex_Bps:
+        for f in busy:
+            caps[f] *= duplex_Bps / total
+    rates: dict[str, float] = {}
+    free = {f: caps[f] for f in sorted(caps) if draws.get(f, 0.0) <= 0 or math.isinf(host_Bps)}
+    rates.update(free)  # flows that draw no host memory (or an unlimited budget) run at their ceiling
+    active = sorted(f for f in caps if f not in free)
+    left = host_Bps
+    # Water-filling: raise every active flow's host draw to a common level; a flow whose ceiling is below the
+    # level is frozen there and its unused share goes to the others.
+    while active:
+        level = left / len(active)
+        capped = [f for f in active if caps[f] * draws[f] <= level]
+        if not capped:
+            for f in active:
+                rates[f] = level / draws[f]
+            break
+        for f in capped:
+            rates[f] = caps[f]
+            left -= caps[f] * draws[f]
+        active = [f for f in active if f not in capped]
+    return rates
+
+
+class _Flow:
+    __slots__ = ("ceiling", "done", "draw", "rate", "remaining")
+
+    def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event):
+        self.remaining, self.ceiling, self.draw, self.rate, self.done = float(amount), ceiling, draw, 0.0, done
+
+
+class HostMemory:
+    """The fluid model in simpy: flows in flight, re-rated (`share_rates`) whenever a flow starts or ends."""
+
+    def __init__(self, env: simpy.Environment, host_Bps: float, duplex_Bps: float, copy_draw: float):
+        self.env, self.host_Bps, self.duplex_Bps, self.copy_draw = env, host_Bps, duplex_Bps, copy_draw
+        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (copies) and "cpu" (a CPU update), by stream
+        self._t = 0.0  # time up to which `remaining` is accounted
+        self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
+
+    def copy(self, stream: str, nbytes: int, alone_Bps: float) -> simpy.Event:
+        """Move `nbytes` on a copy stream; the returned event fires when the last byte has arrived."""
+        return self._start(stream, nbytes, alone_Bps, self.copy_draw)
+
+    def update(self, nbytes: float, alone_s: float) -> simpy.Event:
+        """A CPU update moving `nbytes` of host memory, `alone_s` seconds when nothing else draws on it."""
+        if nbytes <= 0 or alone_s <= 0:
+            return self._start("cpu", alone_s, 1.0, 0.0)  # no bytes known: a plain duration
+        return self._start("cpu", nbytes, nbytes / alone_s, 1.0)
+
+    def _start(self, name: str, amount: float, ceiling: float, draw: float) -> simpy.Event:
+        done = self.env.event()
+        if amount <= 0 or math.isinf(ceiling):
+            done.succeed()
+            return done
+        self._advance()
+        self.flows[name] = _Flow(amount, ceiling, draw, done)
+        self._replan()
+        return done
+
+    def _advance(self) -> None:
+        dt = self.env.now - self._t
+        if dt > 0:
+            for f in self.flows.values():
+                f.remaining -= f.rate * dt
+        self._t = self.env.now
+
+    def _replan(self) -> None:
+        self._gen += 1
+        if not self.flows:
+            return
+        rates = share_rates({n: f.ceiling for n, f in self.flows.items()},
+                            {n: f.draw for n, f in self.flows.items()},
+                            {n for n in self.flows if n != "cpu"}, self.host_Bps, self.duplex_Bps)
+        for n, f in self.flows.items():
+            f.rate = rates[n]
+        dt, due = min((max(f.remaining, 0.0) / f.rate, n) for n, f in self.flows.items())
+        gen = self._gen
+        self.env.timeout(dt).callbacks.append(lambda _e: self._wake(gen, due))
+
+    def _wake(self, gen: int, due: str) -> None:
+        if gen != self._gen:
+            return
+        self._advance()
+        # The flow the wake-up was planned for is done, whatever rounding left in `remaining` (a wake-up for a
+        # residue below the clock's resolution would never advance time). Another flow finishing within the
+        # clock's resolution of it is done too.
+        slack_s = max(1e-12, 8 * math.ulp(self.env.now))
+        for name in sorted(self.flows):
+            f = self.flows[name]
+            if name == due or f.remaining <= f.rate * slack_s:
+                del self.flows[name]
+                f.done.succeed()
+        self._replan()

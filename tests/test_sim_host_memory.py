@@ -1,0 +1,142 @@
+"""Host memory as a shared resource (sim/hostmem.py): CPU updates and copies are flows sharing one budget.
+
+Closed forms: an update alone runs at its alone rate (or the budget, if lower); beside a copy it gets what the
+max-min fair share leaves it; two updates never exceed the budget; old profiles load with a derived budget."""
+import dataclasses
+import json
+import math
+import random
+
+import pandas as pd
+import pytest
+from test_sim import copy_program, ends, make_profile, program
+
+from megatrain.ir.knobs import knobs_for
+from megatrain.sim import CostModel, HardwareProfile, load_profile, simulate
+from megatrain.sim.hostmem import share_rates
+from megatrain.sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM
+
+
+def host_profile(host_Bps, h2d=30.0, d2h=30.0, duplex=math.inf, rate=5.0, bpp=22.0, **kw) -> HardwareProfile:
+    """copy_program's placement streams bf16 weights: 22 B/param of AdamW + 6 of the refresh = 28 B/param, and
+    the refresh takes no time (cpu_convert_params_per_s = inf), so an update of P params is 28 P bytes in P / 5 s."""
+    return dataclasses.replace(make_profile(h2d=h2d, d2h=d2h, duplex=duplex, cpu_adam=rate),
+                               host_memory_Bps=host_Bps, cpu_update_bytes_per_param=bpp, **kw)
+
+
+def update_only(params: int):
+    """copy_program with empty copies: the update alone."""
+    return copy_program(0, 0, cpu_params=params)
+
+
+def test_update_bytes_are_adam_plus_the_refresh_pass():
+    prog = update_only(50)
+    assert (prog.placement.weight_wire, prog.placement.grad_wire) == ("bf16", "fp32")
+    u = CostModel(prog, load_profile("h200-measured")).cpu_update(prog.tasks["U0"])
+    assert ADAM_BYTES_PER_PARAM == 28.0
+    assert u.nbytes == 50 * (ADAM_BYTES_PER_PARAM + CONVERT_BYTES_PER_PARAM)
+
+
+@pytest.mark.parametrize("wires", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+def test_update_bytes_follow_the_placement_wires(wires):
+    prog = program(knobs_for("overlap", weight_wire=wires[0], grad_wire=wires[1]))
+    u_task = next(t for t in prog.tasks.values() if t.kind == "U" and t.stream == "cpu")
+    u = CostModel(prog, host_profile(1e12, bpp=28.0)).cpu_update(u_task)
+    assert u.nbytes == u_task.params * (28 + 6 * wires.count("bf16"))
+
+
+def test_an_update_alone_runs_at_its_alone_rate_or_the_budget():
+    # 50 params at 5 params/s alone = 10 s (1400 B at 140 B/s); a budget above 140 B/s does not slow it.
+    assert ends(simulate(update_only(50), host_profile(1000.0)))["U0"] == pytest.approx(10.0, rel=1e-12)
+    assert ends(simulate(update_only(50), host_profile(140.0)))["U0"] == pytest.approx(10.0, rel=1e-12)
+    # A budget of 70 B/s (half its draw) halves its rate.
+    assert ends(simulate(update_only(50), host_profile(70.0)))["U0"] == pytest.approx(20.0, rel=1e-12)
+
+
+def test_beside_one_copy_the_update_gets_what_the_fair_share_leaves():
+    # Budget 100 B/s; copy ceiling 30 B/s, update ceiling 28 x 5 = 140 B/s. Max-min: the copy (below the fair 50)
+    # keeps 30, the update gets 70. 300 B of h2d: 0-10 s; the update's 1400 B: 700 by 10 s, then alone at
+    # min(140, 100) = 100 B/s for 7 s -> 17 s.
+    prog = copy_program(300, 0, cpu_params=50)
+    res = simulate(prog, host_profile(100.0))
+    assert ends(res) == pytest.approx({"P0": 10.0, "O0": 0.0, "U0": 17.0}, rel=1e-12)
+    # A copy above the fair share is cut to it: ceiling 80 -> 50 each while both run.
+    # h2d 400 B: 50 B/s for 0-t; update 1400 B at 50 B/s until 400 B of copy are done at t=8 (update 400 B done),
+    # then 1000 B at 100 B/s -> 18 s.
+    res = simulate(copy_program(400, 0, cpu_params=50), host_profile(100.0, h2d=80.0))
+    assert ends(res) == pytest.approx({"P0": 8.0, "O0": 0.0, "U0": 18.0}, rel=1e-12)
+
+
+def test_both_directions_slow_the_update_more_than_one():
+    one = ends(simulate(copy_program(300, 0, cpu_params=50), host_profile(100.0)))["U0"]
+    both = ends(simulate(copy_program(300, 300, cpu_params=50), host_profile(100.0)))["U0"]
+    # Both copies at 30 B/s keep their rates (fair share 33.3); the update gets 40 B/s for 10 s, then 100 B/s.
+    assert both == pytest.approx(10 + (1400 - 400) / 100, rel=1e-12) and both > one
+
+
+def test_unlimited_budget_means_no_contention():
+    prof = host_profile(math.inf)
+    assert ends(simulate(copy_program(300, 300, cpu_params=50), prof)) == pytest.approx(
+        {"P0": 10.0, "O0": 10.0, "U0": 10.0}, rel=1e-12)
+
+
+def test_two_updates_never_exceed_the_budget_and_shares_are_max_min_fair():
+    rng = random.Random(13)
+    for _ in range(200):
+        names = ["cpu", "cpu2", "h2d", "d2h"][: rng.randint(2, 4)]
+        ceilings = {n: rng.uniform(1, 200) for n in names}
+        draws = {n: (1.0 if n.startswith("cpu") else rng.choice([1.0, 2.0])) for n in names}
+        budget = rng.uniform(10, 400)
+        rates = share_rates(ceilings, draws, {n for n in names if not n.startswith("cpu")}, budget, math.inf)
+        used = sum(rates[n] * draws[n] for n in names)
+        assert used <= budget * (1 + 1e-12)
+        assert all(rates[n] <= ceilings[n] * (1 + 1e-12) for n in names)
+        # Max-min: a flow below its ceiling draws no less than any other flow (else it could take from it).
+        for n in names:
+            if rates[n] < ceilings[n] * (1 - 1e-9):
+                assert all(rates[n] * draws[n] >= rates[m] * draws[m] * (1 - 1e-9) for m in names)
+        # Work-conserving: the budget is used up unless every flow is at its ceiling.
+        if any(rates[n] < ceilings[n] * (1 - 1e-9) for n in names):
+            assert used == pytest.approx(budget, rel=1e-9)
+    two = share_rates({"cpu": 140.0, "cpu2": 140.0}, {"cpu": 1.0, "cpu2": 1.0}, set(), 160.0, math.inf)
+    assert two == {"cpu": 80.0, "cpu2": 80.0}  # two updates get no more than one could (the 2-process case)
+
+
+def test_shipped_h200_profile_reproduces_the_measured_contention():
+    """Full-duplex copies cut the update to 2.50 / 4.14 of its alone rate (1xH200 host) by the profile's budget."""
+    p = load_profile("h200-measured")
+    big = 1 << 30
+    alone = p.cpu_update_bytes_per_param * p.cpu_adam_rate()
+    rates = share_rates({"cpu": alone, "h2d": p.h2d.rate(big), "d2h": p.d2h.rate(big)},
+                        {"cpu": 1.0, "h2d": 1.0, "d2h": 1.0}, {"h2d", "d2h"}, p.host_memory_Bps, p.duplex_Bps)
+    assert rates["cpu"] / alone == pytest.approx(2.50 / 4.14, rel=0.01)
+    assert rates["h2d"] + rates["d2h"] == pytest.approx(min(p.duplex_Bps, p.h2d.rate(big) + p.d2h.rate(big)))
+
+
+def test_old_profile_json_loads_with_a_derived_budget_and_says_so():
+    d = json.loads(load_profile("h200-measured").to_json())
+    for k in ("host_memory_Bps", "cpu_update_bytes_per_param", "copy_host_bytes_per_byte"):
+        d.pop(k)
+    d["notes"].pop("host_memory_Bps")
+    p = HardwareProfile.from_dict(d)
+    f2 = d["cpu_optimizer_slowdown"]["2"]
+    copies = min(p.duplex_Bps, p.h2d.Bps[-1] + p.d2h.Bps[-1])
+    assert p.host_memory_Bps == pytest.approx(28 * p.cpu_adam_rate() / f2 + copies, rel=1e-12)
+    assert "derived" in p.notes["host_memory_Bps"]
+    assert HardwareProfile.from_json(p.to_json()).host_memory_Bps == p.host_memory_Bps  # round trip
+    d.pop("cpu_optimizer_slowdown")
+    assert math.isinf(HardwareProfile.from_dict(d).host_memory_Bps)  # nothing measured: no contention
+    with pytest.raises(ValueError, match="host_memory_Bps"):
+        dataclasses.replace(p, host_memory_Bps=0.0)
+    with pytest.raises(ValueError, match="cpu_optimizer_slowdown"):
+        dataclasses.replace(p, cpu_optimizer_slowdown={3: 2.0})
+
+
+def test_host_memory_simulation_is_deterministic():
+    prog = program(knobs_for("overlap", micro_batches=2))
+    prof = dataclasses.replace(make_profile(h2d=2e7, d2h=1.5e7, duplex=2.5e7, flops=1e9, cpu_adam=1e7),
+                               host_memory_Bps=1.2e8)
+    a, b = simulate(prog, prof).timeline, simulate(prog, prof).timeline
+    pd.testing.assert_frame_equal(a, b)
+    # The budget matters here: without it the same step is faster.
+    assert simulate(prog, dataclasses.replace(prof, host_memory_Bps=math.inf)).step_s < simulate(prog, prof).step_s
