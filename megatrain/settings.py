@@ -37,7 +37,7 @@ def _parts(t: Any) -> tuple[Any, bool]:
 def type_name(t: Any) -> str:
     base, optional = _parts(t)
     if typing.get_origin(base) in (tuple, list):
-        name = f"a list of {type_name(typing.get_args(base)[0])[2:]}s"
+        name = f"a list of {type_name(typing.get_args(base)[0]).split(' ', 1)[1]}s"
     else:
         name = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[base]
     return name + (" (or none)" if optional else "")
@@ -90,6 +90,17 @@ def check_setting(key: str, value: Any, t: Any) -> Any:
     if base is float and not math.isfinite(value):
         raise SettingError(f"{key} must be finite, got {value}")
     return value
+
+
+def toml_value(v: Any) -> str:
+    """A scalar setting as TOML text (the inverse of reading it back with `tomllib`)."""
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)  # a TOML basic string: JSON's escapes are valid TOML escapes
 
 
 def field_types(cls) -> dict[str, Any]:

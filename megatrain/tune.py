@@ -132,8 +132,7 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
             if timing == "arrival" and not spec.tie_word_embeddings:
                 for r in sorted({0, 2, 4, 8, L // 2} & set(range(L + 1))):
                     out[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}]"] = replace(
-                        knobs, resident_embeddings=True, resident_layers=r,
-                        gpu_optimizer_fraction=None if r else knobs.gpu_optimizer_fraction)
+                        knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
     return out
 
 

@@ -37,11 +37,17 @@ def _hang_first_prefetch(trainer: StreamedTrainer, sleep_s: float) -> None:
     work.handlers["P"] = prefetch
 
 
-def test_a_hung_task_makes_step_raise_within_the_timeout_naming_the_task():
-    trainer = StreamedTrainer(DEBUG, "overlap", optim=AdamWConfig(lr=1e-3), backend="cpu", timeout_s=2.0)
-    ids, targets = _batch()
+def _hung_trainer(timeout_s: float, sleep_s: float) -> StreamedTrainer:
+    """A CPU trainer whose first PREFETCH sleeps `sleep_s` (a hang when far beyond `timeout_s`)."""
+    trainer = StreamedTrainer(DEBUG, "overlap", optim=AdamWConfig(lr=1e-3), backend="cpu", timeout_s=timeout_s)
     trainer.program(B, T)
-    _hang_first_prefetch(trainer, 1000.0)
+    _hang_first_prefetch(trainer, sleep_s)
+    return trainer
+
+
+def test_a_hung_task_makes_step_raise_within_the_timeout_naming_the_task():
+    trainer = _hung_trainer(2.0, 1000.0)
+    ids, targets = _batch()
     t0 = time.perf_counter()
     with pytest.raises(ExecError) as e:
         trainer.step(ids, targets)
@@ -57,10 +63,8 @@ def test_a_hung_task_makes_step_raise_within_the_timeout_naming_the_task():
 
 
 def test_a_slow_task_surfaces_the_timeout_at_the_timeout_not_when_the_task_ends():
-    trainer = StreamedTrainer(DEBUG, "overlap", optim=AdamWConfig(lr=1e-3), backend="cpu", timeout_s=1.0)
+    trainer = _hung_trainer(1.0, 20.0)
     ids, targets = _batch()
-    trainer.program(B, T)
-    _hang_first_prefetch(trainer, 20.0)
     t0 = time.perf_counter()
     with pytest.raises(ExecError):
         trainer.step(ids, targets)

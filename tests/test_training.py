@@ -23,11 +23,21 @@ from megatrain.training import fit
 from megatrain.training import loop as training
 from megatrain.training import safetensors_io as stio
 from megatrain.training.checkpoint import CheckpointError, CheckpointManager
-from megatrain.training.command import add_train_arguments, config_from_args, run_from_args
+from megatrain.training.command import (
+    add_train_arguments,
+    config_from_args,
+    run_from_args,
+)
 from megatrain.training.config import ConfigError, OptimizerConfig, load_config
 from megatrain.training.data import DataError
 from megatrain.training.errors import TrainingError
-from megatrain.training.loop import MemoryFitError, RunSummary, check_memory, lr_schedule, run_training
+from megatrain.training.loop import (
+    MemoryFitError,
+    RunSummary,
+    check_memory,
+    lr_schedule,
+    run_training,
+)
 from megatrain.training.metrics import (
     METRIC_KEYS,
     MetricsLogger,

@@ -35,12 +35,10 @@ def gpu_budget_bytes(gib: float | None) -> int:
 
 def write_schedule_file(path: Path, knobs) -> Path:
     """A schedule file (`[schedule]` table: name plus every knob) that reproduces `knobs`."""
-    import json
+    from ..settings import toml_value
 
     lines = ["[schedule]", 'name = "overlap"  # the base; every knob is set below']
-    for key, value in knobs.to_dict().items():
-        if value is not None:
-            lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else str(value).lower()}")
+    lines += [f"{key} = {toml_value(value)}" for key, value in knobs.to_dict().items() if value is not None]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

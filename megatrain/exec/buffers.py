@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..ir.placement import Buffer, BufferKind
-from ..ir.program import Program
-from .backend import Backend
+from ..ir.program import Program, ProgramTask
+from .backend import Backend, ExecError
 from .store import TORCH_DTYPES, HostStore
 
 
@@ -74,6 +74,14 @@ class DeviceBuffers:
 
     def __getitem__(self, name: str) -> DeviceBuffer:
         return self.by_name[name]
+
+    def holding(self, task: ProgramTask) -> DeviceBuffer:
+        """The buffer `task` reads, checked to hold the task's unit (as of the issuing order)."""
+        buf = self.by_name[task.slot]
+        if buf.unit != task.unit:
+            raise ExecError(f"{task.id} reads slot {task.slot}, which holds unit {buf.unit}, not {task.unit}: "
+                            "the Program's slot assignment is inconsistent")
+        return buf
 
     @property
     def nbytes(self) -> int:

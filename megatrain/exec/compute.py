@@ -14,8 +14,7 @@ import torch
 from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .activations import Activations
-from .backend import ExecError
-from .buffers import DeviceBuffer, DeviceBuffers
+from .buffers import DeviceBuffers
 from .head import embed_backward, embed_forward, head_loss_backward
 from .layers import layer_functions
 from .store import TORCH_DTYPES, HostStore
@@ -52,17 +51,10 @@ class LayerCompute:
         self.batch, self.loss_sums = batch, {}
 
     # ---- buffers -----------------------------------------------------------------------------------------------
-    def buffer(self, task: ProgramTask) -> DeviceBuffer:
-        buf = self.buffers[task.slot]
-        if buf.unit != task.unit:
-            raise ExecError(f"{task.id} reads slot {task.slot}, which holds unit {buf.unit}, not {task.unit}: "
-                            "the Program's slot assignment is inconsistent")
-        return buf
-
     def weights(self, task: ProgramTask) -> dict[str, torch.Tensor]:
         """HF-named weight views of the task's buffer, in the compute dtype where the layer math needs it."""
         layout = self.store.layouts[task.unit]
-        flat = self.buffer(task).w[:layout.numel]
+        flat = self.buffers.holding(task).w[:layout.numel]
         if flat.dtype == self.compute_dtype or task.unit == EMBED:  # the embedding casts only the rows it gathers
             return layout.views(flat)
         if task.unit == HEAD:  # head_loss_backward casts lm_head once itself; the norm is an autograd leaf here
@@ -74,7 +66,7 @@ class LayerCompute:
 
     def grads(self, task: ProgramTask) -> dict[str, torch.Tensor]:
         layout = self.store.layouts[task.unit]
-        buf = self.buffer(task)
+        buf = self.buffers.holding(task)
         if task.micro == 0:  # the first micro-batch of the step starts the accumulation
             buf.g[:layout.numel].zero_()
         return layout.views(buf.g[:layout.numel])

@@ -16,7 +16,7 @@ import torch
 from ..ir.placement import UpdateSite
 from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
-from .backend import Backend, ExecError
+from .backend import Backend
 from .buffers import DeviceBuffers
 from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
 from .store import HostStore
@@ -166,11 +166,7 @@ class Updates:
 
     # ---- STATE_PREFETCH / STATE_OFFLOAD ------------------------------------------------------------------------
     def _state_views(self, t: ProgramTask) -> list[torch.Tensor]:
-        buf = self.buffers[t.slot]
-        if buf.unit != t.unit:
-            raise ExecError(f"{t.id} reads slot {t.slot}, which holds unit {buf.unit}, not {t.unit}: the Program's "
-                            "slot assignment is inconsistent")
-        return buf.state_views(self.store.layouts[t.unit].numel)
+        return self.buffers.holding(t).state_views(self.store.layouts[t.unit].numel)
 
     def state_prefetch(self, t: ProgramTask) -> None:
         self.buffers[t.slot].unit = t.unit

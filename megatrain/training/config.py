@@ -26,7 +26,7 @@ from typing import Any, Iterable
 from ..ir.dag import ScheduleError
 from ..ir.knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_from_table
 from ..presets import PRESETS
-from ..settings import field_types
+from ..settings import field_types, toml_value
 from ..tomlfile import read_toml
 from .config_values import ConfigError, at_least, check_type, one_of, parse_override, positive
 
@@ -288,7 +288,7 @@ class RunConfig:
         lines = []
         for name, values in self.to_dict().items():
             lines.append(f"[{name}]")
-            lines += [f"{key} = {_toml_value(v)}" for key, v in values.items()]
+            lines += [f"{key} = {toml_value(v)}" for key, v in values.items()]
             lines.append("")
         return "\n".join(lines)
 
@@ -390,11 +390,3 @@ def _apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raw[section] = {}
         raw[section][name] = parse_override(key, text, hints[name])
     return raw
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(v)  # a TOML basic string: JSON's escapes are valid TOML escapes
