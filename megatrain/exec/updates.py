@@ -18,18 +18,22 @@ from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend
 from .buffers import DeviceBuffers
-from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
+from .optim import AdamWConfig, UpdatePlan, adamw_undo, adamw_update, clip_coefficient, global_norm
 from .store import HostStore
 
 
 class Updates:
-    """Bodies of O, N, U, S and W tasks over the host store and the device buffers."""
+    """Bodies of O, N, U, V, S and W tasks over the host store and the device buffers."""
 
     def __init__(self, program: Program, store: HostStore, buffers: DeviceBuffers, backend: Backend,
                  cfg: AdamWConfig):
         self.placement = program.placement
         self.spec, self.store, self.buffers, self.backend, self.cfg = program.model, store, buffers, backend, cfg
         self.max_norm = self.placement.clip_max_norm  # None: no global norm (per-unit skips)
+        # Speculative clipping: updates run unclipped as gradients land (skipping a unit whose own gradients are
+        # not finite, as without clipping); CLIP_REDO fixes them once the global norm is known.
+        self.speculative = self.placement.speculative_clip
+        self.unit_skips = self.max_norm is None or self.speculative
         self.unit_index = {u: i for i, u in enumerate(store.units)}
         # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
         self.unit_norms = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=backend.pins_host_memory)
@@ -90,9 +94,9 @@ class Updates:
     def _should_apply(self, unit: int, plan: UpdatePlan | None, on_device: bool = False) -> UpdatePlan | None:
         if plan is None or plan.skip or unit in plan.skipped_units:
             return None
-        if self.max_norm is None and on_device:  # the kernel skips it if need be (`_device_skip`)
+        if self.unit_skips and on_device:  # the kernel skips it if need be (`_device_skip`)
             return plan
-        if self.max_norm is None and not self._unit_finite(unit):
+        if self.unit_skips and not self._unit_finite(unit):
             plan.skipped_units.append(unit)
             return None
         return plan
@@ -101,11 +105,14 @@ class Updates:
         """AdamW on one unit: on the host tiles (cpu stream) or on a GPU buffer (compute stream)."""
         # A GPU update of this step's gradients without a global norm (arrival timing) cannot read the unit's norm
         # on the host yet (it is still landing): the device decides the skip.
-        on_device = t.stream != "cpu" and t.step_offset == 0 and self.max_norm is None
+        on_device = t.stream != "cpu" and t.step_offset == 0 and self.unit_skips
         plan = self._should_apply(t.unit, self._plan(t), on_device)
+        # A speculative update never clips: the norm may already be known when it runs (GPU streams race the
+        # host's CLIP_NORM), but its CLIP_REDO assumes it ran unclipped.
+        coef = 1.0 if self.speculative or plan is None else plan.clip_coef
         if t.stream == "cpu":
             if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
-                self._host_update(t.unit, plan)
+                self._host_update(t.unit, plan, coef)
             return
         u, store = t.unit, self.store
         master, m, v, g = self._state_views(t)
@@ -114,7 +121,7 @@ class Updates:
             found_inf = self._device_skip(u) if on_device else None
             kept = self.buffers.kept.get(u)  # gradients kept on the GPU, or streamed into the state buffer
             adamw_update(master, kept.g if kept is not None else g, m, v, store.steps[u], store.decay_numel(u),
-                         plan.lr, self.cfg, plan.clip_coef, found_inf)
+                         plan.lr, self.cfg, coef, found_inf)
             plan.applied_units.append(u)
             if on_device:
                 plan.device_checked.append(u)
@@ -143,15 +150,50 @@ class Updates:
                 plan.skipped_units.append(u)
         plan.device_checked.clear()
 
-    def _host_update(self, u: int, plan: UpdatePlan) -> None:
+    def _host_update(self, u: int, plan: UpdatePlan, coef: float | None = None) -> None:
         store = self.store
         store.steps[u] += 1
         master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
         for lo, hi, g in store.optimizer_grad_chunks(u):
             adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo),
-                         plan.lr, self.cfg, plan.clip_coef)
+                         plan.lr, self.cfg, plan.clip_coef if coef is None else coef)
         store.refresh_stream(u)
         plan.applied_units.append(u)
+
+    # ---- CLIP_REDO ---------------------------------------------------------------------------------------------
+    def clip_redo(self, t: ProgramTask) -> None:
+        """Speculative clipping, once the global norm is known: a unit updated unclipped is undone and updated
+        again with the clip coefficient when the norm exceeded the max, or only undone when the norm is not finite
+        (the step is skipped). A no-op in steps that needed no clipping: their speculative updates were exact."""
+        plan, u = self.current, t.unit
+        if plan is None or u not in plan.applied_units or not (plan.skip or plan.clip_coef < 1.0):
+            return
+        if not self._unit_finite(u):
+            return  # its own gradients were not finite: the device skipped its update (settled after the step)
+        redo = None if plan.skip else plan.clip_coef
+        if t.stream == "cpu":
+            self._host_redo(u, plan, redo)
+        else:
+            master, m, v, g = self._state_views(t)
+            self._redo(master, g, m, v, u, 0, plan, redo)
+        if redo is None:  # undone: the step count goes back, as for an update that never ran
+            self.store.steps[u] -= 1
+            plan.applied_units.remove(u)
+
+    def _host_redo(self, u: int, plan: UpdatePlan, coef: float | None) -> None:
+        store = self.store
+        master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
+        for lo, hi, g in store.optimizer_grad_chunks(u):
+            self._redo(master[lo:hi], g, m[lo:hi], v[lo:hi], u, lo, plan, coef)
+        store.refresh_stream(u)
+
+    def _redo(self, master, g, m, v, u: int, lo: int, plan: UpdatePlan, coef: float | None) -> None:
+        """Undo the unit's unclipped update of this step on a (chunk of a) tile starting at element `lo`, then
+        apply it again with `coef` (None: leave it undone)."""
+        step, decay = self.store.steps[u], min(max(self.store.decay_numel(u) - lo, 0), master.numel())
+        adamw_undo(master, g, m, v, step, decay, plan.lr, self.cfg)
+        if coef is not None:
+            adamw_update(master, g, m, v, step, decay, plan.lr, self.cfg, coef)
 
     def flush_update(self, plan: UpdatePlan) -> None:
         """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the

@@ -42,8 +42,9 @@ class UpdateCost:
 class CostModel:
     """Durations of a Program's tasks under a profile (memoised: every layer of a model costs the same)."""
 
-    def __init__(self, program: Program, profile: HardwareProfile):
+    def __init__(self, program: Program, profile: HardwareProfile, clip_activates: bool = False):
         self.program, self.profile = program, profile
+        self.clip_activates = clip_activates  # speculative clipping: price the redos of a step that clips
         self.spec = program.model
         self.signature = model_signature(self.spec)
         self.placement = program.placement
@@ -105,6 +106,12 @@ class CostModel:
             return u.delay_s + u.alone_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
+        if task.kind == "V":  # speculative clipping's redo: nothing unless the step's norm exceeds the max
+            if not self.clip_activates:
+                return over
+            # an undo (AdamW's traffic) and the update again
+            rate = p.gpu_adam_params_per_s if task.stream == "compute" else p.cpu_adam_rate()
+            return over + 2 * task.params / rate
         if task.stream in COPY_STREAMS:
             raise ProfileError(f"{task.id} is a copy; use copy_cost()")
         return over
