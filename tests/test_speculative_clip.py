@@ -94,3 +94,16 @@ def test_the_simulator_prices_speculation_at_nothing_and_a_clipping_step_at_two_
     assert quiet.summary.step_s == pytest.approx(plain.summary.step_s, rel=0.01)
     # every parameter undone and redone on the host threads after the backward
     assert clipping.summary.step_s - quiet.summary.step_s > 1.5 * spec.num_params / 20e9
+
+
+def test_deferred_and_redone_updates_both_train_like_the_plain_loop(monkeypatch):
+    """At max norm 2 the debug model's first few unit norms stay below it and the rest cross it: the early units
+    are updated, undone and redone; the later ones wait for the norm (deferred). Both equal clip_grad_norm_."""
+    import test_exec_training as te
+
+    monkeypatch.setattr(te, "MAX_NORM", 2.0)
+    ref = te.reference.__wrapped__("llama", clip=True)
+    results, state = run(knobs_for("arrival", clip=2.0, **FP32), te.STEPS)
+    assert all(r.update.deferred_units and r.update.redone_units for r in results), \
+        [(r.update.deferred_units, r.update.redone_units) for r in results]
+    te.assert_same_training(results, state, ref, "llama", "arrival-clip-2")

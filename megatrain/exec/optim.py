@@ -54,6 +54,10 @@ class UpdatePlan:
     # clip=0, GPU updates at arrival: units whose skip the device decided; the host settles the bookkeeping
     # (skipped_units, step counts) once the step's norms have landed
     device_checked: list[int] = field(default_factory=list)
+    # speculative clipping: host units not updated as their gradients landed because the norms landed before them
+    # already exceeded the max; their CLIP_REDO applies them, clipped
+    deferred_units: list[int] = field(default_factory=list)
+    redone_units: list[int] = field(default_factory=list)  # speculative clipping: updated, undone, updated again
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

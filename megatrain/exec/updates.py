@@ -35,6 +35,19 @@ class Updates:
         self.speculative = self.placement.speculative_clip
         self.unit_skips = self.max_norm is None or self.speculative
         self.unit_index = {u: i for i, u in enumerate(store.units)}
+        # The units whose norms have landed when a unit's gradients have: its own and those of every OFFLOAD
+        # before it in the d2h queue (a stream completes in order), as indices into unit_norms. Their norms bound
+        # the global norm from below, except a tied embedding's and head's (the shared matrix's gradient is the
+        # sum of both: its norm is not theirs), which are left out.
+        self.norms_landed_with: dict[int, list[int]] = {}
+        landed: list[int] = []
+        tied = (EMBED, HEAD) if self.spec.tie_word_embeddings else ()
+        for tid in program.streams.get("d2h", []):
+            task = program.tasks[tid]
+            if task.kind == "O":
+                if task.unit not in tied:
+                    landed.append(self.unit_index[task.unit])
+                self.norms_landed_with[task.unit] = list(landed)
         # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
         self.unit_norms = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=backend.pins_host_memory)
         # The same norms on the device, for GPU updates that must skip non-finite gradients without a host wait.
@@ -111,7 +124,9 @@ class Updates:
         # host's CLIP_NORM), but its CLIP_REDO assumes it ran unclipped.
         coef = 1.0 if self.speculative or plan is None else plan.clip_coef
         if t.stream == "cpu":
-            if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
+            if plan is not None and self.speculative and self._clipping_certain(t.unit):
+                plan.deferred_units.append(t.unit)  # an update that would be undone: its CLIP_REDO applies it
+            elif plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
                 self._host_update(t.unit, plan, coef)
             return
         u, store = t.unit, self.store
@@ -161,11 +176,22 @@ class Updates:
         plan.applied_units.append(u)
 
     # ---- CLIP_REDO ---------------------------------------------------------------------------------------------
+    def _clipping_certain(self, unit: int) -> bool:
+        """Speculative clipping: the norms landed with this unit's already exceed the max norm (or are not
+        finite), so the global norm will too and an unclipped update now would only be undone."""
+        partial = global_norm([float(self.unit_norms[i]) for i in self.norms_landed_with.get(unit, [])])
+        return not partial <= self.max_norm  # NaN: not finite, the step will be skipped
+
     def clip_redo(self, t: ProgramTask) -> None:
         """Speculative clipping, once the global norm is known: a unit updated unclipped is undone and updated
         again with the clip coefficient when the norm exceeded the max, or only undone when the norm is not finite
-        (the step is skipped). A no-op in steps that needed no clipping: their speculative updates were exact."""
+        (the step is skipped); a deferred unit is updated, clipped, unless the step is skipped. A no-op in steps
+        that needed no clipping: their speculative updates were exact."""
         plan, u = self.current, t.unit
+        if plan is not None and u in plan.deferred_units:
+            if not plan.skip:
+                self._host_update(u, plan)
+            return
         if plan is None or u not in plan.applied_units or not (plan.skip or plan.clip_coef < 1.0):
             return
         if not self._unit_finite(u):
@@ -179,6 +205,8 @@ class Updates:
         if redo is None:  # undone: the step count goes back, as for an update that never ran
             self.store.steps[u] -= 1
             plan.applied_units.remove(u)
+        else:
+            plan.redone_units.append(u)
 
     def _host_redo(self, u: int, plan: UpdatePlan, coef: float | None) -> None:
         store = self.store

@@ -99,19 +99,15 @@ class CostModel:
         over = p.overhead(task.stream, task.kind)
         if task.kind in ("F", "R", "B"):
             return over + self.compute_s(task)
-        if task.kind == "U":
-            if task.stream == "compute":
-                return over + task.params / p.gpu_adam_params_per_s
+        if task.kind == "U" and task.stream == "compute":
+            return over + task.params / p.gpu_adam_params_per_s
+        if task.kind == "V" and task.stream == "compute":  # a resident unit's undo and update again, if it clips
+            return over + (2 * task.params / p.gpu_adam_params_per_s if self.clip_activates else 0.0)
+        if self.is_cpu_optimizer(task):
             u = self.cpu_update(task)  # its time alone on host memory (the engine shares it with the copies)
             return u.delay_s + u.alone_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
-        if task.kind == "V":  # speculative clipping's redo: nothing unless the step's norm exceeds the max
-            if not self.clip_activates:
-                return over
-            # an undo (AdamW's traffic) and the update again
-            rate = p.gpu_adam_params_per_s if task.stream == "compute" else p.cpu_adam_rate()
-            return over + 2 * task.params / rate
         if task.stream in COPY_STREAMS:
             raise ProfileError(f"{task.id} is a copy; use copy_cost()")
         return over
@@ -139,5 +135,11 @@ class CostModel:
         return task.stream in COPY_STREAMS
 
     def is_cpu_optimizer(self, task: ProgramTask) -> bool:
-        """CPU AdamW work shares host memory bandwidth with the copies."""
-        return task.kind == "U" and task.stream == "cpu"
+        """CPU AdamW work shares host memory bandwidth with the copies. Speculative clipping, in a step that
+        clips: a host unit's update waits for the norm (the executor defers it once the norms landed so far exceed
+        the max, which the step that clips is assumed to show from its first gradients), so its V does the update
+        and its U nothing; in a step that does not clip, V does nothing."""
+        if task.stream != "cpu":
+            return False
+        deferred = self.clip_activates and self.placement.speculative_clip
+        return (task.kind == "U" and not deferred) or (task.kind == "V" and deferred)
