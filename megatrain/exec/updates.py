@@ -54,6 +54,9 @@ class Updates:
         self.device_norms = torch.zeros(len(store.units), dtype=torch.float32, device=backend.device)
         self.current: UpdatePlan | None = None
         self.pending: UpdatePlan | None = None
+        # Speculative clipping: whether the last global norm exceeded the max. Norms move slowly from step to step,
+        # so after a step that clipped the host updates wait for the norm instead of being undone and redone.
+        self.last_step_clipped = False
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending
@@ -94,6 +97,7 @@ class Updates:
             plan.skip = True
         else:
             plan.clip_coef = clip_coefficient(plan.grad_norm, self.max_norm)
+        self.last_step_clipped = plan.skip or plan.clip_coef < 1.0
 
     # ---- OPTIMIZER ---------------------------------------------------------------------------------------------
     def _plan(self, t: ProgramTask) -> UpdatePlan | None:
@@ -124,7 +128,7 @@ class Updates:
         # host's CLIP_NORM), but its CLIP_REDO assumes it ran unclipped.
         coef = 1.0 if self.speculative or plan is None else plan.clip_coef
         if t.stream == "cpu":
-            if plan is not None and self.speculative and self._clipping_certain(t.unit):
+            if plan is not None and self.speculative and self._clipping_likely(t.unit):
                 plan.deferred_units.append(t.unit)  # an update that would be undone: its CLIP_REDO applies it
             elif plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
                 self._host_update(t.unit, plan, coef)
@@ -176,9 +180,12 @@ class Updates:
         plan.applied_units.append(u)
 
     # ---- CLIP_REDO ---------------------------------------------------------------------------------------------
-    def _clipping_certain(self, unit: int) -> bool:
-        """Speculative clipping: the norms landed with this unit's already exceed the max norm (or are not
-        finite), so the global norm will too and an unclipped update now would only be undone."""
+    def _clipping_likely(self, unit: int) -> bool:
+        """Speculative clipping: an unclipped update of this unit now would likely be undone, because the last
+        step clipped, or certainly, because the norms landed with this unit's already exceed the max norm (or are
+        not finite). Either way only the timing changes: a deferred update is applied exactly by its CLIP_REDO."""
+        if self.last_step_clipped:
+            return True
         partial = global_norm([float(self.unit_norms[i]) for i in self.norms_landed_with.get(unit, [])])
         return not partial <= self.max_norm  # NaN: not finite, the step will be skipped
 
