@@ -23,6 +23,8 @@ A profile holds
                          once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
                          conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
+    machine              the machine `megatrain profile` measured (CPU model, cores, memory, GPU, torch, date;
+                         profiling/machine.py): train and simulate say when it is not the one running
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -188,6 +190,7 @@ class HardwareProfile:
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
