@@ -214,6 +214,13 @@ def run(args) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
+    from ..profiling.machine import mismatch_line
+
+    mine = f"runs/profile-{spec.name}.json"
+    line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
+                         f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
+    if line:
+        print(line)
     if args.schedule == "auto":
         args.schedule, args.set = str(_choose(args, spec, profile, out)), []
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))

@@ -88,18 +88,19 @@ def key(info: dict) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(str(p) for p in parts)).strip("-").lower()
 
 
-def mismatch_line(profile, label: str, reprofile: str, current: dict | None = None) -> str | None:
+def mismatch_line(profile, label: str, reprofile: str, use: str = "", current: dict | None = None) -> str | None:
     """One line when `profile` (a HardwareProfile) was not measured on this machine, None when it was.
 
-    label: how the profile is named to the user; reprofile: the command that measures this machine."""
+    label: how the profile is named to the user; reprofile: the command that measures this machine; use: how to
+    use the profile it writes."""
     current = current or this_machine()
     rec = getattr(profile, "machine", None) or {}
     if not rec:
         return (f"note: profile {label} does not record the machine it measured, so it cannot be checked against "
                 f"this one ({describe(current)}); its predictions may be off here: `{reprofile}` measures this "
-                "machine")
+                f"machine{use}")
     diff = differences(rec, current)
     if not diff:
         return None
     return (f"note: profile {label} was measured on another machine ({describe(rec)}, {rec.get('date', '?')}; "
-            f"{', '.join(diff)}); its predictions are for that machine: `{reprofile}` measures this one")
+            f"{', '.join(diff)}); its predictions are for that machine: `{reprofile}` measures this one{use}")
