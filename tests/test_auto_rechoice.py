@@ -34,7 +34,8 @@ def test_a_choice_the_calibrated_profile_no_longer_favours_is_replaced():
     auto = AutoChoice(spec, 4, 1024, knobs, 16 * GiB, None, "serial[buffers=2]")
     decision = auto.recheck(program, wrong, measured, lines.append)
     assert auto.done and "more than 10% off, so auto recalibrates and chooses again (once)" in lines[0]
-    assert decision.knobs is not None and any(line.startswith("auto: switching serial[buffers=2] -> ") for line in lines)
+    assert decision.knobs is not None
+    assert any(line.startswith("auto: switching serial[buffers=2] -> ") for line in lines)
     assert decision.knobs.clip == 1.0 and decision.knobs.optimizer != "arrival"  # exact clipping kept
     new = simulate(lower(build_schedule(spec, 4, 1024, decision.knobs)), true).step_s
     assert new < simulate(program, true).step_s  # faster on the machine the run measured
@@ -77,7 +78,8 @@ def test_train_auto_rechecks_after_the_warmup_with_a_wrong_profile(tmp_path, cap
                     name="wrong")
     wrong.save(tmp_path / "wrong.json")
     assert main(["train", "--schedule", "auto", "--steps", "6", "--batch", "2", "--seq", "16", "--device", "cpu",
-                 "--no-progress", "--out-dir", str(tmp_path / "runs"), "--set", f"run.profile={tmp_path / 'wrong.json'}",
+                 "--no-progress", "--out-dir", str(tmp_path / "runs"),
+                 "--set", f"run.profile={tmp_path / 'wrong.json'}",
                  "--set", "run.checkpoint_every=0", "--set", "run.eval_every=0"]) == 0
     out = capsys.readouterr().out.splitlines()
     checks = [line for line in out if line.startswith("auto: ")]

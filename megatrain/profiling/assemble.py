@@ -114,7 +114,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     isolated = cpu_rates.get(threads)
     if in_step is not None and isolated:  # the runtime's thread count from real steps; the curve keeps its shape
         cpu_rates = {t: v * in_step / isolated for t, v in cpu_rates.items()}
-    where = f"{info['device']} backend, {info['gpu'] if info['device'] == 'cuda' else info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+    what = info["gpu"] if info["device"] == "cuda" else info["cpu"]
+    where = f"{info['device']} backend, {what}, {info['cores']} cores, torch {info['torch']}"
     notes = {
         "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
                f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
@@ -176,7 +177,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         cpu_convert_params_per_s=convert_rate,
         host_memory_Bps=float(hfit["host_memory_Bps"]),
         # the measured update includes its conversion passes; the simulator adds 6 B/param per pass itself
-        cpu_update_bytes_per_param=float(max(1.0, hfit["cpu_update_bytes_per_param"] - passes * CONVERT_BYTES_PER_PARAM)),
+        cpu_update_bytes_per_param=float(max(1.0, hfit["cpu_update_bytes_per_param"]
+                                             - passes * CONVERT_BYTES_PER_PARAM)),
         copy_host_bytes_per_byte=copy_draw,
         task_overhead_s=overhead,
         machine={k: v for k, v in info.items() if k != "host"},

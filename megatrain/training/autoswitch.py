@@ -123,6 +123,14 @@ def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: Sched
                                          dtypes=[knobs.compute_dtype], quick=True, knobs=knobs),
                           log=lambda _line: None)
     cal.save(path)
+    del cal
+    if backend == "cuda":  # the profile's buffers are gone; give their cached blocks back before the run
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
     log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path}")
     return str(path)
 
