@@ -22,6 +22,11 @@ wheels/):
         --configs resident,zero3,fsdp2,authors,arrival-resident:resident_layers=4,overlap-split:compile_layers=true
 
 `--dry-run` prints the commands, in the order they would run, and exits.
+
+Long benchmarks over several calls (one call of the GPU machine runs 10 minutes at most): `--results FILE` keeps
+every run's RESULT in FILE (JSON lines) and skips the (round, config) pairs already there; `--budget-s S` starts no
+process that would likely end after S seconds (the longest run so far is the guess) and exits with status 3, "run
+the same command again". The table is made from every run in FILE.
 """
 from __future__ import annotations
 
@@ -250,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", help="each process's output and RESULT lines (default $OUT/bench if $OUT is set)")
     ap.add_argument("--out", help="also append the table, with this command, to this markdown file")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in the order they would run")
+    ap.add_argument("--results", help="JSON lines of every run: runs already there are not run again")
+    ap.add_argument("--budget-s", type=float, help="start no process likely to end after this many seconds")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
@@ -272,15 +279,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     log_dir = Path(a.log_dir) if a.log_dir else (Path(os.environ["OUT"]) / "bench" if os.environ.get("OUT") else None)
     results: dict[str, list[dict]] = {c.label: [] for c in configs}
+    done = set()
+    if a.results and Path(a.results).is_file():  # runs of an earlier call of the same command
+        for line in Path(a.results).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("config") in results and (rec["round"], rec["config"]) not in done:
+                done.add((rec["round"], rec["config"]))
+                results[rec["config"]].append(rec)
+        print(f"{len(done)} run(s) already in {a.results}")
+    t0, longest, unfinished = time.perf_counter(), 0.0, 0
     for i, (r, c) in enumerate(order, 1):
+        if (r, c.label) in done:
+            continue
+        if a.budget_s and time.perf_counter() - t0 + max(longest, 1.0) > a.budget_s:
+            unfinished += 1
+            continue
         slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", c.label)
         res = run_once(c, a.timeout, log_dir / f"r{r}-{slug}.log" if log_dir else None)
+        longest = max(longest, res["wall_s"])
         results[c.label].append(res)
         what = f"{res['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in res else f"FAILED ({res['error'][:200]})"
         print(f"[{i}/{len(order)}] round {r} {c.label}: {what} in {res['wall_s']:.0f} s", flush=True)
-        if log_dir:
-            with open(log_dir / "results.jsonl", "a") as f:
+        for path in [p for p in (a.results, log_dir and log_dir / "results.jsonl") if p]:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
                 f.write(json.dumps({"round": r, "config": c.label, **res}) + "\n")
+    if unfinished:
+        print(f"{unfinished} run(s) left for the time budget: run the same command again to continue")
     summary = summarize(results)
     text = "\n".join([table(summary, a.reference or configs[0].label), "", *tau_lines(summary)])
     print()
@@ -289,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = shlex.join(["python3", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])])
         with open(a.out, "a") as f:
             f.write(f"\n## {head} — {datetime.date.today()}\n\nCommand: `{cmd}`\n\n{text}\n")
+    if unfinished:
+        return 3
     return 0 if all(s["ok"] for s in summary.values()) else 1
 
 

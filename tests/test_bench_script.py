@@ -86,3 +86,16 @@ def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, ca
     assert "| 1/1 |" in row and ("(-" in row or "(+" in row)  # measured, and predicted beside it with its error
     assert "| megatrain serial:buffers=0 | 0/1 |" in out and "1 failed: exit 1" in out
     assert (tmp_path / "results.jsonl").is_file() and len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):
+    """Runs already in --results are not run again (here every run is there: nothing starts) and count in the
+    table; the (round, config) pairs are what is skipped."""
+    path = tmp_path / "r.jsonl"
+    rows = [{"round": r, "config": "megatrain overlap", "tokens_per_s": t} for r, t in ((1, 10.0), (2, 30.0))]
+    path.write_text("".join(__import__("json").dumps(row) + "\n" for row in rows))
+    assert bench.main(["--model", "debug", "--device", "cpu", "--rounds", "2", "--configs", "overlap",
+                       "--results", str(path), "--python", "false"]) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s) already in" in out and "round 1 megatrain overlap" not in out
+    assert "| megatrain overlap | 2/2 | 20 (10-30) |" in out
