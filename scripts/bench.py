@@ -103,6 +103,9 @@ def build_configs(a) -> list[Config]:
                 argv += ["--profile", a.profile]
             if a.calibrated_profile:
                 argv += ["--calibrated-profile", a.calibrated_profile]
+            if a.save_calibrated_dir:  # the last round's calibrated profile of each config stays
+                path = Path(a.save_calibrated_dir) / (slug(f"megatrain {label}") + ".json")
+                argv += ["--save-calibrated", str(path)]
             out.append(Config(f"megatrain {label}", kind, argv))
     return out
 
@@ -143,6 +146,11 @@ def run_once(cfg: Config, timeout_s: float, log_path: Path | None) -> dict:
         return {"error": stderr, "wall_s": round(wall, 1)}
     tail = " | ".join((stderr or stdout).strip().splitlines()[-2:])
     return {"error": f"exit {rc}: {tail}"[:300], "wall_s": round(wall, 1)}
+
+
+def slug(label: str) -> str:
+    """A file name for a config label: "megatrain arrival:resident_layers=4" -> megatrain_arrival_resident_layers=4."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
 
 
 def rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:
@@ -249,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-dir", default=".bench", help="folder with baseline_train.py and megatrain_repo/")
     ap.add_argument("--profile", help="megatrain's profile for the predictions (bench_megatrain.py's default)")
     ap.add_argument("--calibrated-profile", help="a profile calibrated on another run: the last prediction column")
+    ap.add_argument("--save-calibrated-dir", help="each megatrain run writes its live-calibrated profile here, "
+                                                  "as <config slug>.json (for --calibrated-profile of a later call)")
     ap.add_argument("--gpu-limit-gib", type=float, default=16.0, help="GPU budget of megatrain's --schedule auto")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="megatrain's backend (cpu: CI)")
     ap.add_argument("--python", default=sys.executable, help="interpreter of every process")
@@ -294,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.budget_s and time.perf_counter() - t0 + max(longest, 1.0) > a.budget_s:
             unfinished += 1
             continue
-        slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", c.label)
-        res = run_once(c, a.timeout, log_dir / f"r{r}-{slug}.log" if log_dir else None)
+        res = run_once(c, a.timeout, log_dir / f"r{r}-{slug(c.label)}.log" if log_dir else None)
         longest = max(longest, res["wall_s"])
         results[c.label].append(res)
         what = f"{res['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in res else f"FAILED ({res['error'][:200]})"

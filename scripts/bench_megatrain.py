@@ -63,6 +63,9 @@ def predictions(program, a, timelines, tokens: int) -> dict:
     out.update(calibrated_step_s=round(cal.after.step_s, 4),
                calibrated_tokens_per_s=round(tokens / cal.after.step_s, 1), calibration_reason=cal.reason())
     if a.save_calibrated:
+        from pathlib import Path
+
+        Path(a.save_calibrated).parent.mkdir(parents=True, exist_ok=True)
         cal.profile.save(a.save_calibrated)
     if a.calibrated_profile:
         t = simulate(program, load_profile(a.calibrated_profile)).step_s

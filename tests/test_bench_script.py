@@ -68,7 +68,8 @@ def test_medians_ratios_and_kendall_tau(bench):
     xs, ys = [150.0, 40.0, 160.0, 40.0], [200.0, 50.0, 120.0, 60.0]
     assert bench.kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys))
     tau = tau_b([150.0, 40.0, 160.0], [200.0, 50.0, 120.0])
-    assert bench.tau_lines(s)[0] == f"Kendall tau, predicted (profile) vs measured medians of 3 megatrain configs: {tau:.2f}"
+    want = f"Kendall tau, predicted (profile) vs measured medians of 3 megatrain configs: {tau:.2f}"
+    assert bench.tau_lines(s)[0] == want
 
 
 def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, capsys, monkeypatch):
