@@ -91,3 +91,17 @@ def test_train_auto_rechecks_after_the_warmup_with_a_wrong_profile(tmp_path, cap
     run = tmp_path / "runs" / "debug"
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and (run / "profile_calibrated.json").is_file()
+
+
+def test_auto_without_a_profile_of_this_machine_profiles_quickly_first(tmp_path, capsys):
+    args = ["train", "--schedule", "auto", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cpu",
+            "--no-progress", "--out-dir", str(tmp_path / "runs"), "--set", "run.checkpoint_every=0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "no profile of this machine" in out and "so it is profiled quickly first" in out
+    made = list((tmp_path / "runs" / "profiles").rglob("debug-b2-s16-cpu.json"))
+    assert len(made) == 1 and load_profile(made[0]).machine["cores"] >= 1
+    assert f"profile {made[0].stem}" in out  # the choice was made with it
+    assert main(args) == 0  # the next run finds it
+    out = capsys.readouterr().out
+    assert f"using this machine's profile {made[0]}" in out and "profiled quickly" not in out
