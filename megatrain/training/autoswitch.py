@@ -7,8 +7,9 @@
 The choice was made with a profile (shared/DESIGN.md section 4: one machine on one day). When the measured step
 time is more than `TOLERANCE` from the prediction, the profile is refitted to the measured steps (live
 calibration, profiling/live.py) and every candidate is simulated again with the calibrated profile. The run
-switches when another candidate is now predicted faster than the running schedule (whose calibrated prediction
-is compared, not its stale one). It happens at most once per run.
+switches when another candidate is now predicted at least `SWITCH_GAIN` faster than the running schedule (whose
+calibrated prediction is compared, not its stale one; a smaller gain is within what the fit can tell apart and
+does not pay for new GPU buffers and a second warm-up). It happens at most once per run.
 
 Only candidates with the running schedule's host layout are considered (weight and gradient wires, GPU-updated
 units: `ir.resolve.resolve_host_layout`): the host store was built for that layout and holds the only copy of the
@@ -25,6 +26,7 @@ from ..ir.knobs import ScheduleKnobs
 from ..spec import ModelSpec
 
 TOLERANCE = 0.10  # |measured / predicted - 1| above this recalibrates and chooses again
+SWITCH_GAIN = 0.03  # a switch (new GPU buffers, warm-up again) needs a candidate predicted at least this much faster
 
 
 @dataclass
@@ -84,8 +86,9 @@ class AutoChoice:
         for row in best.table.head(3).itertuples():
             log(f"  {row.schedule}: {row.step_s:.3f} s/step predicted")
         label = best.table.schedule[0]
-        if best.knobs == self.knobs or best.result.step_s >= now:
-            log(f"auto: {self.label} stays (no candidate is predicted faster after calibration)")
+        if best.knobs == self.knobs or best.result.step_s > now * (1 - SWITCH_GAIN):
+            log(f"auto: {self.label} stays (no candidate is predicted more than {100 * SWITCH_GAIN:.0f}% faster after "
+                "calibration)")
             return Decision(None, None, cal)
         log(f"auto: switching {self.label} -> {label} ({now:.3f} -> {best.result.step_s:.3f} s/step predicted, "
             f"{100 * (best.result.step_s / now - 1):+.0f}%); same host store, same numerics")
