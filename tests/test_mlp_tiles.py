@@ -150,3 +150,27 @@ def test_placement_round_trips_the_tile_and_old_programs_read_as_untiled():
     old = p.to_dict()
     old.pop("mlp_tile_tokens")  # a Program written before the knob existed
     assert Placement.from_dict(old, spec, 2, 64).mlp_tile_tokens == 0
+
+
+# ---- scripts/longseq_memory.py ----------------------------------------------------------------------------------
+def test_longseq_memory_script_measures_and_compares_on_the_cpu(tmp_path):
+    """The GPU measurement script runs on the CPU at small shapes: one row per length and phase, the planner's
+    estimate beside the measured peak (here the bytes of op-created storages), the JSON log under $OUT."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "longseq_memory.py"
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(script.parent.parent)}
+    out = subprocess.run([sys.executable, str(script), "--model", "debug", "--seqs", "512,2048", "--device", "cpu",
+                          "--set", "mlp_tile_tokens=128"], capture_output=True, text=True, env=env, check=True).stdout
+    assert "planned MiB" in out and "ratio" in out
+    rows = json.loads((tmp_path / "longseq_memory_debug.json").read_text())["rows"]
+    assert [(r["seq"], r["phase"]) for r in rows] == [(512, "layer"), (512, "head"), (2048, "layer"), (2048, "head")]
+    assert all(r["mlp_tile_tokens"] == 128 for r in rows)
+    # the tracked peak grows with the sequence, and the planner's estimate tracks it (loosely: CPU kernels differ)
+    layer = [r for r in rows if r["phase"] == "layer"]
+    assert layer[1]["measured_bytes"] > 2 * layer[0]["measured_bytes"]
+    assert all(0.7 < r["ratio"] < 1.4 for r in rows), rows

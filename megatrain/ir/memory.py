@@ -101,15 +101,16 @@ def layer_working_set(p: Placement) -> dict[str, int]:
 def head_working_set(p: Placement) -> int:
     """GPU bytes of the fused head + loss (`exec.head.head_loss_backward`) beyond the buffers and checkpoints: the
     final hidden states and their gradient (n x d each), lm_head cast to the compute dtype (when the wire differs),
-    and per chunk of c tokens the larger of fp32 logits with logsumexp's fp32 temporary (8cV) and, later, the
-    softmax gradient with its compute-dtype copy (4cV + a*cV) plus the (V, d) lm_head gradient product when it is
-    accumulated into the fp32 area from another dtype."""
+    and per chunk of c tokens what the final norm saves for its backward (as a layer's norm) plus the larger of
+    fp32 logits with logsumexp's fp32 temporary (8cV) and, later, the softmax gradient with its compute-dtype copy
+    (4cV + a*cV) and the (V, d) lm_head gradient product when it is added into the fp32 area from another dtype."""
     spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
     d, V = spec.hidden_size, spec.vocab_size
     c = min(p.loss_chunk_tokens, n)
     lm_cast = V * d * a if p.weight_wire != p.compute_dtype else 0
     product = V * d * a if a != 4 else 0
-    chunk = max(8 * c * V, (4 + a) * c * V + product)
+    norm = c * ((4 * d if a < 4 else 0) + 2 * a * d)
+    chunk = norm + max(8 * c * V, (4 + a) * c * V + product)
     return 2 * n * d * a + lm_cast + chunk
 
 
