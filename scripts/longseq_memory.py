@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatrain.exec.head import head_loss_backward
-from megatrain.exec.layers import layer_functions
+from megatrain.exec.layers import attention, layer_functions
 from megatrain.exec.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import TORCH_DTYPES
@@ -145,6 +145,22 @@ def measure_head(p, device) -> int:
     return m.bytes
 
 
+def attention_kernels(spec, device) -> list[str]:
+    """Names of the CUDA kernels one attention forward + backward of `spec` launches at 4096 tokens (flash, cuDNN,
+    memory-efficient or math: which one the planner's flash terms describe)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layout, cd = unit_layout(spec, 0), torch.bfloat16
+    w = layout.views(_slot(layout, cd, device))
+    h = torch.randn(1, 4096, spec.hidden_size, device=device, dtype=cd, requires_grad=True)
+    cos, sin = rope_cos_sin(spec, 4096, device, cd)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        attention(w, h, cos, sin, spec).sum().backward()
+        torch.cuda.synchronize()
+    keys = ("flash", "fmha", "attention", "cudnn", "softmax", "bmm")
+    return sorted({e.key for e in prof.key_averages() if any(k in e.key.lower() for k in keys)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-8b")
@@ -162,13 +178,21 @@ def main() -> None:
     name, knobs = resolve_knobs(a.schedule, a.set)
     what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "CPU: bytes of op-created storages"
     print(f"{spec.name}, batch {a.batch}, schedule {name}, device {device} ({what})")
+    if device.type == "cuda":
+        try:
+            kernels = "; ".join(k[:80] for k in attention_kernels(spec, device))
+        except RuntimeError as e:  # a diagnostic only: the profiler may be unavailable
+            kernels = f"not listed ({e})"
+        print("attention kernels (bf16, 4096 tokens):", kernels)
     head = f"{'seq':>8} {'tile':>6} {'phase':>6} {'measured MiB':>13} {'planned MiB':>12} {'ratio':>7}  "
-    print(head + "planned step peak GiB")
+    print(head + "planned step peak GiB   (layer: planned MLP / attention-backward moments, MiB)")
     rows = []
     for seq in (int(s) for s in a.seqs.split(",")):
         p = resolve(spec, a.batch, seq, knobs)
         step_peak = plan_placement(p).gpu.peak_bytes
-        phases = [("layer", measure_layer, max(layer_working_set(p).values()))]
+        planned_moments = layer_working_set(p)
+        moments = f"   ({planned_moments['mlp'] / MiB:.1f} / {planned_moments['attention'] / MiB:.1f})"
+        phases = [("layer", measure_layer, max(planned_moments.values()))]
         if not a.no_head:
             phases.append(("head", measure_head, head_working_set(p)))
         for phase, measure, planned in phases:
@@ -177,10 +201,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
             row = dict(seq=seq, mlp_tile_tokens=p.mlp_tile_tokens, phase=phase, measured_bytes=measured,
                        planned_bytes=planned, ratio=planned / measured if measured else float("nan"),
-                       planned_step_peak_bytes=step_peak)
+                       planned_step_peak_bytes=step_peak, planned_moments=planned_moments)
             rows.append(row)
             print(f"{seq:>8} {p.mlp_tile_tokens:>6} {phase:>6} {measured / MiB:>13.1f} {planned / MiB:>12.1f} "
-                  f"{row['ratio']:>7.3f}  {step_peak / GiB:.2f}", flush=True)
+                  f"{row['ratio']:>7.3f}  {step_peak / GiB:.2f}{moments if phase == 'layer' else ''}", flush=True)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / f"longseq_memory_{spec.name}.json"
         path.write_text(json.dumps(dict(model=spec.name, schedule=name, device=str(device), rows=rows), indent=1))
