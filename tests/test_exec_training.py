@@ -261,7 +261,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
         calls["n"] += 1
         return out
 
-    monkeypatch.setattr(compute_module, "layer_functions", lambda compiled: (real_forward, poisoned))
+    monkeypatch.setattr(compute_module, "layer_functions", lambda compiled, mlp_tile_tokens=0: (real_forward, poisoned))
     results, state = train("llama", knobs_for(schedule, **FP32))
     assert [r.skipped for r in results] == [i == bad_step for i in range(STEPS)]
     assert results[bad_step].update.applied_units == [] and results[bad_step - 1].update.applied_units
