@@ -203,6 +203,10 @@ VARIANTS = {
                                                       **FP32)),
     "qwen2/arrival-resident": ("qwen2", knobs_for("arrival", resident_embeddings=True, resident_layers=1, **FP32)),
     "overlap-chunked-loss": ("llama", knobs_for("overlap", loss_chunk_tokens=5, **FP32)),
+    # the layers' norm + MLP in tiles of 5 tokens (forward, recompute and backward)
+    "long-context-mlp-tiles": ("llama", knobs_for("long-context", mlp_tile_tokens=5, **FP32)),
+    "qwen2/overlap-mlp-tiles-recompute2-mb2": ("qwen2", knobs_for("overlap", mlp_tile_tokens=7, recompute_block=2,
+                                                                  micro_batches=2, **FP32)),
     "tied/overlap": ("llama-tied", knobs_for("overlap", **FP32)),
     "tied/after-mb2": ("llama-tied", knobs_for("double-buffer", micro_batches=2, **FP32)),
     "tied/arrival": ("llama-tied", knobs_for("arrival", **FP32)),
@@ -269,7 +273,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
         calls["n"] += 1
         return out
 
-    monkeypatch.setattr(compute_module, "layer_functions", lambda compiled: (real_forward, poisoned))
+    monkeypatch.setattr(compute_module, "layer_functions", lambda compiled, mlp_tile_tokens=0: (real_forward, poisoned))
     knobs = {"arrival-clip": knobs_for("arrival", clip=MAX_NORM, **FP32),
              "arrival-resident-clip": knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True, resident_layers=2,
                                                 **FP32)}.get(schedule) or knobs_for(schedule, **FP32)

@@ -10,6 +10,7 @@ tile. Run with `-s` to see the measured errors.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import pytest
 import torch
@@ -101,9 +102,12 @@ def make_batch(spec: ModelSpec, batch: int, seq: int, seed: int = 1):
     return ids, labels, targets
 
 
-def composed_step(spec: ModelSpec, tiles: dict[int, torch.Tensor], ids, targets, chunk: int, micro: int):
+def composed_step(spec: ModelSpec, tiles: dict[int, torch.Tensor], ids, targets, chunk: int, micro: int,
+                  mlp_tile: int = 0):
     """One step the executor's way over `micro` micro-batches (split along the batch); returns (mean loss,
-    {unit: flat fp32 gradient tile}) with tied head gradients added into the embedding, as the runtime does."""
+    {unit: flat fp32 gradient tile}) with tied head gradients added into the embedding, as the runtime does.
+    mlp_tile > 0: the layers' norm + MLP in tiles of that many tokens."""
+    layer = partial(decoder_layer, mlp_tile_tokens=mlp_tile)
     grads = {u: torch.zeros_like(t) for u, t in tiles.items()}
     W = {u: unit_layout(spec, u).views(t) for u, t in tiles.items()}
     G = {u: unit_layout(spec, u).views(t) for u, t in grads.items()}
@@ -114,13 +118,13 @@ def composed_step(spec: ModelSpec, tiles: dict[int, torch.Tensor], ids, targets,
         x = embed_forward(W[EMBED]["embed_tokens.weight"], mb_ids, torch.float32)
         checkpoints = []
         with torch.no_grad():
-            for layer in range(spec.num_layers):
+            for i in range(spec.num_layers):
                 checkpoints.append(x)
-                x = decoder_layer(W[layer], x, cos, sin, spec)
+                x = layer(W[i], x, cos, sin, spec)
         ls, g, n = head_loss_backward(W[HEAD], x, mb_targets, spec, chunk, 1.0 / total, G[HEAD])
         loss_sum, counted = loss_sum + ls, counted + n
-        for layer in reversed(range(spec.num_layers)):
-            g = layer_backward(W[layer], checkpoints[layer], cos, sin, spec, g, G[layer])
+        for i in reversed(range(spec.num_layers)):
+            g = layer_backward(W[i], checkpoints[i], cos, sin, spec, g, G[i], layer=layer)
         embed_backward(g, mb_ids, G[EMBED]["embed_tokens.weight"])
     assert counted == total
     if spec.tie_word_embeddings:
@@ -137,8 +141,11 @@ def checkpoint_of(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 # ---- the reference comparison -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mlp_tile", [0, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_loss_and_every_gradient_match_hf(case):
+def test_logits_loss_and_every_gradient_match_hf(case, mlp_tile):
+    """mlp_tile=4: the same with every layer's norm + MLP in tiles of 4 tokens (tiles cross sequence boundaries,
+    the last one partial)."""
     spec, attn, batch, seq, chunk, micro = CASES[case]
     torch.manual_seed(0)
     model = make_hf_model(spec, attn)
@@ -150,7 +157,7 @@ def test_logits_loss_and_every_gradient_match_hf(case):
 
     tiles = tiles_from_state_dict(spec, checkpoint_of(model, spec))
     logits = forward_logits(spec, tiles, ids)
-    loss, grad_tiles = composed_step(spec, tiles, ids, targets, chunk, micro)
+    loss, grad_tiles = composed_step(spec, tiles, ids, targets, chunk, micro, mlp_tile)
     ours = state_dict_from_tiles(spec, grad_tiles)
 
     assert set(ours) == set(hf_grads), set(ours) ^ set(hf_grads)
@@ -158,7 +165,7 @@ def test_logits_loss_and_every_gradient_match_hf(case):
     errs.update({n: rel_err(ours[n], hf_grads[n]) for n in hf_grads})
     worst = max(errs, key=errs.get)
     grad_worst = max((n for n in errs if n not in ("logits", "loss")), key=errs.get)
-    print(f"\n{case}: logits {errs['logits']:.2e}  loss {errs['loss']:.2e}  "
+    print(f"\n{case} (mlp tile {mlp_tile}): logits {errs['logits']:.2e}  loss {errs['loss']:.2e}  "
           f"max grad {errs[grad_worst]:.2e} ({grad_worst})")
     assert errs[worst] <= TOL, {n: e for n, e in errs.items() if e > TOL}
     assert all(hf_grads[n].abs().max() > 0 for n in hf_grads)  # no parameter left untested by a zero gradient

@@ -33,6 +33,7 @@ KNOB_VALUES = {
     "gpu_checkpoints": [0, 1],
     "compute_dtype": ["bf16", "fp32"],
     "loss_chunk_tokens": [2048, 64],
+    "mlp_tile_tokens": [None, 0, 64, 4096],
     "state_buffers": [None, 1, 2],
     "state_lookahead": [None, 0, 2],
     "retain_grads": [0, 1],
@@ -50,7 +51,7 @@ def same_setting(knobs: ScheduleKnobs, name: str, value) -> bool:
     explicit = here if value is None else value
     p = resolve(DEBUG, 4, 64, dataclasses.replace(knobs, **{name: None}))
     default = {"gpu_optimizer_fraction": DEFAULT_GPU_FRACTION, "state_buffers": p.state_buffers,
-               "state_lookahead": p.state_lookahead}[name]
+               "state_lookahead": p.state_lookahead, "mlp_tile_tokens": p.mlp_tile_tokens}[name]
     return explicit == default
 
 
@@ -66,7 +67,8 @@ def fingerprint(knobs: ScheduleKnobs) -> tuple[str, tuple[str, ...]] | None:
     # What the interpreters read from the placement; the rest of it (ring size, recompute block, micro-batches,
     # state buffers and lookahead) only shapes the tasks and queues, which are compared whole.
     runs = {k: placement[k] for k in ("units", "buffers", "checkpoint_layers", "offloaded_checkpoints", "weight_wire",
-                                      "grad_wire", "compute_dtype", "layer_kernel", "clip_max_norm")}
+                                      "grad_wire", "compute_dtype", "layer_kernel", "clip_max_norm",
+                                      "mlp_tile_tokens")}
     runs["loss_chunk"] = min(placement["loss_chunk_tokens"], program.placement.tokens_per_micro)
     fields = {k: d[k] for k in ("tasks", "streams", "memory")}
     return json.dumps([fields, runs], sort_keys=True), program.placement.notes

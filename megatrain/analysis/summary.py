@@ -246,7 +246,7 @@ def gpu_memory_curve(timeline: pd.DataFrame, program: Program, step: int | None 
     mem, placement, spec = program.memory, program.placement, program.model
     act = placement.tokens_per_micro * spec.hidden_size * placement.wire_bytes("compute_dtype")
     start, end = dict(zip(df["task"], df["start_s"])), dict(zip(df["task"], df["end_s"]))
-    events = [(0.0, 1, mem.buffers_bytes)]
+    events = [(0.0, 1, mem.buffers_bytes + mem.rope_bytes)]  # buffers and RoPE tables: the whole step
 
     def at(table, tid, sign, nbytes, order):
         if tid in table:

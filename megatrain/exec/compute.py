@@ -3,7 +3,7 @@
 Weights are bound to the layer functions as views of the buffer (`UnitLayout.views`); when the wire dtype differs
 from the compute dtype the flat weights are cast once per task (the one copy). Gradients of all micro-batches
 accumulate in the buffer's fp32 area, zeroed by micro-batch 0. The decoder layer runs eager or compiled, as the
-placement's `layer_kernel` says.
+placement's `layer_kernel` says, with its norm + MLP half in tiles of `mlp_tile_tokens` at long sequences.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class LayerCompute:
         self.spec, self.store, self.buffers, self.acts = p.model, store, buffers, acts
         self.compute_dtype = TORCH_DTYPES[p.compute_dtype]
         self.loss_chunk_tokens = p.loss_chunk_tokens
-        self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled")
+        self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled",
+                                                                      p.mlp_tile_tokens)
         self.batch: StepBatch | None = None
         self.loss_sums: dict[int, torch.Tensor] = {}
 

@@ -8,6 +8,11 @@ used, and that cast is the only copy.
 The math follows transformers' `LlamaDecoderLayer` op for op (pre-norm, RMSNorm in fp32, rotate-half RoPE,
 SDPA causal attention, SwiGLU), so that in fp32 our outputs match HF's to matmul rounding.
 
+At long sequences the post-attention half (RMSNorm + SwiGLU) runs in sequence tiles (`mlp_tile_tokens`): its
+(B, T, ffn) intermediates exist for one tile at a time, in the forward and in the backward (`TiledNormMLP`, which
+saves only its input and recomputes each tile in its backward). Attention goes through SDPA with `is_causal=True`
+and no mask, which on CUDA in bf16 is the flash kernel: O(T) memory, no (T, T) tensor.
+
 `layer_backward` is the local backward of the streaming executor: it recomputes the layer once from its
 checkpointed input with the slot views as autograd leaves, takes `torch.autograd.grad`, and lets the graph die
 before it returns. Forward (1x) + recompute (1x) + backward (2x) = 4 forward-equivalents = 8N FLOPs per token.
@@ -71,11 +76,76 @@ def mlp(w: Mapping[str, Tensor], h: Tensor) -> Tensor:
     return _linear(F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj"), w, "mlp.down_proj")
 
 
-def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec) -> Tensor:
+_MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                "mlp.down_proj.weight")
+
+
+def norm_mlp(w: Mapping[str, Tensor], h: Tensor, eps: float) -> Tensor:
+    """The post-attention half of a layer without its residual: mlp(rms_norm(h)). (..., d) -> (..., d)."""
+    return mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+
+
+class TiledNormMLP(torch.autograd.Function):
+    """`norm_mlp` over tiles of `tile` tokens, saving only its input h for the backward.
+
+    Forward: each tile's output is computed without a graph. Backward: each tile is recomputed under autograd and
+    differentiated at once, so only one tile's (tile, ffn) intermediates exist at a time (a loop over tiles inside
+    autograd would save every tile's). The norm is per token and the matmuls are per row, so the outputs equal the
+    untiled ones to matmul rounding; weight gradients are summed over tiles in fp32 and returned in the weights'
+    dtype, as one matmul over all tokens would give them. Costs one more forward of the MLP per backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor, eps: float, tile: int, *weights: Tensor) -> Tensor:
+        ctx.eps, ctx.tile = eps, tile
+        ctx.save_for_backward(h, *weights)
+        w = dict(zip(_MLP_WEIGHTS, weights))
+        hf = h.reshape(-1, h.shape[-1])  # (N, d) tokens of every sequence: the math is per token
+        out = torch.empty_like(hf)
+        for s in range(0, hf.shape[0], tile):
+            out[s:s + tile] = norm_mlp(w, hf[s:s + tile], eps)  # (n, d) through (n, ffn)
+        return out.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        h, *weights = ctx.saved_tensors
+        hf, gf = h.reshape(-1, h.shape[-1]), grad_out.reshape(-1, h.shape[-1])  # (N, d)
+        grad_h = torch.empty_like(hf)
+        acc = [torch.zeros(wt.shape, dtype=torch.float32, device=wt.device) for wt in weights]
+        for s in range(0, hf.shape[0], ctx.tile):
+            with torch.enable_grad():
+                x = hf[s:s + ctx.tile].detach().requires_grad_()
+                leaves = [wt.detach().requires_grad_() for wt in weights]  # same storage, no copy
+                y = norm_mlp(dict(zip(_MLP_WEIGHTS, leaves)), x, ctx.eps)  # (n, d); the tile's graph
+                gx, *gw = torch.autograd.grad(y, [x, *leaves], gf[s:s + ctx.tile])
+            grad_h[s:s + ctx.tile] = gx
+            for a, g in zip(acc, gw):
+                a.add_(g)  # fp32 sum over tiles
+        return grad_h.view_as(h), None, None, *(a.to(wt.dtype) for a, wt in zip(acc, weights))
+
+
+def post_attention(w: Mapping[str, Tensor], h: Tensor, spec: ModelSpec, mlp_tile_tokens: int = 0) -> Tensor:
+    """h + mlp(rms_norm(h)) for the residual stream h (B, T, d); in tiles of `mlp_tile_tokens` tokens when that is
+    positive and below the B*T tokens of h (`TiledNormMLP`), else in one piece."""
+    eps = spec.rms_norm_eps
+    if not 0 < mlp_tile_tokens < h.shape[0] * h.shape[1]:
+        return h + norm_mlp(w, h, eps)
+    return h + _tiled_norm_mlp(h, eps, mlp_tile_tokens, *(w[n] for n in _MLP_WEIGHTS))
+
+
+# In the compiled layer this part runs eagerly (a graph break): dynamo does not trace autograd.grad in a backward.
+@torch.compiler.disable
+def _tiled_norm_mlp(h: Tensor, eps: float, tile: int, *weights: Tensor) -> Tensor:
+    return TiledNormMLP.apply(h, eps, tile, *weights)
+
+
+def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
+                  mlp_tile_tokens: int = 0) -> Tensor:
     """One pre-norm decoder layer: x (B, T, d) -> (B, T, d) in x.dtype.
 
     w: HF local names -> weight views (any float dtype; cast to x.dtype at use). cos/sin: (T, head_dim) tables
-    from `rope_cos_sin` in x.dtype (or castable to it).
+    from `rope_cos_sin` in x.dtype (or castable to it). mlp_tile_tokens > 0: the norm + MLP half in tiles of that
+    many tokens (`post_attention`); 0: in one piece.
     """
     if x.dim() != 3 or x.shape[-1] != spec.hidden_size:
         raise ValueError(f"decoder_layer expects x of shape (B, T, {spec.hidden_size}), got {tuple(x.shape)}")
@@ -84,7 +154,7 @@ def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, 
                          f"head_dim={spec.head_dim}): build them with rope_cos_sin(spec, T, ...)")
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     h = x + attention(w, rms_norm(x, w["input_layernorm.weight"], spec.rms_norm_eps), cos, sin, spec)
-    return h + mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps))
+    return post_attention(w, h, spec, mlp_tile_tokens)
 
 
 def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
@@ -120,9 +190,14 @@ def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor,
 _compiled_layer: LayerFn | None = None
 
 
-def layer_functions(compiled: bool) -> tuple[LayerFn, LayerFn]:
-    """(forward, local backward) of a decoder layer: eager, or compiled (`compiled_layer_functions`)."""
-    return compiled_layer_functions() if compiled else (decoder_layer, layer_backward)
+def layer_functions(compiled: bool, mlp_tile_tokens: int = 0) -> tuple[LayerFn, LayerFn]:
+    """(forward, local backward) of a decoder layer: eager, or compiled (`compiled_layer_functions`), with the
+    norm + MLP half in tiles of `mlp_tile_tokens` tokens (0: untiled)."""
+    forward, backward = compiled_layer_functions() if compiled else (decoder_layer, layer_backward)
+    if not mlp_tile_tokens:
+        return forward, backward
+    tiled = partial(forward, mlp_tile_tokens=mlp_tile_tokens)
+    return tiled, partial(layer_backward, layer=tiled)
 
 
 def compiled_layer_functions() -> tuple[LayerFn, LayerFn]:

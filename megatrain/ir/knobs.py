@@ -50,6 +50,9 @@ refuses combinations that conflict or where a knob would change nothing); each k
     resident_layers    r: the same for decoder layers 0..r-1 (the last gradients to land, the first weights needed)
     compute_dtype      "bf16" | "fp32": the layers' math and the activations (checkpoints in this dtype)
     loss_chunk_tokens  tokens per chunk of the fused head + loss (the fp32 logits of one chunk live at once)
+    mlp_tile_tokens    tokens per tile of the layer's norm + MLP half (its (tokens, ffn) intermediates live for one
+                       tile at a time, forward and backward; one more MLP forward per backward); 0 = untiled;
+                       unset = tiles of 8192 tokens when a micro-batch has more than 32768 tokens, else untiled
     compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
                        residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
                        setting so that the simulator has compiled compute tables
@@ -84,6 +87,7 @@ class ScheduleKnobs:
     gpu_checkpoints: int = 0
     compute_dtype: str = "bf16"
     loss_chunk_tokens: int = 2048
+    mlp_tile_tokens: int | None = None  # unset: chosen from the tokens per micro-batch (resolve.mlp_tile)
     state_buffers: int | None = None  # GPU updates on streamed state only (default 2)
     state_lookahead: int | None = None  # overlap-split, or arrival-split with retain_grads (default 1)
     retain_grads: int = 0
@@ -101,7 +105,7 @@ class ScheduleKnobs:
                                       ("micro_batches", 1, False), ("loss_chunk_tokens", 1, False),
                                       ("state_buffers", 1, True), ("state_lookahead", 0, True),
                                       ("retain_grads", 0, False), ("gpu_checkpoints", 0, False),
-                                      ("resident_layers", 0, False)):
+                                      ("resident_layers", 0, False), ("mlp_tile_tokens", 0, True)):
             value = getattr(self, name)
             if optional and value is None:
                 continue

@@ -14,7 +14,8 @@ them twice for the shared matrix (the head streams its own copy). Pinned: what D
 GPU updates on streamed state.
 
 GPU bytes: the placement's buffer table (weight ring, embedding and head, state, kept-gradient and resident
-buffers), the activation checkpoints, and the larger of one layer's working set and the head's logits chunk.
+buffers), the activation checkpoints, the RoPE tables, and the larger of one layer's working set (its recompute +
+backward, what autograd and the kernels hold at the peak) and the fused head + loss.
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ RUNTIME_OVERHEAD_BYTES = {"cuda": int(1.5 * GiB), "cpu": int(0.5 * GiB)}
 
 @dataclass(frozen=True)
 class GpuMemoryPlan:
-    """GPU bytes a Program needs: its buffers (by name), checkpoints, the working set of one task, head logits."""
+    """GPU bytes a Program needs: its buffers (by name), checkpoints, the working set of one task, head logits,
+    and the RoPE tables of the step."""
 
     slot_bytes: dict[str, int]
     checkpoint_bytes: int
-    working_bytes: int
-    logits_bytes: int
+    working_bytes: int  # the layer phase: the peak of one layer's recompute + backward (`layer_working_set`)
+    logits_bytes: int  # the head phase: fused head + loss (`head_working_set`)
+    rope_bytes: int = 0  # cos and sin, (seq, head_dim) each in the compute dtype, for the whole step
 
     @property
     def buffers_bytes(self) -> int:
@@ -52,30 +55,86 @@ class GpuMemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        return self.buffers_bytes + self.checkpoint_bytes + max(self.working_bytes, self.logits_bytes)
+        return (self.buffers_bytes + self.checkpoint_bytes + self.rope_bytes
+                + max(self.working_bytes, self.logits_bytes))
+
+
+def layer_working_set(p: Placement) -> dict[str, int]:
+    """GPU bytes of one layer's BACKWARD task (recompute from its checkpoint + local backward), at the moments that
+    can be the peak, beyond the buffers, the checkpoints and the RoPE tables. Per micro-batch of n tokens, a = bytes
+    of the compute dtype, what the recompute saves for the backward (eager layer, `exec.layers`):
+
+    - each RMSNorm: an fp32 copy of its input (4d per token; none in fp32, where the input itself is kept), the
+      normalized value and the scaled output (a*d each);
+    - SDPA (flash on CUDA): the rotated q and k, v and its output (a*(2q + 2kv)), fp32 logsumexp (4 per head);
+      RoPE's products save only the tables, not q and k;
+    - the MLP untiled: gate, silu(gate), up and their product (4a*ffn); tiled: only its input h (a*d);
+    - around the call: the layer's output (alive until autograd.grad returns) and the incoming gradient (a*d each).
+
+    Moments: "mlp" = the MLP's backward (untiled: at the product's backward, the gradients of the product, silu and
+    up exist while the product is released: 6a*ffn; tiled: the full-length gradient of h plus one tile recomputed
+    and differentiated); "attention" = the flash backward after the MLP's saved tensors are released: the
+    accumulated gradient of h and of the attention output (a*d, a*q), the kernel's fp32 dq accumulator (4q) and
+    softmax sums (4 per head), dq, dk, dv, and with grouped KV heads dk and dv expanded to every query head
+    (2a*q). Each adds the layer's weights cast to the compute dtype (when the weight wire differs) and the weight
+    gradients autograd returns (a per parameter), and the tiled MLP its fp32 weight-gradient sums.
+    """
+    spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, f, q, kv, nh = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim, spec.num_heads
+    upcast = 4 * d if a < 4 else 0
+    norm = upcast + 2 * a * d  # per token, saved by one RMSNorm and the projections after it
+    attn = a * (2 * q + 2 * kv) + 4 * nh
+    around = 2 * a * d  # the layer output and the gradient coming in
+    weights = spec.layer_params * (a + (a if p.weight_wire != p.compute_dtype else 0))
+    if p.mlp_tile_tokens:
+        t = p.mlp_tile_tokens
+        tile = t * (norm + 2 * a * d + 6 * a * f)  # the tile's norm, output and gradient, MLP at its product's backward
+        mlp = n * (norm + attn + around + 2 * a * d) + tile + 4 * (3 * d * f + d)  # + h, its gradient; fp32 sums
+    else:
+        mlp = n * (2 * norm + attn + around + 6 * a * f)
+    gqa_expand = 2 * a * q if spec.num_kv_heads != spec.num_heads else 0
+    flash = 4 * q + 4 * nh + gqa_expand + a * (q + 2 * kv)
+    attention = n * (norm + attn + around + a * d + a * q + flash)
+    return {"mlp": mlp + weights, "attention": attention + weights}
+
+
+def head_working_set(p: Placement) -> int:
+    """GPU bytes of the fused head + loss (`exec.head.head_loss_backward`) beyond the buffers and checkpoints: the
+    final hidden states and their gradient (n x d each), lm_head cast to the compute dtype (when the wire differs),
+    and per chunk of c tokens what the final norm saves for its backward (as a layer's norm) plus the larger of
+    fp32 logits with logsumexp's fp32 temporary (8cV) and, later, the softmax gradient with its compute-dtype copy
+    (4cV + a*cV) and the (V, d) lm_head gradient product when it is added into the fp32 area from another dtype."""
+    spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, V = spec.hidden_size, spec.vocab_size
+    c = min(p.loss_chunk_tokens, n)
+    lm_cast = V * d * a if p.weight_wire != p.compute_dtype else 0
+    product = V * d * a if a != 4 else 0
+    norm = c * ((4 * d if a < 4 else 0) + 2 * a * d)
+    chunk = norm + max(8 * c * V, (4 + a) * c * V + product)
+    return 2 * n * d * a + lm_cast + chunk
 
 
 def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
-    """GPU bytes of a step: the buffers, the checkpointed activations, and the larger of a layer's working set
-    and the head's logits chunk.
+    """GPU bytes of a step: the buffers, the checkpointed activations, the RoPE tables, and the larger of a layer's
+    working set and the head's.
 
     - checkpoints: the input of every r-th layer for every micro-batch, in the compute dtype; of the offloaded
       ones only two blocks' worth are on the GPU at a time (one coming back, one being consumed);
-    - working set of a layer's recompute + backward (per micro-batch, r layers deep): inputs of the norms,
-      q/k/v, attention output, the MLP's gate/up/activation, and the gradient flowing down (estimated from the
-      tensors autograd saves; the measured peak is the check);
-    - head: fp32 logits, their softmax and gradient for one chunk of `loss_chunk_tokens` tokens.
+    - layer working set (`layer_working_set`): the larger of its moments, plus the inner inputs of a recompute
+      block rebuilt by RECOMPUTE ((r - 1) per micro-batch) and the activation gradients of the other micro-batches;
+    - head (`head_working_set`), plus the other micro-batches' hidden states.
+    The measured peak is the check (scripts/longseq_memory.py, docs/benchmarks.md).
     """
     spec, act, tokens_mb = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
-    d, f = spec.hidden_size, spec.intermediate_size
+    d, M = spec.hidden_size, p.micro_batches
     offloaded = len(p.offloaded_checkpoints)
     n_checkpoints = len(p.checkpoint_layers) - offloaded + min(offloaded, 2)
-    checkpoint = n_checkpoints * p.micro_batches * tokens_mb * d * act
-    per_layer_saved = tokens_mb * (6 * d + 2 * (spec.q_dim + spec.kv_dim) + 4 * f) * act
-    working = p.recompute_block * per_layer_saved + 2 * tokens_mb * d * 4  # + fp32 activation gradient in and out
-    chunk = min(p.loss_chunk_tokens, tokens_mb)
-    logits = 3 * chunk * spec.vocab_size * 4
-    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, logits)
+    checkpoint = n_checkpoints * M * tokens_mb * d * act
+    activation = tokens_mb * d * act  # one (tokens, d) activation of a micro-batch
+    working = max(layer_working_set(p).values()) + ((p.recompute_block - 1) * M + M - 1) * activation
+    head = head_working_set(p) + (M - 1) * activation
+    rope = 2 * p.seq * spec.head_dim * act
+    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope)
 
 
 @dataclass(frozen=True)
@@ -262,7 +321,9 @@ def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
         if group:
             rows.append((f"{what} ({len(group)} x {labels[kind]})", sum(b.nbytes for b in group)))
     rows.append(("activation checkpoints", g.checkpoint_bytes))
-    which = "layer working set" if g.working_bytes >= g.logits_bytes else "head logits chunk"
+    rows.append(("RoPE tables (cos, sin)", g.rope_bytes))
+    tiles = f", MLP tiles of {p.mlp_tile_tokens}" if p.mlp_tile_tokens else ""
+    which = f"layer{tiles}" if g.working_bytes >= g.logits_bytes else "head + loss chunk"
     rows.append((f"working set (the larger: {which})", max(g.working_bytes, g.logits_bytes)))
     return rows
 
@@ -281,6 +342,6 @@ def format_plan(plan: MemoryPlan) -> str:
     for label, b in gpu_rows(plan):
         out.append(f"  {label:<54}{b / GiB:>10.2f}")
     out.append(f"  {'peak (the sum of the rows)':<54}{g.peak_bytes / GiB:>10.2f}")
-    out.append(f"  {'  (layer working set / head logits chunk)':<54}{g.working_bytes / GiB:>5.2f} / "
+    out.append(f"  {'  (layer working set / head + loss)':<54}{g.working_bytes / GiB:>5.2f} / "
                f"{g.logits_bytes / GiB:.2f}")
     return "\n".join(out)

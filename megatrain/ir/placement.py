@@ -121,6 +121,7 @@ class Placement:
     layer_kernel: str  # "eager" | "compiled" (torch.compile of the decoder layer)
     clip_max_norm: float | None  # exact global-norm clipping at this norm; None: no global norm is taken
     loss_chunk_tokens: int  # tokens per chunk of the fused head + loss
+    mlp_tile_tokens: int = 0  # tokens per tile of the layers' norm + MLP half; 0 = untiled
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
     _by_unit: dict = field(default=None, init=False, repr=False, compare=False)
 
@@ -199,7 +200,8 @@ class Placement:
             clip += " (speculative: updates run as gradients land, redone when the norm exceeds it)"
         lines = [
             f"timing {self.timing.value}; clip {clip}; layer kernel {self.layer_kernel}; wires weight "
-            f"{self.weight_wire} / grad {self.grad_wire}; compute {self.compute_dtype}",
+            f"{self.weight_wire} / grad {self.grad_wire}; compute {self.compute_dtype}"
+            + (f"; MLP in tiles of {self.mlp_tile_tokens} tokens" if self.mlp_tile_tokens else ""),
             f"updates on the host: {units_of(lambda u: u.update is UpdateSite.HOST)}",
             f"updates on the GPU, streamed state: {units_of(lambda u: u.update is UpdateSite.GPU_STREAMED)}"
             f" (gradients kept on the GPU: {units_of(lambda u: u.grads is GradLanding.GPU_KEPT)})",
@@ -225,7 +227,8 @@ class Placement:
                          "nbytes": b.nbytes} for b in self.buffers],
             "weight_wire": self.weight_wire, "grad_wire": self.grad_wire, "compute_dtype": self.compute_dtype,
             "layer_kernel": self.layer_kernel, "clip_max_norm": self.clip_max_norm,
-            "loss_chunk_tokens": self.loss_chunk_tokens, "notes": list(self.notes),
+            "loss_chunk_tokens": self.loss_chunk_tokens, "mlp_tile_tokens": self.mlp_tile_tokens,
+            "notes": list(self.notes),
         }
 
     @classmethod

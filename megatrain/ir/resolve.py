@@ -50,6 +50,11 @@ FRACTION_RULES = ("first", "spread", "top-spread")  # the rules gpu_optimizer_fr
 DEFAULT_GPU_FRACTION = 0.5
 DEFAULT_STATE_BUFFERS = 2
 DEFAULT_STATE_LOOKAHEAD = 1
+# mlp_tile_tokens unset: a micro-batch of more than AUTO_MLP_TILE_ABOVE tokens runs its MLP in tiles of
+# AUTO_MLP_TILE tokens (up to there the (tokens, ffn) intermediates are small next to the rest; tiles of 8192 rows
+# keep the matmuls as efficient as whole ones).
+AUTO_MLP_TILE_ABOVE = 32768
+AUTO_MLP_TILE = 8192
 
 
 def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Placement:
@@ -78,6 +83,7 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
     if k.loss_chunk_tokens > tokens_mb:
         notes.append(f"loss_chunk_tokens={k.loss_chunk_tokens} is above the {tokens_mb} tokens of a micro-batch: "
                      "the loss runs in one chunk")
+    mlp_tile_tokens = mlp_tile(k, tokens_mb, notes)
     placement = Placement(
         model=spec, batch=batch, seq=seq, timing=timing, units=units, ring_buffers=ring_buffers,
         recompute_block=recompute_block, micro_batches=k.micro_batches, checkpoint_layers=checkpoint_layers,
@@ -85,7 +91,7 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
         state_lookahead=DEFAULT_STATE_LOOKAHEAD if k.state_lookahead is None else k.state_lookahead,
         buffers=(), weight_wire=k.weight_wire, grad_wire=k.grad_wire, compute_dtype=k.compute_dtype,
         layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
-        loss_chunk_tokens=k.loss_chunk_tokens, notes=tuple(notes))
+        loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes))
     object.__setattr__(placement, "buffers", gpu_buffers(placement))
     return placement
 
@@ -203,6 +209,17 @@ def _unit_placement(unit: int, resident: list[int], gpu_layers: list[int], kept:
         grads = GradLanding.GPU_KEPT if unit in kept else GradLanding.HOST
         return UnitPlacement(unit, UpdateSite.GPU_STREAMED, grads, state_of[unit])
     return UnitPlacement(unit, UpdateSite.HOST, GradLanding.HOST)
+
+
+def mlp_tile(k: ScheduleKnobs, tokens_mb: int, notes: list[str]) -> int:
+    """Tokens per tile of the layer's norm + MLP half (0: untiled): the knob, or chosen from the micro-batch."""
+    if k.mlp_tile_tokens is None:
+        return AUTO_MLP_TILE if tokens_mb > AUTO_MLP_TILE_ABOVE else 0
+    if k.mlp_tile_tokens >= tokens_mb:
+        notes.append(f"mlp_tile_tokens={k.mlp_tile_tokens} is not below the {tokens_mb} tokens of a micro-batch: "
+                     "the MLP runs in one piece")
+        return 0
+    return k.mlp_tile_tokens
 
 
 def _offloaded_checkpoints(k: ScheduleKnobs, checkpoint_layers: tuple[int, ...]) -> tuple[int, ...]:

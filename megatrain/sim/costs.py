@@ -64,15 +64,18 @@ class CostModel:
         tables = self._tables(task.kind, uclass)
         seq = self.program.seq
         if tables:
+            extra = 1.0  # work the profiled task did not do (the tiled MLP's recompute in a backward) scales it up
+            if self.placement.mlp_tile_tokens and task.kind == "B" and task.unit >= 0:
+                extra = task.flops / self.spec.task_flops(task.kind, task.unit, task.tokens / seq, seq)
             exact = [t for t in tables if t.seq == seq]
             if exact:
-                return exact[0].at(task.tokens)
+                return exact[0].at(task.tokens) * extra
             # Nearest measured sequence length, rescaled by the analytic FLOPs at the two lengths (attention
             # grows with seq, the matmuls do not).
             t = min(tables, key=lambda t: (abs(t.seq - seq), t.seq))
             here = self.spec.unit_forward_flops(task.unit, task.tokens / seq, seq)
             there = self.spec.unit_forward_flops(task.unit, task.tokens / t.seq, t.seq)
-            return t.at(task.tokens) * (here / there if there else 1.0)
+            return t.at(task.tokens) * (here / there if there else 1.0) * extra
         if task.flops > 0:
             return task.flops / (p.matmul_rate(self.dtype) * p.efficiency[uclass])
         # Embedding gather (forward) / scatter-add (backward): activations read and written, fp32 gradient.
