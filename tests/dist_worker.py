@@ -1,0 +1,63 @@
+"""One rank of a data-parallel CPU run (gloo), started by tests/test_dist_cpu.py as a subprocess with torchrun's
+environment variables. Trains the debug model on the test's global batches and writes, on rank 0, the losses and
+the gathered parameters to the output path. `--fail raise|sleep` makes rank 1 break during its second step."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from megatrain.dist.world import World
+from megatrain.exec.optim import AdamWConfig
+from megatrain.ir.knobs import knobs_for
+from megatrain.presets import PRESETS
+from megatrain.training.trainer import StreamedTrainer
+
+SPEC = PRESETS["debug"].with_layers(3)
+GLOBAL_BATCH, SEQ = 4, 16
+
+
+def batches(steps: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ), generator=gen)
+        targets = torch.roll(ids, -1, 1)
+        targets[:, -1] = -100
+        targets[0, :5] = -100  # rows with different numbers of valid tokens: the loss needs the global count
+        yield ids, targets
+
+
+def trainer(schedule: str, clip: float, micro: int, world: World, timeout_s: float = 30.0) -> StreamedTrainer:
+    knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="fp32", clip=clip, micro_batches=micro)
+    return StreamedTrainer(SPEC, knobs, optim=AdamWConfig(lr=1e-2, weight_decay=0.1), backend="cpu",
+                           timeout_s=timeout_s, seed=3, world=world)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schedule", default="overlap")
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fail", choices=["raise", "sleep"])
+    ap.add_argument("--timeout", type=float, default=30.0)
+    a = ap.parse_args()
+    world = World.from_env("cpu", timeout_s=a.timeout)
+    tr = trainer(a.schedule, a.clip, 1, world, a.timeout)
+    if a.fail and world.rank == 1:
+        fail = {"raise": _raise, "sleep": lambda t: time.sleep(3600)}[a.fail]
+        work = tr.program(GLOBAL_BATCH // world.size, SEQ) and tr._work
+        work.handlers["F"] = lambda t, f=work.handlers["F"]: fail(t) if t.unit == 1 else f(t)
+    losses = [tr.step(ids, targets).loss for ids, targets in batches(a.steps)]
+    tiles = tr.tiles()
+    if world.rank == 0:
+        torch.save({"losses": losses, "tiles": tiles}, a.out)
+
+
+def _raise(t):
+    raise RuntimeError(f"injected failure in {t.id}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Data parallelism on the CPU backend: two processes with gloo train like one process with two micro-batches of
+the same global batch (the reference is the one-GPU path, itself tested against a plain PyTorch loop in
+test_exec_training.py), and a rank that fails or hangs stops the other within the timeout."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.dist.world import World
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.program import lower
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+LOSS_TOL = 1e-6  # relative, per step
+MOVE_TOL = 1e-5  # ||p - p_ref|| / ||p_ref - p_0||
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0) -> list[subprocess.CompletedProcess]:
+    """Start `world` ranks of tests/dist_worker.py as torchrun would; wait for all (with a timeout)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist_worker.py"), "--out",
+                               str(tmp_path / "out.pt"), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def reference(schedule: str, clip: float, steps: int):
+    """One process, two micro-batches of the same global batches."""
+    tr = dist_worker.trainer(schedule, clip, 2, World())
+    losses = [tr.step(ids, targets).loss for ids, targets in dist_worker.batches(steps)]
+    return losses, tr.tiles()
+
+
+def initial():
+    return dist_worker.trainer("overlap", 0.0, 1, World()).tiles()
+
+
+@pytest.mark.parametrize("schedule,clip", [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0)])
+def test_two_ranks_train_like_one_process_with_two_micro_batches(tmp_path, schedule, clip):
+    steps = 4
+    runs = launch(tmp_path, "--schedule", schedule, "--clip", str(clip), "--steps", str(steps))
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    ref_losses, ref_tiles = reference(schedule, clip, steps)
+    init = initial()
+    errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses)]
+    assert max(errs) <= LOSS_TOL, f"losses differ by up to {max(errs):.1e}: {got['losses']} vs {ref_losses}"
+    diff2 = sum((got["tiles"][u].double() - ref_tiles[u].double()).square().sum().item() for u in ref_tiles)
+    moved2 = sum((ref_tiles[u].double() - init[u].double()).square().sum().item() for u in ref_tiles)
+    assert moved2 > 0
+    assert (diff2 / moved2) ** 0.5 <= MOVE_TOL, f"parameters differ by {(diff2 / moved2) ** 0.5:.1e} of movement"
+
+
+@pytest.mark.parametrize("fail", ["raise", "sleep"])
+def test_a_failing_or_hanging_rank_stops_the_other_with_the_task_named(tmp_path, fail):
+    runs = launch(tmp_path, "--fail", fail, "--timeout", "8", "--steps", "3", timeout=120)
+    assert all(r.returncode != 0 for r in runs), [r.returncode for r in runs]
+    assert "injected failure in F1.0" in runs[1].stderr or fail == "sleep", runs[1].stderr[-3000:]
+    assert "running F1.0" in runs[1].stderr or fail == "raise", runs[1].stderr[-3000:]  # its own hung task
+    last = runs[0].stderr.strip().splitlines()[-1]  # rank 0: the collective it was stuck in, by name
+    assert "ExecError" in last and "comm: running" in last or "on stream comm" in last, last
+
+
+def test_collectives_are_tasks_of_the_program():
+    spec = dist_worker.SPEC
+    prog = lower(build_schedule(spec, 2, 16, "overlap", world=2))
+    comm = prog.streams["comm"]
+    assert {prog.tasks[t].kind for t in comm} == {"G", "Z"}
+    for t in prog.tasks.values():  # every compute task reads a slot the all-gather completed
+        if t.kind in "FRB":
+            assert any(prog.tasks[w].kind == "G" for w in t.waits), t
+    one = lower(build_schedule(spec, 2, 16, "overlap"))
+    assert "comm" not in one.streams and one.placement.world == 1
+    with pytest.raises(ScheduleError, match="updates on the host only"):
+        build_schedule(spec, 2, 16, "gpu-adam", world=2)
