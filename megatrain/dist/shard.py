@@ -14,6 +14,7 @@ import torch
 
 from ..exec.backend import Backend
 from ..exec.store import HostStore
+from ..init import init_unit
 from ..ir.collectives import shard_numel
 from ..ir.placement import HostLayout
 from ..spec import ModelSpec
@@ -66,6 +67,14 @@ class ShardedHostStore(HostStore):
         master[:valid].copy_(full[lo:lo + valid])
         master[valid:].zero_()
         self.refresh_stream(unit)
+
+    def init_slices(self, seed: int, std: float = 0.02) -> None:
+        """The seeded init of every unit (megatrain/init.py), drawn whole one unit at a time, keeping this rank's
+        slice: the same weights as a one-GPU run of the same seed."""
+        for unit in self.units:
+            full = torch.empty(self.layouts[unit].numel)
+            init_unit(self.spec, unit, full, seed, std)
+            self.load_slice(unit, full)
 
     def full_tile(self, unit: int) -> torch.Tensor:
         """The unit's full fp32 tile, gathered from every rank (call it on every rank)."""

@@ -26,7 +26,7 @@ from ..exec.runtime import Runtime
 from ..exec.store import HostStore
 from ..exec.work import StepWork
 from ..dist.world import World
-from ..init import init_into, init_unit
+from ..init import init_into
 from ..ir.builders import build_schedule
 from ..ir.knobs import ScheduleKnobs, knobs_for
 from ..ir.program import Program, lower
@@ -93,10 +93,7 @@ class StreamedTrainer:
         # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,
         # with init=False, zeros for the caller to fill (`store.master(unit)`, then `store.refresh_stream(unit)`).
         if tiles is None and init and self.world.distributed:  # one unit at a time, keeping this rank's slice
-            for unit in spec.units():
-                full = torch.empty(self.store.layouts[unit].numel)
-                init_unit(spec, unit, full, seed)
-                self.store.load_slice(unit, full)
+            self.store.init_slices(seed)
         elif tiles is None and init:
             init_into(spec, self.store.master, seed)
             for unit in spec.units():
