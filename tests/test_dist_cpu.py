@@ -127,3 +127,41 @@ def test_torchrun_train_equals_one_process_accumulating_the_same_batches(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dp", "one"]
     errs = [abs(a - b) / abs(b) for a, b in zip(dp, one)]
     assert len(dp) == 3 and max(errs) <= LOSS_TOL, (dp, one)
+
+
+def test_the_planner_predicts_each_ranks_host_store():
+    """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate."""
+    from megatrain.dist.shard import ShardedHostStore
+    from megatrain.ir.collectives import for_world, rank_host_plan
+    from megatrain.ir.knobs import knobs_for
+    from megatrain.ir.resolve import resolve
+
+    spec, knobs = dist_worker.SPEC, knobs_for("arrival", clip=0.0, grad_wire="bf16")
+    p = for_world(resolve(spec, 2, 16, knobs), 2)
+    plan = rank_host_plan(p, backend="cpu")
+    one = rank_host_plan(resolve(spec, 2, 16, knobs), backend="cpu")
+    for rank in range(2):
+        store = ShardedHostStore(spec, p.host_layout, World(rank=rank, size=2))
+        got = store.bytes_by_component()
+        assert {k: v for k, v in plan.components.items() if k in got} == got
+        assert sum(store.master(u).numel() for u in store.units) * 2 >= spec.num_params
+    assert plan.store_bytes < 0.6 * one.store_bytes  # half the model per rank, plus page padding
+
+
+def test_the_simulator_runs_a_ranks_program_with_its_share_of_the_host():
+    """One rank's Program: collectives on the comm stream take at least their latency, and a rank's update of
+    half a unit at half the node's AdamW rate takes as long as one process's update of the whole unit (the
+    measured node rate does not grow with ranks)."""
+    from megatrain.ir.knobs import knobs_for
+    from megatrain.sim import simulate
+    from megatrain.sim.collectives import DEFAULTS
+
+    spec = dist_worker.SPEC.with_layers(2)
+    knobs = knobs_for("serial", clip=0.0)
+    one = simulate(lower(build_schedule(spec, 2, 64, knobs)), "h200").timeline.set_index("task")
+    two = simulate(lower(build_schedule(spec, 2, 64, knobs, world=2)), "h200").timeline.set_index("task")
+    comm = two[two.stream == "comm"]
+    assert set(comm.kind) == {"G", "Z"}
+    assert ((comm.end_s - comm.start_s) >= DEFAULTS["G"]["latency_s"]).all()
+    d1, d2 = (one.end_s - one.start_s)["U0"], (two.end_s - two.start_s)["U0"]
+    assert d2 == pytest.approx(d1, rel=0.05)

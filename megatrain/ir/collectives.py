@@ -61,6 +61,7 @@ def add_collectives(sg: StepGraph) -> None:
     p, g = sg.placement, sg.graph
     if p.world <= 1:
         return
+    _rank_slices(sg)
     for fill in [t for t in g.nodes if t.kind is TaskKind.PREFETCH]:
         a = g.nodes[fill]
         n = p.model.unit_params(fill.unit)
@@ -82,6 +83,19 @@ def add_collectives(sg: StepGraph) -> None:
         for t in [t for t in g.successors(off) if g.edges[off, t].get("why") == "slot"]:
             sg.edge(reduce, t, "slot")
         _emit_before(sg, off, reduce)
+
+
+def _rank_slices(sg: StepGraph) -> None:
+    """A rank's copies and host updates move its slice: PREFETCH, OFFLOAD and U carry the slice's bytes and
+    parameters (what the simulator charges and the timeline reports)."""
+    p, g = sg.placement, sg.graph
+    for t in g.nodes:
+        if t.kind not in (TaskKind.PREFETCH, TaskKind.OFFLOAD, TaskKind.OPTIMIZER):
+            continue
+        s = shard_numel(p.model.unit_params(t.unit), p.world)
+        wire = {TaskKind.PREFETCH: p.wire_bytes("weight_wire"), TaskKind.OFFLOAD: p.wire_bytes("grad_wire"),
+                TaskKind.OPTIMIZER: 0}[t.kind]
+        g.nodes[t].update(bytes=s * wire, params=s)
 
 
 def _collective_attrs(msg_bytes: int, params: int, world: int) -> dict:
@@ -108,3 +122,22 @@ def _emit_after(sg: StepGraph, anchor: Task, task: Task) -> None:
 def _emit_before(sg: StepGraph, anchor: Task, task: Task) -> None:
     lst = _where(sg, anchor)
     lst.insert(lst.index(anchor), task)
+
+
+def rank_host_plan(p: Placement, backend: str = "cuda"):
+    """Host memory of one rank of a data-parallel placement (`ir.memory.HostMemoryPlan`): the one-GPU plan with
+    the store's tiles cut to the rank's slices (page-padded); offloaded checkpoints (of the rank's batch), scratch
+    and runtime as one process has them. The node needs `world` times it."""
+    from .memory import plan_host_memory
+
+    plan = plan_host_memory(replace(p, world=1), backend)
+    if p.world <= 1:
+        return plan
+    spec = p.model
+    full = sum(spec.unit_params(u) for u in spec.units())  # untied: the store's tiles are the units
+    mine = sum(shard_numel(spec.unit_params(u), p.world) for u in spec.units())
+    sliced = {"fp32 master", "adam m (fp32)", "adam v (fp32)", "bf16 streaming copy",
+              f"gradients ({p.grad_wire})"}
+    components = {k: (v * mine // full if k in sliced else v) for k, v in plan.components.items()}
+    pinned = plan.pinned_bytes * mine // full if plan.pinned_bytes else 0
+    return type(plan)(components, pinned, plan.num_params)

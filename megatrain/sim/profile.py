@@ -23,6 +23,8 @@ A profile holds
                          once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
                          conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
+    collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
+                         latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -190,6 +192,7 @@ class HardwareProfile:
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    collectives: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
@@ -277,6 +280,8 @@ class HardwareProfile:
                 v = [asdict(t) for t in v]
             elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
+            elif f.name == "collectives" and not v:
+                continue  # one-GPU profiles keep their JSON
             d[f.name] = v
         return d
 
