@@ -133,7 +133,8 @@ def _batches(a, spec, global_batch: int):
 # ---- commands -----------------------------------------------------------------------------------------------------
 def throughput(a) -> None:
     for run in range(a.runs):
-        result = OUT / f"tp-{a.model}-g{a.gpus}-{a.schedule}-r{run}.json"
+        # A unique name per run: repeated commands (one run each, for models whose setup is long) accumulate.
+        result = OUT / f"tp-{a.model}-g{a.gpus}-{a.schedule}-{time.strftime('%H%M%S')}-r{run}.json"
         rc = launch(a.gpus, ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--schedule",
                              a.schedule, *sum((["--set", s] for s in a.set), []), "--steps", str(a.steps),
                              "--result", str(result)], a.timeout)
