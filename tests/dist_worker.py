@@ -1,6 +1,7 @@
 """One rank of a data-parallel CPU run (gloo), started by tests/test_dist_cpu.py as a subprocess with torchrun's
 environment variables. Trains the debug model on the test's global batches and writes, on rank 0, the losses and
-the gathered parameters to the output path. `--fail raise|sleep` makes rank 1 break during its second step."""
+the gathered parameters to the output path. `--fail raise|sleep` makes rank 1 break in F1 (layer 1's forward); `--fail nan` makes rank 1's layer-1 gradients
+non-finite in the second step; `--rank1-seq` gives rank 1 another sequence length (so another Program)."""
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,34 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fail", choices=["raise", "sleep"])
+    ap.add_argument("--fail", choices=["raise", "sleep", "nan"])
+    ap.add_argument("--rank1-seq", type=int)
     ap.add_argument("--timeout", type=float, default=30.0)
     a = ap.parse_args()
     world = World.from_env("cpu", timeout_s=a.timeout)
     tr = trainer(a.schedule, a.clip, 1, world, a.timeout)
-    if a.fail and world.rank == 1:
+    seq = a.rank1_seq if a.rank1_seq and world.rank == 1 else SEQ
+    if a.fail in ("raise", "sleep") and world.rank == 1:
         fail = {"raise": _raise, "sleep": lambda t: time.sleep(3600)}[a.fail]
-        work = tr.program(GLOBAL_BATCH // world.size, SEQ) and tr._work
+        work = tr.program(GLOBAL_BATCH // world.size, seq) and tr._work
         work.handlers["F"] = lambda t, f=work.handlers["F"]: fail(t) if t.unit == 1 else f(t)
-    losses = [tr.step(ids, targets).loss for ids, targets in batches(a.steps)]
+    if a.fail == "nan" and world.rank == 1:
+        work = tr.program(GLOBAL_BATCH // world.size, seq) and tr._work
+        work.handlers["B"] = lambda t, f=work.handlers["B"]: _poison(work, t, f) if t.unit == 1 else f(t)
+    results = [tr.step(ids[:, :seq], targets[:, :seq]) for ids, targets in batches(a.steps)]
     tiles = tr.tiles()
+    mine = {"skipped": [r.skipped for r in results], "steps": dict(tr.store.steps)}
+    every = [None] * world.size
+    torch.distributed.all_gather_object(every, mine, group=world.host_group)
     if world.rank == 0:
-        torch.save({"losses": losses, "tiles": tiles}, a.out)
+        torch.save({"losses": [r.loss for r in results], "tiles": tiles, "ranks": every}, a.out)
+
+
+def _poison(work, t, f):
+    """Layer 1's backward, then a NaN in its gradients in the second step (this rank's part of the sum only)."""
+    f(t)
+    if work.updates.current.step == 1:
+        work.buffers[t.slot].g[0] = float("nan")
 
 
 def _raise(t):

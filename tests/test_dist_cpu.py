@@ -165,3 +165,22 @@ def test_the_simulator_runs_a_ranks_program_with_its_share_of_the_host():
     assert ((comm.end_s - comm.start_s) >= DEFAULTS["G"]["latency_s"]).all()
     d1, d2 = (one.end_s - one.start_s)["U0"], (two.end_s - two.start_s)["U0"]
     assert d2 == pytest.approx(d1, rel=0.05)
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
+    """Non-finite gradients on one rank reach every rank's norm (all-reduced with the reduce-scatter): both skip
+    the whole step (exact clipping) and keep equal AdamW step counts. The NaN is in element 0 of rank 1's part of
+    the sum, which lands in rank 0's slice."""
+    runs = launch(tmp_path, "--fail", "nan", "--steps", "3", "--schedule", "serial")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert [r["skipped"] for r in got["ranks"]] == [[False, True, False]] * 2
+    assert got["ranks"][0]["steps"] == got["ranks"][1]["steps"] == {u: 2 for u in got["ranks"][0]["steps"]}
+
+
+def test_ranks_that_lowered_different_programs_stop_before_the_first_collective(tmp_path):
+    runs = launch(tmp_path, "--rank1-seq", "8", "--timeout", "20", timeout=120)
+    assert all(r.returncode != 0 for r in runs)
+    for r in runs:
+        assert "the ranks built different Programs" in r.stderr, r.stderr[-2000:]
