@@ -37,16 +37,27 @@ def trainer(schedule: str, clip: float, micro: int, world: World, timeout_s: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--schedule", default="overlap")
-    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--cases", default="overlap:0.5", help="schedule:clip,... trained one after the other")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fail", choices=["raise", "sleep", "nan"])
     ap.add_argument("--rank1-seq", type=int)
+    ap.add_argument("--load", help="resume from this sharded checkpoint first")
+    ap.add_argument("--save", help="write a sharded checkpoint here at the end")
+    ap.add_argument("--skip", type=int, default=0, help="batches of the stream already trained on")
     ap.add_argument("--timeout", type=float, default=30.0)
     a = ap.parse_args()
     world = World.from_env("cpu", timeout_s=a.timeout)
-    tr = trainer(a.schedule, a.clip, 1, world, a.timeout)
+    out = {}
+    for case in a.cases.split(","):
+        schedule, clip = case.split(":")
+        out[case] = train_case(a, world, schedule, float(clip))
+    if world.rank == 0:
+        torch.save(out, a.out)
+
+
+def train_case(a, world: World, schedule: str, clip: float) -> dict:
+    tr = trainer(schedule, clip, 1, world, a.timeout)
     seq = a.rank1_seq if a.rank1_seq and world.rank == 1 else SEQ
     if a.fail in ("raise", "sleep") and world.rank == 1:
         fail = {"raise": _raise, "sleep": lambda t: time.sleep(3600)}[a.fail]
@@ -55,13 +66,26 @@ def main() -> None:
     if a.fail == "nan" and world.rank == 1:
         work = tr.program(GLOBAL_BATCH // world.size, seq) and tr._work
         work.handlers["B"] = lambda t, f=work.handlers["B"]: _poison(work, t, f) if t.unit == 1 else f(t)
-    results = [tr.step(ids[:, :seq], targets[:, :seq]) for ids, targets in batches(a.steps)]
+    results = run(tr, a.steps, a.skip, a.load, a.save, seq)
     tiles = tr.tiles()
     mine = {"skipped": [r.skipped for r in results], "steps": dict(tr.store.steps)}
     every = [None] * world.size
     torch.distributed.all_gather_object(every, mine, group=world.host_group)
-    if world.rank == 0:
-        torch.save({"losses": [r.loss for r in results], "tiles": tiles, "ranks": every}, a.out)
+    return {"losses": [r.loss for r in results], "tiles": tiles, "ranks": every}
+
+
+def run(tr: StreamedTrainer, steps: int, skip: int = 0, load: str | None = None, save: str | None = None,
+        seq: int = SEQ) -> list:
+    """Train `steps` steps on batches skip.. of the stream, resuming from / saving a sharded checkpoint."""
+    from megatrain.dist.checkpoint import load_sharded, save_sharded
+
+    if load:
+        tr.step_count = load_sharded(load, tr.store, tr.world)
+    results = [tr.step(ids[:, :seq], targets[:, :seq]) for ids, targets in list(batches(skip + steps))[skip:]]
+    if save:
+        tr.flush()
+        save_sharded(save, tr.store, tr.world, tr.step_count)
+    return results
 
 
 def _poison(work, t, f):

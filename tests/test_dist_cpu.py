@@ -61,13 +61,23 @@ def initial():
     return dist_worker.trainer("overlap", 0.0, 1, World()).tiles()
 
 
-@pytest.mark.parametrize("schedule,clip", [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0)])
-def test_two_ranks_train_like_one_process_with_two_micro_batches(tmp_path, schedule, clip):
-    steps = 4
-    runs = launch(tmp_path, "--schedule", schedule, "--clip", str(clip), "--steps", str(steps))
+CASES = [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every case of CASES trained by one pair of ranks (one launch: process start-up dominates on CI)."""
+    tmp = tmp_path_factory.mktemp("dp")
+    runs = launch(tmp, "--cases", ",".join(f"{s}:{c}" for s, c in CASES), "--steps", "3")
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
+    return torch.load(tmp / "out.pt")
+
+
+@pytest.mark.parametrize("schedule,clip", CASES)
+def test_two_ranks_train_like_one_process_with_two_micro_batches(two_rank_runs, schedule, clip):
+    steps = 3
+    got = two_rank_runs[f"{schedule}:{clip}"]
     ref_losses, ref_tiles = reference(schedule, clip, steps)
     init = initial()
     errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses)]
@@ -80,7 +90,7 @@ def test_two_ranks_train_like_one_process_with_two_micro_batches(tmp_path, sched
 
 @pytest.mark.parametrize("fail", ["raise", "sleep"])
 def test_a_failing_or_hanging_rank_stops_the_other_with_the_task_named(tmp_path, fail):
-    runs = launch(tmp_path, "--fail", fail, "--timeout", "8", "--steps", "3", timeout=120)
+    runs = launch(tmp_path, "--fail", fail, "--timeout", "5", "--steps", "2", timeout=120)
     assert all(r.returncode != 0 for r in runs), [r.returncode for r in runs]
     assert "injected failure in F1.0" in runs[1].stderr or fail == "sleep", runs[1].stderr[-3000:]
     assert "running F1.0" in runs[1].stderr or fail == "raise", runs[1].stderr[-3000:]  # its own hung task
@@ -171,10 +181,10 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     """Non-finite gradients on one rank reach every rank's norm (all-reduced with the reduce-scatter): both skip
     the whole step (exact clipping) and keep equal AdamW step counts. The NaN is in element 0 of rank 1's part of
     the sum, which lands in rank 0's slice."""
-    runs = launch(tmp_path, "--fail", "nan", "--steps", "3", "--schedule", "serial")
+    runs = launch(tmp_path, "--fail", "nan", "--steps", "3", "--cases", "serial:0.5")
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")["serial:0.5"]
     assert [r["skipped"] for r in got["ranks"]] == [[False, True, False]] * 2
     assert got["ranks"][0]["steps"] == got["ranks"][1]["steps"] == {u: 2 for u in got["ranks"][0]["steps"]}
 
@@ -184,3 +194,37 @@ def test_ranks_that_lowered_different_programs_stop_before_the_first_collective(
     assert all(r.returncode != 0 for r in runs)
     for r in runs:
         assert "the ranks built different Programs" in r.stderr, r.stderr[-2000:]
+
+
+def test_sharded_checkpoints_resume_on_one_or_two_ranks(tmp_path):
+    """2 steps, a checkpoint, 2 more steps: saved by 2 ranks and resumed by 1 process, saved by 1 process and
+    resumed by 2 ranks, both equal to 4 uninterrupted steps of one process with 2 micro-batches."""
+    from megatrain.dist.checkpoint import CheckpointError, load_sharded
+    from megatrain.training.trainer import StreamedTrainer
+
+    schedule, clip = "overlap", 0.5
+    ref_losses, ref = reference(schedule, clip, 4)
+    init = initial()
+
+    def close(tiles):
+        diff2 = sum((tiles[u].double() - ref[u].double()).square().sum().item() for u in ref)
+        moved2 = sum((ref[u].double() - init[u].double()).square().sum().item() for u in ref)
+        return (diff2 / moved2) ** 0.5 <= MOVE_TOL
+
+    # 2 ranks save; 1 process resumes
+    two = tmp_path / "two"
+    assert all(r.returncode == 0 for r in launch(tmp_path, "--steps", "2", "--save", str(two)))
+    tr = dist_worker.trainer(schedule, clip, 2, World())
+    dist_worker.run(tr, 2, skip=2, load=str(two))
+    assert close(tr.tiles())
+    # 1 process saves; 2 ranks resume
+    one = tmp_path / "one"
+    tr = dist_worker.trainer(schedule, clip, 2, World())
+    dist_worker.run(tr, 2, save=str(one))
+    runs = launch(tmp_path, "--steps", "2", "--skip", "2", "--load", str(one))
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert close(torch.load(tmp_path / "out.pt")["overlap:0.5"]["tiles"])
+    # a checkpoint of another model is refused with what to do
+    small = StreamedTrainer(dist_worker.SPEC.with_layers(2), "overlap", backend="cpu")
+    with pytest.raises(CheckpointError, match="not this model's"):
+        load_sharded(two, small.store, World())
