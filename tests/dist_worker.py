@@ -29,9 +29,10 @@ def batches(steps: int, seed: int = 1):
         yield ids, targets
 
 
-def trainer(schedule: str, clip: float, micro: int, world: World, timeout_s: float = 30.0) -> StreamedTrainer:
+def trainer(schedule: str, clip: float, micro: int, world: World, timeout_s: float = 30.0,
+            device: str = "cpu") -> StreamedTrainer:
     knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="fp32", clip=clip, micro_batches=micro)
-    return StreamedTrainer(SPEC, knobs, optim=AdamWConfig(lr=1e-2, weight_decay=0.1), backend="cpu",
+    return StreamedTrainer(SPEC, knobs, optim=AdamWConfig(lr=1e-2, weight_decay=0.1), backend=device,
                            timeout_s=timeout_s, seed=3, world=world)
 
 
@@ -46,8 +47,9 @@ def main() -> None:
     ap.add_argument("--save", help="write a sharded checkpoint here at the end")
     ap.add_argument("--skip", type=int, default=0, help="batches of the stream already trained on")
     ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
     a = ap.parse_args()
-    world = World.from_env("cpu", timeout_s=a.timeout)
+    world = World.from_env(a.device, timeout_s=a.timeout)
     out = {}
     for case in a.cases.split(","):
         schedule, clip = case.split(":")
@@ -57,7 +59,7 @@ def main() -> None:
 
 
 def train_case(a, world: World, schedule: str, clip: float) -> dict:
-    tr = trainer(schedule, clip, 1, world, a.timeout)
+    tr = trainer(schedule, clip, 1, world, a.timeout, a.device)
     seq = a.rank1_seq if a.rank1_seq and world.rank == 1 else SEQ
     if a.fail in ("raise", "sleep") and world.rank == 1:
         fail = {"raise": _raise, "sleep": lambda t: time.sleep(3600)}[a.fail]
@@ -67,7 +69,7 @@ def train_case(a, world: World, schedule: str, clip: float) -> dict:
         work = tr.program(GLOBAL_BATCH // world.size, seq) and tr._work
         work.handlers["B"] = lambda t, f=work.handlers["B"]: _poison(work, t, f) if t.unit == 1 else f(t)
     results = run(tr, a.steps, a.skip, a.load, a.save, seq)
-    tiles = tr.tiles()
+    tiles = {u: t.cpu() for u, t in tr.tiles().items()}
     mine = {"skipped": [r.skipped for r in results], "steps": dict(tr.store.steps)}
     every = [None] * world.size
     torch.distributed.all_gather_object(every, mine, group=world.host_group)

@@ -50,9 +50,9 @@ def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0) -> list[subp
     return done
 
 
-def reference(schedule: str, clip: float, steps: int):
+def reference(schedule: str, clip: float, steps: int, device: str = "cpu"):
     """One process, two micro-batches of the same global batches."""
-    tr = dist_worker.trainer(schedule, clip, 2, World())
+    tr = dist_worker.trainer(schedule, clip, 2, World(), device=device)
     losses = [tr.step(ids, targets).loss for ids, targets in dist_worker.batches(steps)]
     return losses, tr.tiles()
 
@@ -228,3 +228,22 @@ def test_sharded_checkpoints_resume_on_one_or_two_ranks(tmp_path):
     small = StreamedTrainer(dist_worker.SPEC.with_layers(2), "overlap", backend="cpu")
     with pytest.raises(CheckpointError, match="not this model's"):
         load_sharded(two, small.store, World())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_two_gpus_train_like_one_gpu_with_two_micro_batches(tmp_path):
+    """The same equality on CUDA with NCCL: all-gather and reduce-scatter in place on the comm stream."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    cases = ",".join(f"{s}:{c}" for s, c in CASES)
+    runs = launch(tmp_path, "--cases", cases, "--steps", "3", "--device", "cuda")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    init = initial()
+    for schedule, clip in CASES:
+        ref_losses, ref = reference(schedule, clip, 3, "cuda")
+        out = got[f"{schedule}:{clip}"]
+        errs = [abs(a - b) / abs(b) for a, b in zip(out["losses"], ref_losses)]
+        diff2 = sum((out["tiles"][u].double() - ref[u].double().cpu()).square().sum().item() for u in ref)
+        moved2 = sum((ref[u].double().cpu() - init[u].double()).square().sum().item() for u in ref)
+        assert max(errs) <= 1e-5 and (diff2 / moved2) ** 0.5 <= MOVE_TOL, (schedule, clip, errs, diff2 / moved2)
