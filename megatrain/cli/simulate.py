@@ -38,6 +38,10 @@ def register(sub) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
     p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of one host (--batch is "
                                                        "per GPU; the ranks share host memory bandwidth and CPU)")
+    p.add_argument("--clip-activates", action="store_true",
+                   help="speculative clipping (clip > 0 with an arrival placement): predict a step whose gradient "
+                        "norm exceeds the max, so every update is undone and redone (default: a step that does not "
+                        "clip)")
     p.add_argument("--gpu-budget-gib", type=float,
                    help="--schedule auto: the GPU memory the chosen schedule may plan for (default: this GPU's free "
                         "memory less 10%%)")
@@ -212,6 +216,11 @@ def run(args) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
+    from ..profiling.machine import mismatch_line
+
+    mine = f"runs/profile-{spec.name}.json"
+    line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
+                         f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
     if args.schedule == "auto":
         args.schedule, args.set = str(_choose(args, spec, profile, out)), []
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
@@ -221,7 +230,7 @@ def run(args) -> int:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
             program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=args.gpus))
             program.name = name
-            result = simulate(program, profile)
+            result = simulate(program, profile, clip_activates=args.clip_activates)
             notes.update(program.placement.notes)
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:
@@ -242,6 +251,8 @@ def run(args) -> int:
         print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; the host trains {args.gpus}x the tokens)")
     for note in sorted(notes):  # settings the model's shape clamps (Placement.notes)
         print(f"note: {note}")
+    if line:  # the profile was measured on another machine (or records none)
+        print(line)
     good = [r for r in rows if "error" not in r]
     if good:
         pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)

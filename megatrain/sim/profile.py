@@ -25,6 +25,8 @@ A profile holds
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
     collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
                          latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
+    machine              the machine `megatrain profile` measured (CPU model, cores, memory, GPU, torch, date;
+                         profiling/machine.py): train and simulate say when it is not the one running
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -44,7 +46,7 @@ FORMAT = "megatrain.profile/1"
 UNIT_CLASSES = ("layer", "embed", "head")
 COMPUTE_KINDS = ("F", "R", "B")
 STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
-TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "S", "W", "X", "Y")
+TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "V", "S", "W", "X", "Y")
 # Host bytes per parameter of torch's fused CPU AdamW on fp32 tiles: read master, gradient, m, v (16 B) and write
 # master, m, v (12 B). Measured ~28 B/param on the H200 hosts (shared/DESIGN.md section 4).
 ADAM_BYTES_PER_PARAM = 28.0
@@ -190,6 +192,7 @@ class HardwareProfile:
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     collectives: dict[str, dict] = field(default_factory=dict)
