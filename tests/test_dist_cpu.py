@@ -61,7 +61,7 @@ def initial():
     return dist_worker.trainer("overlap", 0.0, 1, World()).tiles()
 
 
-CASES = [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0)]
+CASES = [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0), ("arrival", 0.5)]
 
 
 @pytest.fixture(scope="module")
