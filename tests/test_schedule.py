@@ -21,13 +21,13 @@ def small(knobs, layers=3, batch=2, seq=8):
 
 
 @pytest.mark.parametrize("text", ["P3", "P3b", "F3.1", "R0.2", "BH.0", "BE.3", "O3", "OE", "N", "U12", "S2", "W2",
-                                  "X4.0", "Y4.1", "PE", "PH"])
+                                  "X4.0", "Y4.1", "PE", "PH", "G3", "G3b", "Z3"])
 def test_task_ids_round_trip(text):
     assert Task.parse(text).id == text
     assert Task.parse(text) == Task.parse(Task.parse(text).id)
 
 
-@pytest.mark.parametrize("bad", ["", "Z3", "F3", "P3.1", "N3", "U3b", "3F", "F-1.0"])
+@pytest.mark.parametrize("bad", ["", "Q3", "Z3b", "F3", "P3.1", "N3", "U3b", "3F", "F-1.0"])
 def test_bad_task_ids_are_refused(bad):
     with pytest.raises(ValueError):
         Task.parse(bad)

@@ -28,6 +28,8 @@ def register(sub) -> None:
     add_run_arguments(p, model="debug", batch=8, seq=2048)
     p.add_argument("--host-gib", type=float, help="host memory to check against (default: this machine's)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to check against (default: this machine's GPU)")
+    p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of the host (--batch is "
+                                                       "per GPU): per-rank and whole-host memory")
     p.set_defaults(func=run)
 
 
@@ -39,6 +41,8 @@ def run(args) -> int:
     spec = get_model(args.model)
     name, knobs = resolve_knobs(args.schedule, args.set)
     plan = plan_memory(spec, args.batch, args.seq, knobs)
+    if args.gpus > 1:
+        return _run_world(args, spec, name, knobs)
     host, gpu = machine_memory()
     host = int(args.host_gib * GiB) if args.host_gib else host
     gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
@@ -49,4 +53,39 @@ def run(args) -> int:
     ok, lines = fit_report(plan, host, gpu)
     print()
     print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def _run_world(args, spec, name, knobs) -> int:
+    """`plan --gpus N`: one rank's host and GPU memory, and the host's total over the N ranks."""
+    from ..ir.collectives import for_world, rank_host_plan
+    from ..ir.dag import ScheduleError
+    from ..ir.memory import GiB, plan_gpu_memory
+    from ..ir.resolve import resolve
+    from . import UserError
+
+    try:
+        p = for_world(resolve(spec, args.batch, args.seq, knobs), args.gpus)
+    except ScheduleError as e:
+        raise UserError(str(e)) from None
+    host_plan, gpu_plan = rank_host_plan(p), plan_gpu_memory(p)
+    host, gpu = machine_memory()
+    host = int(args.host_gib * GiB) if args.host_gib else host
+    gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
+    n = args.gpus
+    print(f"schedule {name}, data parallel over {n} GPUs, batch {args.batch} x seq {args.seq} per GPU")
+    print(p.describe())
+    print()
+    print("host, one rank:")
+    for k, v in host_plan.components.items():
+        print(f"  {k:<24} {v / GiB:10.3f} GiB")
+    print(f"  {'total':<24} {host_plan.total_bytes / GiB:10.3f} GiB (pinned {host_plan.pinned_bytes / GiB:.3f} GiB)")
+    total = n * host_plan.total_bytes
+    print(f"host, all {n} ranks: {total / GiB:.3f} GiB (store {n * host_plan.store_bytes / GiB:.3f} GiB, "
+          f"{n * host_plan.store_bytes / spec.num_params:.1f} B/param; pinned {n * host_plan.pinned_bytes / GiB:.3f}"
+          " GiB)")
+    print(f"GPU, each: {gpu_plan.peak_bytes / GiB:.3f} GiB")
+    ok = (host is None or total <= host) and (gpu is None or gpu_plan.peak_bytes <= gpu)
+    print(f"fits: {'yes' if ok else 'NO'} (host {'?' if host is None else f'{host / GiB:.1f}'} GiB, GPU "
+          f"{'?' if gpu is None else f'{gpu / GiB:.1f}'} GiB)")
     return 0 if ok else 1

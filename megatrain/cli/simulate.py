@@ -36,6 +36,8 @@ def register(sub) -> None:
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
+    p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of one host (--batch is "
+                                                       "per GPU; the ranks share host memory bandwidth and CPU)")
     p.add_argument("--clip-activates", action="store_true",
                    help="speculative clipping (clip > 0 with an arrival placement): predict a step whose gradient "
                         "norm exceeds the max, so every update is undone and redone (default: a step that does not "
@@ -226,7 +228,7 @@ def run(args) -> int:
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
-            program = lower(build_schedule(spec, args.batch, args.seq, knobs))
+            program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=args.gpus))
             program.name = name
             result = simulate(program, profile, clip_activates=args.clip_activates)
             notes.update(program.placement.notes)
@@ -242,8 +244,11 @@ def run(args) -> int:
         written.add(slug(v.label))
         rows.append(row_of(v, result))
     stale = remove_stale_variants(out, written)
-    print(f"{spec.name}, batch {args.batch} x seq {args.seq}, profile {profile.name}")
+    print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs" if args.gpus > 1
+                                                                 else "") + f", profile {profile.name}")
     print(table(rows))
+    if args.gpus > 1:
+        print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; the host trains {args.gpus}x the tokens)")
     for note in sorted(notes):  # settings the model's shape clamps (Placement.notes)
         print(f"note: {note}")
     if line:  # the profile was measured on another machine (or records none)

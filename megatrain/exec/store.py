@@ -101,8 +101,7 @@ class HostStore:
         self.gpu_units = set(layout.gpu_streamed_units)
         self.grad_dtype = TORCH_DTYPES[layout.grad_wire]
         self.wire_dtype = TORCH_DTYPES[layout.weight_wire]
-        own = {u: self.layouts[u].numel - self.opt_lo[u] for u in self.units}
-        full = {u: self.layouts[u].numel for u in self.units}
+        own, full = self._tile_sizes()
 
         self._master = HostRegion(self.backend, torch.float32, own)
         self._m = HostRegion(self.backend, torch.float32, own)
@@ -133,6 +132,12 @@ class HostStore:
         self._tied_merged = False
         if tiles is not None:
             self.load(tiles)
+
+    def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Elements per unit of the optimizer's tiles (master, moments) and of the full tiles (streaming copy,
+        gradients); a data-parallel rank's store holds slices (megatrain/dist/shard.py)."""
+        own = {u: self.layouts[u].numel - self.opt_lo[u] for u in self.units}
+        return own, {u: self.layouts[u].numel for u in self.units}
 
     # ---- tiles ---------------------------------------------------------------------------------------------------
     def master(self, unit: int) -> torch.Tensor:

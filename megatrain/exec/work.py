@@ -26,7 +26,7 @@ from .updates import Updates
 class StepWork:
     """Task bodies for one Program over a host store; `begin_step` binds a batch, then the runtime calls it."""
 
-    def __init__(self, program: Program, store: HostStore, backend: Backend, cfg: AdamWConfig):
+    def __init__(self, program: Program, store: HostStore, backend: Backend, cfg: AdamWConfig, world=None):
         self.program, self.store, self.backend = program, store, backend
         self.spec = program.model
         if store.spec != self.spec or store.layout != program.placement.host_layout:
@@ -41,6 +41,14 @@ class StepWork:
         self.handlers = {"P": self.prefetch, "F": c.forward, "R": c.recompute, "B": c.backward, "O": u.offload,
                          "N": u.clip_norm, "U": u.update, "V": u.clip_redo, "S": u.state_prefetch, "W": u.state_offload,
                          "X": a.act_offload, "Y": a.act_prefetch}
+        if program.placement.world > 1:  # data parallel: slices, collectives (megatrain/dist/work.py)
+            from ..dist.work import ShardedCopies
+
+            if world is None or world.size != program.placement.world:
+                raise ValueError(f"the Program runs data parallel over {program.placement.world} ranks; pass the "
+                                 "World of this process (megatrain.dist.world.World.from_env)")
+            d = ShardedCopies(world, store, self.buffers, self.updates, backend)
+            self.handlers.update({"P": d.prefetch, "G": d.gather, "Z": d.reduce_scatter, "O": d.offload})
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_valid = 0
 
@@ -49,13 +57,14 @@ class StepWork:
 
     # ---- step --------------------------------------------------------------------------------------------------
     def begin_step(self, ids: torch.Tensor, targets: torch.Tensor, current: UpdatePlan,
-                   pending: UpdatePlan | None) -> None:
-        """Bind one batch (ids, targets: (B, T) int64, targets -100 = no loss) and the update plans."""
+                   pending: UpdatePlan | None, n_valid: int | None = None) -> None:
+        """Bind one batch (ids, targets: (B, T) int64, targets -100 = no loss) and the update plans; `n_valid`:
+        the loss's denominator when it is not this batch's own count (data parallel: the global batch's)."""
         p, M = self.program, self.program.placement.micro_batches
         if tuple(ids.shape) != (p.batch, p.seq) or tuple(targets.shape) != (p.batch, p.seq):
             raise ValueError(f"batch has ids {tuple(ids.shape)} and targets {tuple(targets.shape)}; this Program "
                              f"runs (batch, seq) = ({p.batch}, {p.seq})")
-        n_valid = int((targets != -100).sum())
+        n_valid = int((targets != -100).sum()) if n_valid is None else n_valid
         if n_valid == 0:
             raise ValueError("every target of the batch is -100: there is no token to compute a loss on")
         dev = self.backend.device

@@ -10,6 +10,8 @@ and has a one-sentence contract:
     add_gradient_offloads    each unit's accumulated gradients leave its buffer once, after its last backward
     add_updates              each unit's AdamW update, where and when the placement says, and the global norm
     add_checkpoint_offloads  offloaded checkpoints go to the host after the forward and back before the backward
+    add_collectives          (world > 1) all-gathers complete the slots, reduce-scatters sum the gradients
+                             (megatrain/ir/collectives.py)
     order_queues             the program order: emission order, with state copies and GPU updates moved to anchors
                              (megatrain/ir/order.py)
 
@@ -23,6 +25,7 @@ from dataclasses import replace
 from ..spec import EMBED, HEAD, ModelSpec
 from .dag import Schedule
 from .knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_for
+from .collectives import add_collectives, for_world
 from .order import order_queues
 from .placement import GradLanding, Placement, Timing, UpdateSite, resident_buffer
 from .resolve import resolve
@@ -320,7 +323,7 @@ def add_checkpoint_offloads(sg: StepGraph) -> None:
 
 
 PASSES = (add_compute, assign_weight_slots, add_weight_fills, add_gradient_offloads, add_updates,
-          add_checkpoint_offloads, order_queues)
+          add_checkpoint_offloads, add_collectives, order_queues)
 
 
 # ---- entry points -----------------------------------------------------------------------------------------------
@@ -337,12 +340,13 @@ def build_from_placement(placement: Placement, knobs: ScheduleKnobs | None = Non
 
 
 def build_schedule(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs | str = DEFAULT_SCHEDULE,
-                   validate: bool = True) -> Schedule:
-    """Resolve the knobs (a named schedule or ScheduleKnobs), build and (by default) validate one step's DAG."""
+                   validate: bool = True, world: int = 1) -> Schedule:
+    """Resolve the knobs (a named schedule or ScheduleKnobs), build and (by default) validate one step's DAG;
+    `world` > 1: one rank's step of data parallel training, `batch` being the rank's share of the global batch."""
     name = knobs if isinstance(knobs, str) else "custom"
     if isinstance(knobs, str):
         knobs = knobs_for(knobs)
-    sched = build_from_placement(resolve(spec, batch, seq, knobs), knobs, name, validate)
+    sched = build_from_placement(for_world(resolve(spec, batch, seq, knobs), world), knobs, name, validate)
     if knobs.state_lookahead is not None:
         _report_if_lookahead_changes_nothing(sched, knobs)
     return sched

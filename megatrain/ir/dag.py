@@ -145,7 +145,8 @@ def validate(schedule: Schedule) -> None:
         a = g.nodes[t]
         if a.get("resident"):  # a buffer that holds its unit for the whole run: never filled, never evicted
             continue
-        if t.kind in COMPUTE_KINDS or t.kind in (TaskKind.OFFLOAD, TaskKind.STATE_OFFLOAD) or (
+        if t.kind in COMPUTE_KINDS or t.kind in (TaskKind.OFFLOAD, TaskKind.STATE_OFFLOAD, TaskKind.ALL_GATHER,
+                                                 TaskKind.REDUCE_SCATTER) or (
             t.kind is TaskKind.OPTIMIZER and a.get("device") == "gpu"
         ):
             src = a.get("weights")

@@ -123,6 +123,7 @@ class Placement:
     loss_chunk_tokens: int  # tokens per chunk of the fused head + loss
     mlp_tile_tokens: int = 0  # tokens per tile of the layers' norm + MLP half; 0 = untiled
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
+    world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/ir/collectives.py)
     _by_unit: dict = field(default=None, init=False, repr=False, compare=False)
 
     # ---- per unit -----------------------------------------------------------------------------------------------
@@ -211,6 +212,9 @@ class Placement:
             f"{self.micro_batches} micro-batch(es), recompute block {self.recompute_block}",
             "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
         ]
+        if self.world > 1:
+            lines.append(f"data parallel over {self.world} ranks: each owns 1/{self.world} of every unit's host "
+                         "state; slots filled by all-gather, gradients reduce-scattered")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
@@ -229,6 +233,7 @@ class Placement:
             "layer_kernel": self.layer_kernel, "clip_max_norm": self.clip_max_norm,
             "loss_chunk_tokens": self.loss_chunk_tokens, "mlp_tile_tokens": self.mlp_tile_tokens,
             "notes": list(self.notes),
+            **({"world": self.world} if self.world > 1 else {}),  # one-GPU Programs keep their JSON
         }
 
     @classmethod
@@ -246,11 +251,13 @@ class Placement:
 def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
     """The GPU buffer table: the weight ring, the embedding's and head's buffers (or their resident buffers),
     state buffers, kept-gradient buffers and resident layers' buffers, with their sizes."""
+    from .collectives import padded_numel  # world > 1: slots hold every rank's whole slice
+
     spec, w = p.model, p.wire_bytes("weight_wire")
-    layer = spec.layer_params if spec.num_layers else 0
+    layer = padded_numel(spec.layer_params, p.world) if spec.num_layers else 0
     out = [Buffer(f"w{i}", BufferKind.WEIGHTS, None, layer, layer * (w + 4)) for i in range(p.ring_buffers)]
     for unit, name in ((EMBED, "embed"), (HEAD, "head")):
-        n = spec.unit_params(unit)
+        n = padded_numel(spec.unit_params(unit), p.world)
         if p.unit(unit).resident:  # fp32 master, m, v and gradient
             out.append(Buffer(name, BufferKind.RESIDENT, unit, n, 16 * n))
         else:

@@ -5,7 +5,8 @@
 for, and the GPU memory the run needs. It copies the schedule's Placement (what lives where, the typed buffer table,
 wires, kernel, clipping) into the Program, so interpreters follow the Program and read nothing upstream of it.
 
-Streams: "h2d" (host -> GPU copies), "compute" (GPU kernels), "d2h" (GPU -> host copies), "cpu" (host threads).
+Streams: "h2d" (host -> GPU copies), "compute" (GPU kernels), "d2h" (GPU -> host copies), "cpu" (host threads),
+"comm" (collectives between data-parallel ranks; a Program has it only with world > 1).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .memory import GpuMemoryPlan, plan_gpu_memory
 from .placement import Placement
 from .tasks import Task, TaskKind
 
-STREAMS = ("h2d", "compute", "d2h", "cpu")
+STREAMS = ("h2d", "compute", "d2h", "cpu", "comm")
+OPTIONAL_STREAMS = ("comm",)  # left out of a Program (its queues, listing and JSON) when empty
 FORMAT = "megatrain.program/2"
 
 _STREAM_OF_KIND = {
@@ -34,6 +36,8 @@ _STREAM_OF_KIND = {
     TaskKind.STATE_OFFLOAD: "d2h",
     TaskKind.ACT_OFFLOAD: "d2h",
     TaskKind.CLIP_NORM: "cpu",
+    TaskKind.ALL_GATHER: "comm",
+    TaskKind.REDUCE_SCATTER: "comm",
 }
 
 
@@ -88,6 +92,11 @@ class Program:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @property
+    def stream_names(self) -> list[str]:
+        """The streams this Program has, in STREAMS order."""
+        return [s for s in STREAMS if s in self.streams]
+
     def position(self, task_id: str) -> tuple[str, int]:
         """(stream, index in that stream's queue) of a task."""
         if self._index is None:
@@ -98,7 +107,7 @@ class Program:
         """The placement, then each stream's queue with the tasks of other streams each task waits for:
         `F3.0 [w1] <- P3`. Golden-file format."""
         lines = self.placement.describe().split("\n")
-        for s in STREAMS:
+        for s in self.stream_names:
             lines.append(f"{s}:")
             for tid in self.streams[s]:
                 t = self.tasks[tid]
@@ -117,7 +126,7 @@ class Program:
             "placement": self.placement.to_dict(),
             "knobs": self.knobs,
             "streams": self.streams,
-            "tasks": [asdict(self.tasks[t]) for s in STREAMS for t in self.streams[s]],
+            "tasks": [asdict(self.tasks[t]) for s in self.stream_names for t in self.streams[s]],
             "memory": asdict(self.memory),
         }
 
@@ -140,7 +149,7 @@ class Program:
             knobs=d.get("knobs"),
             name=d["name"],
             tasks=tasks,
-            streams={s: list(d["streams"][s]) for s in STREAMS},
+            streams={s: list(d["streams"][s]) for s in STREAMS if s in d["streams"]},
             memory=GpuMemoryPlan(**d["memory"]),
         )
 
@@ -185,6 +194,9 @@ def lower(schedule: Schedule) -> Program:
         pos[t] = len(queues[stream[t]])
         queues[stream[t]].append(t.id)
 
+    for s in OPTIONAL_STREAMS:
+        if not queues[s]:
+            del queues[s]
     tasks = {}
     for t in topo:
         latest: dict[str, Task] = {}

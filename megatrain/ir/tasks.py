@@ -16,6 +16,9 @@ Every task has an id that round-trips through text, used in logs, traces, golden
     W3      STATE_OFFLOAD  GPU -> host copy of the updated master, moments and streaming copy
     X3.1    ACT_OFFLOAD    GPU -> host copy of layer 3's checkpointed input (long context)
     Y3.1    ACT_PREFETCH   host -> GPU copy of it back before the backward needs it
+    G3      ALL_GATHER     (world > 1) the ranks' slices of layer 3's weights gathered into the slot (G3b: backward)
+    Z3      REDUCE_SCATTER (world > 1) the slot's gradients summed over the ranks, each keeping its slice, and the
+                           unit's norm all-reduced from the slices' squared norms
 
 Units are `E` (embedding), `H` (head) or a layer number.
 """
@@ -41,6 +44,8 @@ class TaskKind(str, Enum):
     STATE_OFFLOAD = "W"
     ACT_OFFLOAD = "X"
     ACT_PREFETCH = "Y"
+    ALL_GATHER = "G"
+    REDUCE_SCATTER = "Z"
 
 
 # Which kinds carry a micro-batch index and which a unit.
@@ -67,8 +72,8 @@ class Task:
     back: bool = False  # PREFETCH only: the second copy of a unit's weights, for its backward
 
     def __post_init__(self):
-        if self.back and self.kind is not TaskKind.PREFETCH:
-            raise ValueError("only PREFETCH tasks have a backward variant")
+        if self.back and self.kind not in (TaskKind.PREFETCH, TaskKind.ALL_GATHER):
+            raise ValueError("only PREFETCH and ALL_GATHER tasks have a backward variant")
         if (self.unit is not None) != (self.kind in _HAS_UNIT):
             raise ValueError(f"task kind {self.kind.name} {'needs' if self.kind in _HAS_UNIT else 'takes no'} unit")
         if (self.micro is not None) != (self.kind in _HAS_MICRO):
@@ -148,6 +153,14 @@ def X(u, m):
 
 def Y(u, m):
     return Task(TaskKind.ACT_PREFETCH, u, m)
+
+
+def G(u, back=False):
+    return Task(TaskKind.ALL_GATHER, u, back=back)
+
+
+def Z(u):
+    return Task(TaskKind.REDUCE_SCATTER, u)
 
 
 NORM = Task(TaskKind.CLIP_NORM)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..ir.program import COPY_DIRECTION, Program, ProgramTask
 from ..ir.tasks import TaskKind
+from .collectives import collective_s
 from .profile import HardwareProfile, ProfileError, model_signature, unit_class
 
 COPY_STREAMS = ("h2d", "d2h")
@@ -111,6 +112,8 @@ class CostModel:
             return u.delay_s + u.alone_s
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
+        if task.kind in ("G", "Z"):  # data parallel (sim/collectives.py)
+            return over + collective_s(p, task.kind, task.bytes)
         if task.stream in COPY_STREAMS:
             raise ProfileError(f"{task.id} is a copy; use copy_cost()")
         return over

@@ -26,6 +26,7 @@ import simpy
 from ..analysis.summary import StepSummary, summarize
 from ..analysis.timeline import make_timeline
 from ..ir.program import STREAMS, Program
+from .collectives import rank_share
 from .costs import CostModel
 from .hostmem import HostMemory
 from .profile import HardwareProfile, load_profile
@@ -159,7 +160,7 @@ def simulate(program: Program, profile: HardwareProfile | str = "h200", clip_act
     Returns SimResult(timeline, summary, program, profile); the Timeline has source="predicted".
     Raises SimulationError when the Program cannot run to the end.
     """
-    profile = load_profile(profile)
+    profile = rank_share(load_profile(profile), program.placement.world)  # ranks share the host
     check_program(program)
     rows = _Engine(program, profile, clip_activates).run()
     timeline = make_timeline(rows, source="predicted")

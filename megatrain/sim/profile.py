@@ -23,6 +23,8 @@ A profile holds
                          once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
                          conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
+    collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
+                         latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
     machine              the machine `megatrain profile` measured (CPU model, cores, memory, GPU, torch, date;
                          profiling/machine.py): train and simulate say when it is not the one running
 
@@ -193,6 +195,7 @@ class HardwareProfile:
     machine: dict = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    collectives: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
@@ -280,6 +283,8 @@ class HardwareProfile:
                 v = [asdict(t) for t in v]
             elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
+            elif f.name == "collectives" and not v:
+                continue  # one-GPU profiles keep their JSON
             d[f.name] = v
         return d
 

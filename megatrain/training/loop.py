@@ -94,14 +94,23 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     `--schedule auto` choice (training/autoswitch.AutoChoice), re-checked once after the warm-up. Raises TrainingError
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
-    return _Training(cfg, log, stop_at_step, trackers, auto).run()
+    from ..dist.run import config_for_rank, silent
+    from ..dist.world import World
+
+    # torchrun: one rank per GPU (WORLD_SIZE > 1), pinned to its own cores before the trainer sizes its threads.
+    world = World.from_env(_backend_name(cfg.run.device), cfg.run.wait_timeout_s)
+    cfg = config_for_rank(cfg.validate(), world)
+    if world.rank != 0:
+        log, trackers = silent, ()
+    return _Training(cfg, log, stop_at_step, trackers, auto, world).run()
 
 
 class _Training:
     def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None,
-                 trackers: tuple = (), auto=None):
+                 trackers: tuple = (), auto=None, world=None):
         self.cfg = cfg.validate()
         self.auto = auto
+        self.world = world  # megatrain.dist.world.World: one rank, or this rank of a data-parallel run
         self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
         self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
@@ -146,6 +155,9 @@ class _Training:
         self.log(f"model {spec.name}: {spec.num_params / 1e6:,.2f} M parameters, {spec.num_layers} layers; schedule "
                  f"{cfg.schedule.name}; batch {cfg.data.batch_size} x {self.accum} accumulated x seq {self.seq}; "
                  f"{self.backend_name} backend")
+        if self.world is not None and self.world.distributed:
+            self.log(f"data parallel: {self.world.size} ranks, batch {cfg.data.batch_size} x {self.accum} per rank "
+                     f"({self.world.size * self.batch} sequences a step); rank 0 logs and writes the outputs")
 
         # 1-2. every check that needs no allocation: schedule rules, memory, data, profile, HF tensors (preflight.py)
         checked = preflight(cfg, spec, self.batch, self.seq, self.knobs, self.backend_name, self.log)
@@ -205,7 +217,7 @@ class _Training:
                             weight_decay=o.weight_decay)
         self.trainer = StreamedTrainer(self.spec, self.knobs, optim=optim, backend=self.backend_name,
                                        cpu_threads=o.threads or None, init=False,
-                                       timeout_s=self.cfg.run.wait_timeout_s)
+                                       timeout_s=self.cfg.run.wait_timeout_s, world=self.world)
         self.trainer.schedule_name = self.cfg.schedule.name
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
@@ -223,7 +235,10 @@ class _Training:
         else:
             from ..init import init_into
 
-            init_into(self.spec, store.master, seed=m.seed, std=m.init_std)
+            if self.world is not None and self.world.distributed:  # this rank's slices (megatrain/dist/shard.py)
+                store.init_slices(m.seed, m.init_std)
+            else:
+                init_into(self.spec, store.master, seed=m.seed, std=m.init_std)
             what = f"random init (seed {m.seed}, std {m.init_std})"
         for u in store.units:
             store.refresh_stream(u)
@@ -250,7 +265,8 @@ class _Training:
 
     # -- the loop --
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [self.data.train.next_batch() for _ in range(self.accum)]
+        ranks = self.world.size if self.world is not None else 1  # every rank reads the global batch, keeps its rows
+        parts = [self.data.train.next_batch() for _ in range(self.accum * ranks)]
         if len(parts) == 1:
             return parts[0].inputs, parts[0].targets
         return torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts])  # (accum*B, T)

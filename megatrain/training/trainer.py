@@ -25,6 +25,7 @@ from ..exec.optim import AdamWConfig, UpdatePlan
 from ..exec.runtime import Runtime
 from ..exec.store import HostStore
 from ..exec.work import StepWork
+from ..dist.world import World
 from ..init import init_into
 from ..ir.builders import build_schedule
 from ..ir.knobs import ScheduleKnobs, knobs_for
@@ -71,18 +72,29 @@ class StreamedTrainer:
     def __init__(self, spec: ModelSpec, schedule: str | ScheduleKnobs = "overlap",
                  tiles: dict[int, torch.Tensor] | None = None, *, optim: AdamWConfig | None = None,
                  backend: str | Backend = "auto", timeout_s: float = 300.0, seed: int = 0,
-                 cpu_threads: int | None = None, init: bool = True):
+                 cpu_threads: int | None = None, init: bool = True, world: World | None = None):
         self.spec = spec
+        # Data parallel (world.size > 1): this rank trains on its rows of each global batch, holds its slices of
+        # the host store, and its Programs gather weights and reduce-scatter gradients (megatrain/dist).
+        self.world = world or World()
         self.schedule_name = schedule if isinstance(schedule, str) else "custom"
         self.knobs = knobs_for(schedule) if isinstance(schedule, str) else schedule
         self.optim = optim or AdamWConfig()
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.cpu_threads = set_update_threads(self.backend, cpu_threads)
         self.timeout_s = timeout_s
-        self.store = HostStore(spec, resolve_host_layout(spec, self.knobs), self.backend, tiles)
+        layout = resolve_host_layout(spec, self.knobs)
+        if self.world.distributed:
+            from ..dist.shard import ShardedHostStore
+
+            self.store = ShardedHostStore(spec, layout, self.world, self.backend, tiles)
+        else:
+            self.store = HostStore(spec, layout, self.backend, tiles)
         # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,
         # with init=False, zeros for the caller to fill (`store.master(unit)`, then `store.refresh_stream(unit)`).
-        if tiles is None and init:
+        if tiles is None and init and self.world.distributed:  # one unit at a time, keeping this rank's slice
+            self.store.init_slices(seed)
+        elif tiles is None and init:
             init_into(spec, self.store.master, seed)
             for unit in spec.units():
                 self.store.refresh_stream(unit)
@@ -97,7 +109,7 @@ class StreamedTrainer:
     def program(self, batch: int, seq: int) -> Program:
         """The Program for a batch shape (built once per shape; a new shape replaces the GPU buffers)."""
         if self._shape != (batch, seq):
-            sched = build_schedule(self.spec, batch, seq, self.knobs)
+            sched = build_schedule(self.spec, batch, seq, self.knobs, world=self.world.size)
             sched.name = self.schedule_name
             self.use_program(lower(sched))
         return self._program
@@ -111,7 +123,8 @@ class StreamedTrainer:
         if self._work is not None:
             self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
         self._work = None  # free the old buffers before allocating new ones
-        self._work = StepWork(program, self.store, self.backend, self.optim)
+        self.world.check_same("Program", program.to_json())  # before the first collective
+        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
         if self._runtime is not None:
             self._runtime.close()  # its stream threads belong to the old Program
         self._program = program
@@ -126,10 +139,13 @@ class StreamedTrainer:
         if ids.dim() != 2 or ids.shape != targets.shape:
             raise ValueError(f"ids and targets must both be (batch, seq); got {tuple(ids.shape)} and "
                              f"{tuple(targets.shape)}")
+        n_valid = None
+        if self.world.distributed:  # this rank's rows; the loss is normalised by the global batch's tokens
+            ids, targets, n_valid = self._rank_rows(ids, targets)
         self.program(*ids.shape)
         index = self.step_count
         current = UpdatePlan(step=index, lr=self.optim.lr_at(index))
-        self._work.begin_step(ids, targets, current, self._pending)
+        self._work.begin_step(ids, targets, current, self._pending, n_valid)
         t0 = time.perf_counter()
         timeline = self._runtime.run(step=index)
         dt = time.perf_counter() - t0
@@ -137,8 +153,19 @@ class StreamedTrainer:
         self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline
-        return StepResult(step=index, loss=self._work.loss(), tokens=self._work.n_valid, grad_norm=current.grad_norm,
-                          skipped=current.skip, time_s=dt, timeline=timeline, update=current)
+        return StepResult(step=index, loss=self.world.sum(self._work.loss()), tokens=self._work.n_valid,
+                          grad_norm=current.grad_norm, skipped=current.skip, time_s=dt, timeline=timeline,
+                          update=current)
+
+    def _rank_rows(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's contiguous rows of a global batch and the global batch's valid target tokens."""
+        n, r = self.world.size, self.world.rank
+        if ids.shape[0] % n:
+            raise ValueError(f"a global batch of {ids.shape[0]} rows does not split over {n} ranks; use a batch "
+                             f"size that is a multiple of {n}")
+        rows = ids.shape[0] // n
+        n_valid = int((targets != -100).sum())
+        return ids[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows], n_valid
 
     def flush(self) -> UpdatePlan | None:
         """Bring the host store up to date: apply a pending update (placement "overlap": the last step's), and

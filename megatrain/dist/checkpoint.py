@@ -1,0 +1,116 @@
+"""Sharded checkpoints: each rank writes its slices, rank 0 a manifest; any number of ranks reads them back.
+
+A checkpoint directory holds
+
+    rank<r>.safetensors   rank r's slices: "master/<unit>", "adam_m/<unit>", "adam_v/<unit>" (fp32, s elements each,
+                          the last rank's padded with zeros)
+    manifest.json         world, each unit's elements and slice length, AdamW step counts, the trainer's step, the
+                          SHA-256 of every rank file
+
+A one-process store (world 1) writes the same format with one file of whole tiles, so a checkpoint of N ranks resumes
+on M ranks for any N, M: each rank reads, per unit and kind, only the bytes of its own element range, from the
+files whose slices overlap it. Written into a temporary directory that rank 0 renames once every rank's file and
+the manifest are complete. (The run loop does not use it yet: `megatrain train` refuses checkpoints with world > 1.)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..exec.store import HostStore
+from ..training import safetensors_io as stio
+from ..training.checkpoint import CheckpointError, key_unit, unit_key
+from .world import World
+
+MANIFEST = "manifest.json"
+FORMAT = "megatrain-sharded-checkpoint"
+KINDS = {"master": HostStore.master, "adam_m": HostStore.exp_avg, "adam_v": HostStore.exp_avg_sq}
+
+
+def _span(store: HostStore, world: World, unit: int) -> tuple[int, int]:
+    """(first element, elements of real parameters) of this rank's tile of `unit` (a whole tile at world 1)."""
+    if hasattr(store, "shard"):
+        return store.shard(unit)
+    return 0, store.master(unit).numel()
+
+
+def _barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier(group=world.host_group)
+
+
+def save_sharded(path: str | Path, store: HostStore, world: World, trainer_step: int) -> Path:
+    """Write this rank's slices (every rank calls it, after `flush()`); returns the checkpoint directory."""
+    path = Path(path)
+    if store.spec.tie_word_embeddings:
+        raise CheckpointError("sharded checkpoints do not hold tied embeddings (data parallel refuses them)")
+    tmp = path.with_name(f".tmp-{path.name}")
+    if world.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(world)
+    entries = [stio.Entry(f"{kind}/{unit_key(u)}", (get(store, u).numel(),), torch.float32,
+                          lambda get=get, u=u: get(store, u))
+               for kind, get in KINDS.items() for u in store.units]
+    digest = hashlib.sha256()
+    name = f"rank{world.rank}.safetensors"
+    stio.write_safetensors(tmp / name, entries, {"rank": str(world.rank), "world": str(world.size)}, digest=digest)
+    files = [None] * world.size
+    if world.distributed:
+        dist.all_gather_object(files, (name, digest.hexdigest()), group=world.host_group)
+    else:
+        files = [(name, digest.hexdigest())]
+    if world.rank == 0:
+        manifest = {"format": FORMAT, "version": 1, "world": world.size, "trainer_step": trainer_step,
+                    "units": [unit_key(u) for u in store.units],
+                    "numel": {unit_key(u): store.layouts[u].numel for u in store.units},
+                    "slice": {unit_key(u): store.master(u).numel() for u in store.units},
+                    "steps": {unit_key(u): n for u, n in store.steps.items()}, "files": dict(files)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier(world)
+    return path
+
+
+def load_sharded(path: str | Path, store: HostStore, world: World) -> int:
+    """Fill this rank's tiles (master, moments, step counts) from a checkpoint written by any number of ranks;
+    returns the trainer step it was saved at. Reads only the bytes of this rank's slices."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a sharded megatrain checkpoint ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    want = {unit_key(u): store.layouts[u].numel for u in store.units}
+    if manifest["numel"] != want:
+        raise CheckpointError(f"{path}: the checkpoint's units ({manifest['numel']}) are not this model's ({want}); "
+                              "resume with the same model config")
+    old_world = manifest["world"]
+    headers = {r: stio.read_header(path / f"rank{r}.safetensors")[0] for r in range(old_world)}
+    for u in store.units:
+        key = unit_key(u)
+        lo, valid = _span(store, world, u)
+        s_old = manifest["slice"][key]
+        for kind, get in KINDS.items():
+            dest = get(store, u)
+            dest.zero_()  # padding stays zero
+            for r in range(old_world):  # the old slices that overlap [lo, lo + valid)
+                a, b = max(lo, r * s_old), min(lo + valid, (r + 1) * s_old)
+                if a >= b:
+                    continue
+                info = headers[r][f"{kind}/{key}"]
+                begin = info.begin + (a - r * s_old) * 4
+                part = stio.TensorInfo(info.name, torch.float32, (b - a,), begin, begin + (b - a) * 4)
+                stio.read_into(path / f"rank{r}.safetensors", part, dest[a - lo:b - lo])
+        store.refresh_stream(u)
+    store.steps = {key_unit(k): int(n) for k, n in manifest["steps"].items()}
+    return int(manifest["trainer_step"])

@@ -1,0 +1,41 @@
+"""`megatrain train` under torchrun: what each rank of a data-parallel run does differently.
+
+Every rank runs the same loop (same data stream, same steps, same checks), so the collectives inside the steps
+line up. Rank 0 logs and writes the run's outputs (run directory, metrics, timelines); the other ranks log nothing
+and write their run directory into a temporary directory removed at exit. `data.batch_size` is per GPU: a step
+trains on `world` x batch_size x grad_accum sequences, each rank on its contiguous rows.
+"""
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from dataclasses import replace
+
+from ..training.config import ConfigError, RunConfig
+from .world import World
+
+
+def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
+    """`cfg` as rank `world.rank` runs it; refuses what data-parallel runs do not support yet."""
+    if not world.distributed:
+        return cfg
+    run = cfg.run
+    unsupported = {"run.resume": bool(run.resume), "run.checkpoint_every": bool(run.checkpoint_every),
+                   "run.checkpoint_at_end": run.checkpoint_at_end, "run.export_hf": bool(run.export_hf),
+                   "run.eval_every": bool(run.eval_every), "model.name (a pretrained directory)": cfg.model.pretrained}
+    bad = [k for k, on in unsupported.items() if on]
+    if bad:
+        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (sharded "
+                          "checkpoints, export and evaluation are not built); set run.checkpoint_every=0 "
+                          "run.checkpoint_at_end=false run.eval_every=0 run.export_hf='' and start from a seeded init")
+    if world.rank == 0:
+        return cfg
+    scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return replace(cfg, run=replace(run, out_dir=scratch, progress=False))
+
+
+def silent(line: str) -> None:
+    """The log sink of ranks other than 0."""
+

@@ -1,0 +1,81 @@
+"""A data-parallel rank's host store: its slice of every unit's tiles.
+
+Rank r of N owns elements `[r*s, (r+1)*s)` of each unit's flat tile, `s = shard_numel(n, N)` (equal slices, page
+aligned; the last rank's slice is padded with zeros past the unit's end). Every kind (master, m, v, streaming
+copy, gradient landing) holds only that slice, so the host memory of the node is one model's, not N. The update
+code reads a slice exactly as it reads a whole tile: the fused AdamW is element-wise and the weight-decayed prefix
+of a slice is its intersection with the unit's (`decay_numel`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..exec.backend import Backend
+from ..exec.store import HostStore
+from ..init import init_unit
+from ..ir.collectives import shard_numel
+from ..ir.placement import HostLayout
+from ..spec import ModelSpec
+from .world import World
+
+
+class ShardedHostStore(HostStore):
+    """The slices of rank `world.rank`; `tiles()` / `full_tile()` gather the whole model on every rank."""
+
+    def __init__(self, spec: ModelSpec, layout: HostLayout, world: World, backend: Backend | None = None,
+                 tiles: Mapping[int, torch.Tensor] | None = None):
+        if spec.tie_word_embeddings:
+            raise ValueError(f"{spec.name} ties its embeddings; data parallel training does not shard a tied head "
+                             "yet (train it on one GPU)")
+        self.world = world
+        super().__init__(spec, layout, backend, tiles)
+
+    def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
+        sizes = {u: shard_numel(self.layouts[u].numel, self.world.size) for u in self.units}
+        return sizes, dict(sizes)
+
+    def shard(self, unit: int) -> tuple[int, int]:
+        """(first element, elements of real parameters) of this rank's slice of `unit` (the rest is padding)."""
+        s, n = shard_numel(self.layouts[unit].numel, self.world.size), self.layouts[unit].numel
+        lo = self.world.rank * s
+        return lo, max(0, min(s, n - lo))
+
+    def decay_numel(self, unit: int) -> int:
+        lo, _ = self.shard(unit)
+        return min(max(self.layouts[unit].decay_numel - lo, 0), self.master(unit).numel())
+
+    @torch.no_grad()
+    def load(self, tiles: Mapping[int, torch.Tensor]) -> None:
+        """Set this rank's slices of the master weights from full per-unit tiles; zero the optimizer state."""
+        for u in self.units:
+            if u not in tiles:
+                raise KeyError(f"no tile for unit {u}; expected units {self.units}")
+            t = tiles[u].reshape(-1)
+            if t.numel() != self.layouts[u].numel:
+                raise ValueError(f"tile of unit {u} has {t.numel()} elements, the layout has {self.layouts[u].numel}")
+            self.load_slice(u, t)
+        for r in (self._m, self._v):
+            r.raw.zero_()
+        self.steps = {u: 0 for u in self.units}
+
+    def load_slice(self, unit: int, full: torch.Tensor) -> None:
+        """Copy this rank's slice of a full (numel,) tile into the master (padding zero) and the streaming copy."""
+        lo, valid = self.shard(unit)
+        master = self.master(unit)
+        master[:valid].copy_(full[lo:lo + valid])
+        master[valid:].zero_()
+        self.refresh_stream(unit)
+
+    def init_slices(self, seed: int, std: float = 0.02) -> None:
+        """The seeded init of every unit (megatrain/init.py), drawn whole one unit at a time, keeping this rank's
+        slice: the same weights as a one-GPU run of the same seed."""
+        for unit in self.units:
+            full = torch.empty(self.layouts[unit].numel)
+            init_unit(self.spec, unit, full, seed, std)
+            self.load_slice(unit, full)
+
+    def full_tile(self, unit: int) -> torch.Tensor:
+        """The unit's full fp32 tile, gathered from every rank (call it on every rank)."""
+        return self.world.gather_slices(self.master(unit))[:self.layouts[unit].numel].clone()

@@ -1,0 +1,143 @@
+"""Data parallelism over the ranks of one host: sharded ownership of the host store, collectives as tasks.
+
+With `world` = N ranks (one process per GPU), rank r owns the contiguous slice `[r*s, (r+1)*s)` of every unit's
+flat tile (master, moments, streaming copy, gradient landing), `s = shard_numel(n, N)`: n / N rounded up to whole
+pages of fp32 (1024 elements), so every slice boundary is page aligned and the slices are equal (the last one is
+padded with zeros). Per fill of a GPU slot, the rank copies only its slice host -> GPU (PREFETCH), and an
+ALL_GATHER on the `comm` stream fills the rest of the slot from the other ranks; compute is unchanged. After a
+unit's last backward a REDUCE_SCATTER sums the slot's gradients over the ranks, leaving each its slice (and the
+unit's gradient norm, all-reduced from the slices' squared norms, so clipping and the non-finite skip decide the
+same on every rank); OFFLOAD copies only the slice to the host and the rank's CPU threads update only the slice.
+
+`for_world(placement, N)` makes a one-GPU placement data parallel (refusing what it cannot shard yet); the builder
+pass `add_collectives` adds the G and Z tasks (a no-op at world 1, so one-GPU Programs are unchanged).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .dag import ScheduleError
+from .placement import Placement, UpdateSite, gpu_buffers
+from .stepgraph import StepGraph
+from .tasks import COMPUTE_KINDS, G, Task, TaskKind, Z
+
+SHARD_ALIGN = 1024  # elements: one 4 KiB page of fp32
+
+
+def shard_numel(n: int, world: int) -> int:
+    """Elements of each rank's slice of an n-element unit: n / world rounded up to whole pages (world 1: n)."""
+    if world <= 1:
+        return n
+    return -(-n // (world * SHARD_ALIGN)) * SHARD_ALIGN
+
+
+def padded_numel(n: int, world: int) -> int:
+    """Elements of a GPU slot holding all ranks' slices of an n-element unit (world 1: n)."""
+    return n if world <= 1 else world * shard_numel(n, world)
+
+
+def for_world(p: Placement, world: int) -> Placement:
+    """The placement `p` run data parallel over `world` ranks: each rank runs it on its 1/world of the global
+    batch (`p.batch` is the per-rank batch). Refuses what the sharded store does not support yet."""
+    if world < 1:
+        raise ScheduleError(f"world size {world}: there must be at least one rank")
+    if world == 1:
+        return p
+    gpu = [u.unit for u in p.units if u.update is not UpdateSite.HOST]
+    if gpu:
+        raise ScheduleError(f"data parallel over {world} ranks updates on the host only; this schedule updates "
+                            f"{len(gpu)} unit(s) on the GPU (optimizer gpu/split placements, resident_layers, "
+                            "resident_embeddings). Use optimizer after, overlap or arrival with world > 1")
+    if p.model.tie_word_embeddings:
+        raise ScheduleError(f"{p.model.name} ties its embeddings; data parallel training does not shard a tied "
+                            "head yet. Train it on one GPU")
+    sharded = replace(p, world=world)
+    return replace(sharded, buffers=gpu_buffers(sharded))
+
+
+def add_collectives(sg: StepGraph) -> None:
+    """World > 1: each PREFETCH (the rank's slice) is followed by an ALL_GATHER that completes the slot before its
+    readers; each OFFLOAD is preceded by a REDUCE_SCATTER after the unit's last backward."""
+    p, g = sg.placement, sg.graph
+    if p.world <= 1:
+        return
+    _rank_slices(sg)
+    for fill in [t for t in g.nodes if t.kind is TaskKind.PREFETCH]:
+        a = g.nodes[fill]
+        n = p.model.unit_params(fill.unit)
+        gather = sg.add(G(fill.unit, back=fill.back), slot=a["slot"], weights=fill,
+                        **_collective_attrs(n * p.wire_bytes("weight_wire"), n, p.world))
+        readers = [t for t in g.successors(fill) if g.edges[fill, t].get("why", "data") == "data"]
+        sg.edge(fill, gather)
+        for t in readers:
+            sg.edge(gather, t)
+        _emit_after(sg, fill, gather)
+    for off in [t for t in g.nodes if t.kind is TaskKind.OFFLOAD]:
+        a = g.nodes[off]
+        n = p.model.unit_params(off.unit)
+        reduce = sg.add(Z(off.unit), slot=a["slot"], weights=a.get("weights"),
+                        **_collective_attrs(4 * n, n, p.world))
+        for t in [t for t in g.predecessors(off) if t.kind in COMPUTE_KINDS]:
+            sg.edge(t, reduce)
+        sg.edge(reduce, off)
+        for t in [t for t in g.successors(off) if g.edges[off, t].get("why") == "slot"]:
+            sg.edge(reduce, t, "slot")
+        _emit_before(sg, off, reduce)
+
+
+def _rank_slices(sg: StepGraph) -> None:
+    """A rank's copies and host updates move its slice: PREFETCH, OFFLOAD and U carry the slice's bytes and
+    parameters (what the simulator charges and the timeline reports)."""
+    p, g = sg.placement, sg.graph
+    for t in g.nodes:
+        if t.kind not in (TaskKind.PREFETCH, TaskKind.OFFLOAD, TaskKind.OPTIMIZER):
+            continue
+        s = shard_numel(p.model.unit_params(t.unit), p.world)
+        wire = {TaskKind.PREFETCH: p.wire_bytes("weight_wire"), TaskKind.OFFLOAD: p.wire_bytes("grad_wire"),
+                TaskKind.OPTIMIZER: 0}[t.kind]
+        g.nodes[t].update(bytes=s * wire, params=s)
+
+
+def _collective_attrs(msg_bytes: int, params: int, world: int) -> dict:
+    """`bytes` of a collective: what each rank sends over the bus, (world-1)/world of the whole message."""
+    return dict(bytes=msg_bytes * (world - 1) // world, params=params, flops=0.0, tokens=0, device="gpu")
+
+
+def _where(sg: StepGraph, task: Task) -> list[Task]:
+    for lists in (sg.before, sg.after):
+        for lst in lists.values():
+            if task in lst:
+                return lst
+    for lst in (sg.start, sg.end):
+        if task in lst:
+            return lst
+    raise AssertionError(f"{task} was never emitted")
+
+
+def _emit_after(sg: StepGraph, anchor: Task, task: Task) -> None:
+    lst = _where(sg, anchor)
+    lst.insert(lst.index(anchor) + 1, task)
+
+
+def _emit_before(sg: StepGraph, anchor: Task, task: Task) -> None:
+    lst = _where(sg, anchor)
+    lst.insert(lst.index(anchor), task)
+
+
+def rank_host_plan(p: Placement, backend: str = "cuda"):
+    """Host memory of one rank of a data-parallel placement (`ir.memory.HostMemoryPlan`): the one-GPU plan with
+    the store's tiles cut to the rank's slices (page-padded); offloaded checkpoints (of the rank's batch), scratch
+    and runtime as one process has them. The node needs `world` times it."""
+    from .memory import plan_host_memory
+
+    plan = plan_host_memory(replace(p, world=1), backend)
+    if p.world <= 1:
+        return plan
+    spec = p.model
+    full = sum(spec.unit_params(u) for u in spec.units())  # untied: the store's tiles are the units
+    mine = sum(shard_numel(spec.unit_params(u), p.world) for u in spec.units())
+    sliced = {"fp32 master", "adam m (fp32)", "adam v (fp32)", "bf16 streaming copy",
+              f"gradients ({p.grad_wire})"}
+    components = {k: (v * mine // full if k in sliced else v) for k, v in plan.components.items()}
+    pinned = plan.pinned_bytes * mine // full if plan.pinned_bytes else 0
+    return type(plan)(components, pinned, plan.num_params)

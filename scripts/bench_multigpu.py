@@ -1,0 +1,236 @@
+"""Data-parallel measurements on the GPUs of one host (issue 15): throughput, host memory, prediction, equality.
+
+Run on the GPU machine from the repository root, NVLink multicast off (NCCL_NVLS_ENABLE=0, see KINDS.md). Every
+command fits in 10 minutes; results go to $OUT (or ./bench_multigpu) as JSON and are printed as a table.
+
+    # throughput: N runs, each a separate process (torchrun for N > 1), same per-GPU batch; then the table
+    python scripts/bench_multigpu.py throughput --model bench-3b --gpus 1 --runs 3
+    python scripts/bench_multigpu.py throughput --model bench-3b --gpus 2 --runs 3
+    python scripts/bench_multigpu.py table
+    # fp32 equality: 20 steps, 2 GPUs vs 1 GPU with 2 micro-batches of the same global batch
+    python scripts/bench_multigpu.py equality
+    # bf16 loss curves: 300 steps on the bundled corpus, 2 GPUs vs 1 GPU with 2 micro-batches
+    python scripts/bench_multigpu.py curve
+
+`worker` is what each process runs (under torchrun for N > 1): random token ids (the same global batch on every
+rank, each keeps its rows), `--warmup` steps, then `--steps` timed steps; rank 0 writes one JSON with the global
+tokens/s (median step), every rank's proportional set size (/proc/self/smaps_rollup) after the timed steps, the
+planned host bytes of all ranks (`megatrain plan --gpus N`) and the simulator's step time for the same Program.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT") or ROOT / "bench_multigpu")
+DEVICE = "cuda"
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+           PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def pss_bytes() -> int:
+    """Proportional set size of this process (shared pages split among the processes that map them)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def launch(gpus: int, args: list[str], timeout: float) -> int:
+    """One training process (N = 1) or N ranks under torchrun, with this script's `worker` command."""
+    worker = [str(Path(__file__).resolve()), "worker", "--device", DEVICE, *args]
+    cmd = ([sys.executable, *worker] if gpus == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", *worker])
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, env=ENV, timeout=timeout).returncode
+
+
+# ---- one run (every rank) -----------------------------------------------------------------------------------------
+def worker(a) -> None:
+    from megatrain.dist.world import World
+    from megatrain.exec.optim import AdamWConfig
+    from megatrain.ir.collectives import rank_host_plan
+    from megatrain.ir.knobs import resolve_knobs
+    from megatrain.presets import get_model
+    from megatrain.training.trainer import StreamedTrainer
+
+    world = World.from_env(a.device, timeout_s=a.timeout)
+    spec = get_model(a.model)
+    if a.layers:
+        spec = spec.with_layers(a.layers)
+    name, knobs = resolve_knobs(a.schedule, a.set)
+    t0 = time.perf_counter()
+    tr = StreamedTrainer(spec, knobs, optim=AdamWConfig(lr=a.lr), backend=a.device, timeout_s=a.timeout,
+                         seed=a.seed, world=world)
+    setup_s = time.perf_counter() - t0
+    global_batch = a.batch * world.size  # --batch is per GPU
+    program = tr.program(a.batch, a.seq)
+    batches = _batches(a, spec, global_batch)
+    losses, times = [], []
+    for i, (ids, targets) in enumerate(batches):
+        r = tr.step(ids, targets)
+        losses.append(r.loss)
+        if i >= a.warmup:
+            times.append(r.time_s)
+    pss = [0] * world.size
+    mine = pss_bytes()
+    if world.distributed:
+        dist.all_gather_object(pss, mine, group=world.host_group)
+    else:
+        pss = [mine]
+    tiles = tr.tiles() if a.save_tiles else None
+    if world.rank != 0:
+        return
+    step_s = statistics.median(times) if times else float("nan")
+    predicted = None
+    if a.profile:
+        from megatrain.sim import simulate
+
+        predicted = simulate(program, a.profile).step_s
+    plan = rank_host_plan(program.placement)
+    result = dict(model=spec.name, schedule=name, gpus=world.size, batch_per_gpu=a.batch, seq=a.seq,
+                  step_s=step_s, tokens_per_s=global_batch * a.seq / step_s, step_times=times, losses=losses,
+                  pss_bytes=pss, pss_sum_bytes=sum(pss), planned_host_bytes=world.size * plan.total_bytes,
+                  predicted_step_s=predicted, setup_s=setup_s, torch=torch.__version__)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = Path(a.result)
+    path.write_text(json.dumps(result, indent=1))
+    if tiles is not None:
+        torch.save(tiles, path.with_suffix(".tiles.pt"))
+    print("RESULT", json.dumps({k: v for k, v in result.items() if k not in ("losses", "step_times")}), flush=True)
+
+
+def _batches(a, spec, global_batch: int):
+    """The run's global batches: random ids (throughput), or windows of the bundled corpus as bytes (curves)."""
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    steps = a.warmup + a.steps
+    if a.corpus:
+        text = (ROOT / "megatrain" / "corpus" / "python_reference.txt").read_bytes()
+        data = torch.tensor(list(text), dtype=torch.int64)
+        for _ in range(steps):
+            starts = torch.randint(0, data.numel() - a.seq - 1, (global_batch,), generator=gen)
+            rows = torch.stack([data[s:s + a.seq + 1] for s in starts.tolist()])
+            yield rows[:, :-1], rows[:, 1:]
+        return
+    for _ in range(steps):
+        ids = torch.randint(0, spec.vocab_size, (global_batch, a.seq), generator=gen)
+        targets = torch.roll(ids, -1, 1)
+        targets[:, -1] = -100
+        yield ids, targets
+
+
+# ---- commands -----------------------------------------------------------------------------------------------------
+def throughput(a) -> None:
+    for run in range(a.runs):
+        # A unique name per run: repeated commands (one run each, for models whose setup is long) accumulate.
+        result = OUT / f"tp-{a.model}-g{a.gpus}-{a.schedule}-{time.strftime('%H%M%S')}-r{run}.json"
+        rc = launch(a.gpus, ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--schedule",
+                             a.schedule, *sum((["--set", s] for s in a.set), []), "--steps", str(a.steps),
+                             "--result", str(result)], a.timeout)
+        if rc:
+            sys.exit(f"run {run} failed (exit {rc})")
+    table(a)
+
+
+def table(a) -> None:
+    """tok/s median (min-max) per (model, schedule, GPUs), scaling vs 1 GPU, summed PSS vs plan, predicted step."""
+    runs: dict[tuple, list[dict]] = {}
+    for f in sorted(glob.glob(str(OUT / "tp-*.json"))):
+        r = json.loads(Path(f).read_text())
+        runs.setdefault((r["model"], r["schedule"], r["gpus"]), []).append(r)
+    print(f"{'model':<10} {'schedule':<22} {'GPUs':>4} {'runs':>4} {'tok/s median (min-max)':>28} {'x 1 GPU':>8} "
+          f"{'PSS sum GiB':>11} {'plan GiB':>9} {'step s':>7} {'pred s':>7}")
+    for (model, sched, g), rs in sorted(runs.items()):
+        tps = [r["tokens_per_s"] for r in rs]
+        base = runs.get((model, sched, 1))
+        ratio = statistics.median(tps) / statistics.median([r["tokens_per_s"] for r in base]) if base else None
+        r0 = rs[0]
+        pred = r0["predicted_step_s"]
+        print(f"{model:<10} {sched:<22} {g:>4} {len(rs):>4} {statistics.median(tps):>12,.0f} "
+              f"({min(tps):,.0f}-{max(tps):,.0f}) {'' if ratio is None else f'{ratio:.2f}':>8} "
+              f"{max(r['pss_sum_bytes'] for r in rs) / 2**30:>11.1f} {r0['planned_host_bytes'] / 2**30:>9.1f} "
+              f"{statistics.median([r['step_s'] for r in rs]):>7.3f} {'' if pred is None else f'{pred:.3f}':>7}")
+
+
+def equality(a) -> None:
+    """fp32, 20 steps: parameters of 2 GPUs vs 1 GPU with 2 micro-batches, relative to how far they moved."""
+    fp32 = ["--set", "compute_dtype=fp32", "--set", "weight_wire=fp32", "--set", "clip=1.0"]
+    common = ["--model", a.model, "--layers", str(a.layers), "--batch", str(a.batch), "--seq", str(a.seq),
+              "--schedule", "overlap", "--steps", "20", "--warmup", "0", "--save-tiles", "--profile", "", *fp32]
+    launch(2, [*common, "--result", str(OUT / "eq-dp2.json")], a.timeout)
+    launch(1, [*common, "--batch", str(2 * a.batch), "--set", "micro_batches=2", "--result",
+               str(OUT / "eq-one.json")], a.timeout)
+    launch(1, [*common, "--steps", "0", "--result", str(OUT / "eq-init.json")], a.timeout)
+    dp, one, init = (torch.load(OUT / f"eq-{k}.tiles.pt") for k in ("dp2", "one", "init"))
+    diff = sum((dp[u].double() - one[u].double()).square().sum() for u in one) ** 0.5
+    moved = sum((one[u].double() - init[u].double()).square().sum() for u in one) ** 0.5
+    la = json.loads((OUT / "eq-dp2.json").read_text())["losses"]
+    lb = json.loads((OUT / "eq-one.json").read_text())["losses"]
+    loss_err = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+    rel = float(diff / moved)
+    print(f"fp32 equality, 20 steps: ||p_2gpu - p_1gpu|| / ||p_1gpu - p_0|| = {rel:.2e} (pass <= 1e-5: "
+          f"{'PASS' if rel <= 1e-5 else 'FAIL'}); max loss rel diff {loss_err:.2e}")
+
+
+def curve(a) -> None:
+    """bf16, 300 steps on the bundled corpus: per-step loss of 2 GPUs vs 1 GPU with 2 micro-batches."""
+    common = ["--model", a.model, "--layers", str(a.layers), "--seq", str(a.seq), "--schedule", "arrival",
+              "--set", "clip=0", "--steps", "300", "--warmup", "0", "--corpus", "--profile", "", "--lr", "3e-4"]
+    launch(2, [*common, "--batch", str(a.batch), "--result", str(OUT / "curve-dp2.json")], a.timeout)
+    launch(1, [*common, "--batch", str(2 * a.batch), "--set", "micro_batches=2", "--result",
+               str(OUT / "curve-one.json")], a.timeout)
+    la = json.loads((OUT / "curve-dp2.json").read_text())["losses"]
+    lb = json.loads((OUT / "curve-one.json").read_text())["losses"]
+    errs = [abs(x - y) / abs(y) for x, y in zip(la, lb)]
+    tail = abs(statistics.mean(la[-100:]) - statistics.mean(lb[-100:])) / statistics.mean(lb[-100:])
+    print(f"bf16 curves, 300 steps: loss {lb[0]:.3f} -> {lb[-1]:.3f} (1 GPU) / {la[-1]:.3f} (2 GPUs); per-step rel "
+          f"diff max {max(errs):.2e}, median {statistics.median(errs):.2e}; last 100 steps' mean {tail:.2e} "
+          f"(pass: per step <= 5e-3: {'PASS' if max(errs) <= 5e-3 else 'FAIL'})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("worker", "throughput", "table", "equality", "curve"))
+    p.add_argument("--model", default="bench-3b")
+    p.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0: all)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="sequences per GPU")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--schedule", default="arrival")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default="h200-measured", help="profile for the prediction ('' to skip)")
+    p.add_argument("--timeout", type=float, default=560.0)
+    p.add_argument("--result", default=str(OUT / "result.json"))
+    p.add_argument("--save-tiles", action="store_true")
+    p.add_argument("--corpus", action="store_true", help="train on the bundled corpus (bytes) instead of random ids")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: try the script without a GPU")
+    a = p.parse_args()
+    global DEVICE
+    DEVICE = a.device
+    if a.command in ("equality", "curve") and not a.layers:
+        a.layers = 4  # a bench-3b cut to 4 layers: 20 fp32 / 300 bf16 steps fit in the 10 minutes
+        if a.command == "curve":
+            a.batch = 4
+    if a.schedule == "arrival" and not any(s.startswith("clip") for s in a.set):
+        a.set = [*a.set, "clip=0"]  # arrival cannot clip exactly
+    {"worker": worker, "throughput": throughput, "table": table, "equality": equality, "curve": curve}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()

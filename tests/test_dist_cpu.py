@@ -1,0 +1,249 @@
+"""Data parallelism on the CPU backend: two processes with gloo train like one process with two micro-batches of
+the same global batch (the reference is the one-GPU path, itself tested against a plain PyTorch loop in
+test_exec_training.py), and a rank that fails or hangs stops the other within the timeout."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.dist.world import World
+from megatrain.ir.builders import build_schedule
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.program import lower
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+LOSS_TOL = 1e-6  # relative, per step
+MOVE_TOL = 1e-5  # ||p - p_ref|| / ||p_ref - p_0||
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0) -> list[subprocess.CompletedProcess]:
+    """Start `world` ranks of tests/dist_worker.py as torchrun would; wait for all (with a timeout)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist_worker.py"), "--out",
+                               str(tmp_path / "out.pt"), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def reference(schedule: str, clip: float, steps: int, device: str = "cpu"):
+    """One process, two micro-batches of the same global batches."""
+    tr = dist_worker.trainer(schedule, clip, 2, World(), device=device)
+    losses = [tr.step(ids, targets).loss for ids, targets in dist_worker.batches(steps)]
+    return losses, tr.tiles()
+
+
+def initial():
+    return dist_worker.trainer("overlap", 0.0, 1, World()).tiles()
+
+
+CASES = [("overlap", 0.5), ("overlap", 0.0), ("serial", 0.5), ("arrival", 0.0), ("arrival", 0.5)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every case of CASES trained by one pair of ranks (one launch: process start-up dominates on CI)."""
+    tmp = tmp_path_factory.mktemp("dp")
+    runs = launch(tmp, "--cases", ",".join(f"{s}:{c}" for s, c in CASES), "--steps", "3")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp / "out.pt")
+
+
+@pytest.mark.parametrize("schedule,clip", CASES)
+def test_two_ranks_train_like_one_process_with_two_micro_batches(two_rank_runs, schedule, clip):
+    steps = 3
+    got = two_rank_runs[f"{schedule}:{clip}"]
+    ref_losses, ref_tiles = reference(schedule, clip, steps)
+    init = initial()
+    errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses)]
+    assert max(errs) <= LOSS_TOL, f"losses differ by up to {max(errs):.1e}: {got['losses']} vs {ref_losses}"
+    diff2 = sum((got["tiles"][u].double() - ref_tiles[u].double()).square().sum().item() for u in ref_tiles)
+    moved2 = sum((ref_tiles[u].double() - init[u].double()).square().sum().item() for u in ref_tiles)
+    assert moved2 > 0
+    assert (diff2 / moved2) ** 0.5 <= MOVE_TOL, f"parameters differ by {(diff2 / moved2) ** 0.5:.1e} of movement"
+
+
+@pytest.mark.parametrize("fail", ["raise", "sleep"])
+def test_a_failing_or_hanging_rank_stops_the_other_with_the_task_named(tmp_path, fail):
+    runs = launch(tmp_path, "--fail", fail, "--timeout", "5", "--steps", "2", timeout=120)
+    assert all(r.returncode != 0 for r in runs), [r.returncode for r in runs]
+    assert "injected failure in F1.0" in runs[1].stderr or fail == "sleep", runs[1].stderr[-3000:]
+    assert "running F1.0" in runs[1].stderr or fail == "raise", runs[1].stderr[-3000:]  # its own hung task
+    last = runs[0].stderr.strip().splitlines()[-1]  # rank 0: the collective it was stuck in, by name
+    assert "ExecError" in last and "comm: running" in last or "on stream comm" in last, last
+
+
+def test_collectives_are_tasks_of_the_program():
+    spec = dist_worker.SPEC
+    prog = lower(build_schedule(spec, 2, 16, "overlap", world=2))
+    comm = prog.streams["comm"]
+    assert {prog.tasks[t].kind for t in comm} == {"G", "Z"}
+    for t in prog.tasks.values():  # every compute task reads a slot the all-gather completed
+        if t.kind in "FRB":
+            assert any(prog.tasks[w].kind == "G" for w in t.waits), t
+    one = lower(build_schedule(spec, 2, 16, "overlap"))
+    assert "comm" not in one.streams and one.placement.world == 1
+    with pytest.raises(ScheduleError, match="updates on the host only"):
+        build_schedule(spec, 2, 16, "gpu-adam", world=2)
+
+
+def _train_cli(tmp_path, name: str, ranks: int, *args) -> tuple[list[float], str]:
+    import json
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "-m", "megatrain", "train"] if ranks > 1 else [sys.executable, "-m", "megatrain", "train"]
+    common = ["--steps", "3", "--device", "cpu", "--batch", "2", "--seq", "32", "--out-dir", str(tmp_path),
+              "--name", name, "--no-progress", "--lr", "1e-2", "--set", "run.checkpoint_every=0", "--set",
+              "run.checkpoint_at_end=false", "--set", "run.eval_every=0", "--set", "schedule.compute_dtype=fp32",
+              "--set", "schedule.weight_wire=fp32"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run(cmd + common + list(args), env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [rec["loss"] for rec in records], r.stdout
+
+
+def test_torchrun_train_equals_one_process_accumulating_the_same_batches(tmp_path):
+    """`torchrun --nproc_per_node=2 -m megatrain train`: batch 2 per rank reads the same sequences as one process
+    with grad_accum 2, and trains the same; only rank 0 logs and writes a run directory."""
+    dp, out = _train_cli(tmp_path, "dp", 2)
+    one, _ = _train_cli(tmp_path, "one", 1, "--set", "run.grad_accum=2")
+    assert "data parallel: 2 ranks" in out and out.count("done: 3 steps") == 1  # rank 1 is silent
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp", "one"]
+    errs = [abs(a - b) / abs(b) for a, b in zip(dp, one)]
+    assert len(dp) == 3 and max(errs) <= LOSS_TOL, (dp, one)
+
+
+def test_the_planner_predicts_each_ranks_host_store():
+    """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate."""
+    from megatrain.dist.shard import ShardedHostStore
+    from megatrain.ir.collectives import for_world, rank_host_plan
+    from megatrain.ir.knobs import knobs_for
+    from megatrain.ir.resolve import resolve
+
+    spec, knobs = dist_worker.SPEC, knobs_for("arrival", clip=0.0, grad_wire="bf16")
+    p = for_world(resolve(spec, 2, 16, knobs), 2)
+    plan = rank_host_plan(p, backend="cpu")
+    one = rank_host_plan(resolve(spec, 2, 16, knobs), backend="cpu")
+    for rank in range(2):
+        store = ShardedHostStore(spec, p.host_layout, World(rank=rank, size=2))
+        got = store.bytes_by_component()
+        assert {k: v for k, v in plan.components.items() if k in got} == got
+        assert sum(store.master(u).numel() for u in store.units) * 2 >= spec.num_params
+    assert plan.store_bytes < 0.6 * one.store_bytes  # half the model per rank, plus page padding
+
+
+def test_the_simulator_runs_a_ranks_program_with_its_share_of_the_host():
+    """One rank's Program: collectives on the comm stream take at least their latency, and a rank's update of
+    half a unit at half the node's AdamW rate takes as long as one process's update of the whole unit (the
+    measured node rate does not grow with ranks)."""
+    from megatrain.ir.knobs import knobs_for
+    from megatrain.sim import simulate
+    from megatrain.sim.collectives import DEFAULTS
+
+    spec = dist_worker.SPEC.with_layers(2)
+    knobs = knobs_for("serial", clip=0.0)
+    one = simulate(lower(build_schedule(spec, 2, 64, knobs)), "h200").timeline.set_index("task")
+    two = simulate(lower(build_schedule(spec, 2, 64, knobs, world=2)), "h200").timeline.set_index("task")
+    comm = two[two.stream == "comm"]
+    assert set(comm.kind) == {"G", "Z"}
+    assert ((comm.end_s - comm.start_s) >= DEFAULTS["G"]["latency_s"]).all()
+    d1, d2 = (one.end_s - one.start_s)["U0"], (two.end_s - two.start_s)["U0"]
+    assert d2 == pytest.approx(d1, rel=0.05)
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
+    """Non-finite gradients on one rank reach every rank's norm (all-reduced with the reduce-scatter): both skip
+    the whole step (exact clipping) and keep equal AdamW step counts. The NaN is in element 0 of rank 1's part of
+    the sum, which lands in rank 0's slice."""
+    runs = launch(tmp_path, "--fail", "nan", "--steps", "3", "--cases", "serial:0.5")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")["serial:0.5"]
+    assert [r["skipped"] for r in got["ranks"]] == [[False, True, False]] * 2
+    assert got["ranks"][0]["steps"] == got["ranks"][1]["steps"] == {u: 2 for u in got["ranks"][0]["steps"]}
+
+
+def test_ranks_that_lowered_different_programs_stop_before_the_first_collective(tmp_path):
+    runs = launch(tmp_path, "--rank1-seq", "8", "--timeout", "20", timeout=120)
+    assert all(r.returncode != 0 for r in runs)
+    for r in runs:
+        assert "the ranks built different Programs" in r.stderr, r.stderr[-2000:]
+
+
+def test_sharded_checkpoints_resume_on_one_or_two_ranks(tmp_path):
+    """2 steps, a checkpoint, 2 more steps: saved by 2 ranks and resumed by 1 process, saved by 1 process and
+    resumed by 2 ranks, both equal to 4 uninterrupted steps of one process with 2 micro-batches."""
+    from megatrain.dist.checkpoint import CheckpointError, load_sharded
+    from megatrain.training.trainer import StreamedTrainer
+
+    schedule, clip = "overlap", 0.5
+    ref_losses, ref = reference(schedule, clip, 4)
+    init = initial()
+
+    def close(tiles):
+        diff2 = sum((tiles[u].double() - ref[u].double()).square().sum().item() for u in ref)
+        moved2 = sum((ref[u].double() - init[u].double()).square().sum().item() for u in ref)
+        return (diff2 / moved2) ** 0.5 <= MOVE_TOL
+
+    # 2 ranks save; 1 process resumes
+    two = tmp_path / "two"
+    assert all(r.returncode == 0 for r in launch(tmp_path, "--steps", "2", "--save", str(two)))
+    tr = dist_worker.trainer(schedule, clip, 2, World())
+    dist_worker.run(tr, 2, skip=2, load=str(two))
+    assert close(tr.tiles())
+    # 1 process saves; 2 ranks resume
+    one = tmp_path / "one"
+    tr = dist_worker.trainer(schedule, clip, 2, World())
+    dist_worker.run(tr, 2, save=str(one))
+    runs = launch(tmp_path, "--steps", "2", "--skip", "2", "--load", str(one))
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert close(torch.load(tmp_path / "out.pt")["overlap:0.5"]["tiles"])
+    # a checkpoint of another model is refused with what to do
+    small = StreamedTrainer(dist_worker.SPEC.with_layers(2), "overlap", backend="cpu")
+    with pytest.raises(CheckpointError, match="not this model's"):
+        load_sharded(two, small.store, World())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_two_gpus_train_like_one_gpu_with_two_micro_batches(tmp_path):
+    """The same equality on CUDA with NCCL: all-gather and reduce-scatter in place on the comm stream."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    cases = ",".join(f"{s}:{c}" for s, c in CASES)
+    runs = launch(tmp_path, "--cases", cases, "--steps", "3", "--device", "cuda")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    init = initial()
+    for schedule, clip in CASES:
+        ref_losses, ref = reference(schedule, clip, 3, "cuda")
+        out = got[f"{schedule}:{clip}"]
+        errs = [abs(a - b) / abs(b) for a, b in zip(out["losses"], ref_losses)]
+        diff2 = sum((out["tiles"][u].double() - ref[u].double().cpu()).square().sum().item() for u in ref)
+        moved2 = sum((ref[u].double().cpu() - init[u].double()).square().sum().item() for u in ref)
+        assert max(errs) <= 1e-5 and (diff2 / moved2) ** 0.5 <= MOVE_TOL, (schedule, clip, errs, diff2 / moved2)
