@@ -18,7 +18,7 @@ from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend
 from .buffers import DeviceBuffers
-from .optim import AdamWConfig, UpdatePlan, adamw_update, clip_coefficient, global_norm
+from .optim import AdamWConfig, UpdatePlan, adamw_update, adamw_update_bf16_state, clip_coefficient, global_norm
 from .store import HostStore
 
 
@@ -148,8 +148,12 @@ class Updates:
         store.steps[u] += 1
         master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
         for lo, hi, g in store.optimizer_grad_chunks(u):
-            adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo),
-                         plan.lr, self.cfg, plan.clip_coef)
+            args = (master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo), plan.lr,
+                    self.cfg)
+            if store.state_scratch is None:
+                adamw_update(*args, plan.clip_coef)
+            else:  # bf16 moments, widened through the store's fp32 scratch
+                adamw_update_bf16_state(*args, store.state_scratch, plan.clip_coef)
         store.refresh_stream(u)
         plan.applied_units.append(u)
 

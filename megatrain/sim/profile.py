@@ -23,6 +23,9 @@ A profile holds
                          once for the streaming-copy refresh (weight_wire="bf16") and once for the gradients'
                          conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
+    nvme_read_Bps, nvme_write_Bps  the NVMe tier of the optimizer state (knob state_tier): sequential read and
+                         write bandwidth of the drive(s) a host update reads its state from and writes it back to
+                         (defaults: one PCIe 4.0 x4 drive, 6.5 / 5.0 GB/s, an assumption of the shipped profiles)
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -188,6 +191,8 @@ class HardwareProfile:
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
+    nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
+    nvme_write_Bps: float = 5.0e9
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -208,7 +213,8 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
         if not 0 < self.dma_factor_cpu_optimizer <= 1:
             raise ProfileError(f"profile {self.name}: dma_factor_cpu_optimizer must be in (0, 1]")
-        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s"):
+        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s",
+                     "nvme_read_Bps", "nvme_write_Bps"):
             if not getattr(self, name) > 0:
                 raise ProfileError(f"profile {self.name}: {name} must be > 0")
         missing = set(UNIT_CLASSES) - set(self.efficiency)
