@@ -277,9 +277,8 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
         for label, alt in alternative_plans(plan, alts):
             alt_need = alt.host.total_bytes if what == "host" else alt.gpu.peak_bytes
             verdict = "fits" if alt_need <= have else "still short"
-            lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict}, "
-                         f"{alt_need / alt.host.num_params:.2f} B/param)" if what == "host" else
-                         f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict})")
+            per_param = f", {alt.host.bytes_per_param:.2f} B/param in the store" if what == "host" else ""
+            lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict}){per_param}")
             if fix is None and alt_need <= have:
                 fix = (alt, alt_need)
         if what == "host" and fix is not None:
