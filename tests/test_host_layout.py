@@ -192,3 +192,22 @@ def test_nvme_tier_rules():
     plan = plan_memory(PRESETS["debug"], 2, 64, dataclasses.replace(knobs_for("lean", weight_wire="bf16"),
                                                                     state_tier="nvme-all"))
     assert set(plan.host.nvme) == {"fp32 master", "adam m (fp32)", "adam v (fp32)"}
+
+
+# ---- on the GPU machine ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("extra", [{}, {"state_dtype": "bf16"}, {"micro_batches": 2, "grad_ring": 1}])
+def test_cuda_lean_layouts_give_the_cpu_backends_numbers_and_pin_as_planned(extra):
+    from test_exec_cuda import DEBUG, B, T, run
+
+    knobs = knobs_for("lean", compute_dtype="fp32", **extra)
+    cpu_trainer, cpu = run("cpu", knobs)
+    gpu_trainer, gpu = run("cuda", knobs)
+    for a, b in zip(cpu, gpu):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4), a.step
+    host = plan_memory(DEBUG, B, T, knobs).host
+    store = gpu_trainer.store
+    assert store.bytes_by_component() == {k: v for k, v in host.components.items() if k not in NOT_STORE}
+    pages = 4096 * 5 * len(DEBUG.units())
+    assert host.pinned_bytes <= store.pinned_bytes() <= host.pinned_bytes + pages
