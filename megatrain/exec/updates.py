@@ -49,8 +49,10 @@ class Updates:
         resident = self.placement.unit(t.unit).resident  # its gradients stay where they are: only the norm
         if not resident:
             self.store.gradients_landing(t.unit)
-            landing = self.store.grad(t.unit)
-        wire = g if resident or landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device
+        # Gradients kept on the GPU (t.fills) have no host landing tile (none in a gradient ring): the wire dtype
+        # is the store's gradient dtype either way.
+        landing = None if resident or t.fills else self.store.grad(t.unit)
+        wire = g if resident or self.store.grad_dtype == g.dtype else g.to(self.store.grad_dtype)  # on the device
         # The norm of what lands (and is applied), computed where the gradients are, in fp32; kept on the device
         # too, for GPU updates that decide a skip there.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
