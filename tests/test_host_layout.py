@@ -212,3 +212,22 @@ def test_cuda_lean_layouts_give_the_cpu_backends_numbers_and_pin_as_planned(extr
     assert store.bytes_by_component() == {k: v for k, v in host.components.items() if k not in NOT_STORE}
     pages = 4096 * 5 * len(DEBUG.units())
     assert host.pinned_bytes <= store.pinned_bytes() <= host.pinned_bytes + pages
+
+
+def test_a_bf16_state_run_resumes_bit_exactly(tmp_path):
+    """Checkpoints carry the bf16 moments as they are: stopped at step 3 and resumed, the run's losses are those
+    of the run that never stopped."""
+    from test_hardening_resume import tiny
+    from test_hardening_resume import train as run
+
+    from megatrain.training.metrics import read_metrics
+
+    lean = ["schedule.name=lean", "schedule.state_dtype=bf16"]
+    run(tiny(tmp_path, *lean, name="straight"))
+    run(tiny(tmp_path, *lean, name="stopped"), stop_at_step=3)
+    run(tiny(tmp_path, *lean, "run.resume=latest", name="stopped"))
+    losses = {}
+    for name in ("straight", "stopped"):
+        df = read_metrics(tmp_path / "runs" / name / "metrics.jsonl").drop_duplicates("step", keep="last")
+        losses[name] = df.sort_values("step")["loss"].tolist()
+    assert len(losses["straight"]) == 6 and losses["stopped"] == losses["straight"]
