@@ -15,7 +15,8 @@ A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
     bytes, flops, tokens, params   the work, for the simulator's cost model
 
 Edge attribute `why`: "data" (a value flows), "slot" (a buffer is refilled only after its readers are done),
-"accum" (gradient accumulation into one buffer), "clip" (the global norm needs every gradient), "state".
+"accum" (gradient accumulation into one buffer), "clip" (the global norm needs every gradient), "state",
+"ring" (a gradient ring tile is landed into only after the previous unit's gradients in it were read).
 """
 from __future__ import annotations
 
