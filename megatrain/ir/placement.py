@@ -244,8 +244,9 @@ class Placement:
             "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
         ]
         if self.grad_ring or self.state_dtype != "fp32" or self.state_tier != "host":
-            ring = (f"a ring of {self.grad_ring} tiles (" + " ".join(f"{unit_text(u)}:{t}" for u, t in self.ring_tiles)
-                    + ")" if self.grad_ring else "a tile per unit")
+            order = [f"{unit_text(u)}:{t}" for u, t in self.ring_tiles]  # unit:tile in landing order
+            shown = " ".join(order[:8]) + (f" ... {order[-1]}" if len(order) > 8 else "")
+            ring = f"a ring of {self.grad_ring} tiles ({shown})" if self.grad_ring else "a tile per unit"
             lines.append(f"host store: gradients land in {ring}; adam m/v {self.state_dtype} on the "
                          f"{'host' if self.state_tier == 'host' else 'NVMe tier (' + self.state_tier + ')'}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
