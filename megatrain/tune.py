@@ -114,8 +114,7 @@ NUMERICS_KNOBS = ("clip", "compute_dtype", "grad_wire", "compile_layers", "loss_
 
 
 def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleKnobs]:
-    """Schedules `auto` tries: every named schedule whose timing allows the base's clipping, with the base's
-    numerics, 2 or 3 weight buffers, and for the arrival placements resident units in a few sizes."""
+    """Schedules `auto` tries: every named schedule with the base's numerics (its clipping included), 2 or 3 weight buffers, and for the arrival placements resident units in a few sizes."""
     from dataclasses import fields as dc_fields
 
     from .ir.knobs import NAMED_SCHEDULES
@@ -124,9 +123,7 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
     L = spec.num_layers
     out: dict[str, ScheduleKnobs] = {}
     for name, named in NAMED_SCHEDULES.items():
-        timing = OPTIMIZER_PRESETS[named.optimizer][0].value
-        if base.clip and timing == "arrival":
-            continue  # it could not clip: auto never changes the numerics asked for
+        timing = OPTIMIZER_PRESETS[named.optimizer][0].value  # arrival clips speculatively, still exactly
         for buffers in sorted({2, 3} & set(range(1, max(L, 1) + 1))):
             knobs = replace(named, **keep, buffers=buffers)
             out[f"{name}[buffers={buffers}]"] = knobs

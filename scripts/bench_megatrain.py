@@ -121,9 +121,12 @@ def main() -> None:
         "init_s": round(init_s, 1),
     }
     norms = sorted(r.grad_norm for r in results if r.grad_norm is not None)
-    if norms:  # how often exact clipping scaled the update (the schedule's clip, 1.0 by default)
+    if norms:  # how often exact clipping scaled the update (at the schedule's max norm)
         out["grad_norm_median"] = round(norms[len(norms) // 2], 4)
-        out["clipped_steps"] = f"{sum(n > 1.0 for n in norms)}/{len(norms)}"
+        out["clipped_steps"] = f"{sum(n > knobs.clip for n in norms)}/{len(norms)}"
+        # speculative clipping (arrival placements): updates undone and redone, and updates deferred to the norm
+        out["redone_updates"] = sum(len(r.update.redone_units) for r in results)
+        out["deferred_updates"] = sum(len(r.update.deferred_units) for r in results)
     tl = results[med_i].timeline
     try:
         from megatrain.analysis.summary import summarize
@@ -142,6 +145,9 @@ def main() -> None:
             out["predicted_step_s"] = round(pred.step_s, 4)
             out["predicted_tokens_per_s"] = round(tokens / pred.step_s, 1)
             out["predicted_gpu_idle_pct"] = round(100 * pred.summary.gpu_idle_frac, 1)
+            if trainer.program(a.batch, a.seq).placement.speculative_clip:  # and a step that clips
+                clipping = simulate(trainer.program(a.batch, a.seq), load_profile(a.profile), clip_activates=True)
+                out["predicted_clipping_step_s"] = round(clipping.step_s, 4)
         except Exception as e:
             out["predict_error"] = repr(e)
     if a.timeline:

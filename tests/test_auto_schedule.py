@@ -17,12 +17,13 @@ GiB = 2**30
 
 def test_auto_keeps_exact_clipping_and_picks_the_fastest_that_fits():
     best = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=1.0), "h200-measured", 16 * GiB)
-    assert best.knobs.clip == 1.0 and OPTIMIZER_PRESETS[best.knobs.optimizer][0].value != "arrival"
-    assert (best.table.gpu_peak_gib <= 16).all() and best.table.step_s.is_monotonic_increasing
-    assert best.result.step_s == pytest.approx(best.table.step_s[0])
-    # Without clipping the arrival placements are allowed, and they are faster here.
+    assert best.knobs.clip == 1.0 and (best.table.gpu_peak_gib <= 16).all()
+    assert best.table.step_s.is_monotonic_increasing and best.result.step_s == pytest.approx(best.table.step_s[0])
+    # Arrival placements clip speculatively (exactly), so exact clipping costs next to nothing: the choice with
+    # clipping is an arrival placement, as fast as the choice without it.
+    assert OPTIMIZER_PRESETS[best.knobs.optimizer][0].value == "arrival"
     free = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=0), "h200-measured", 16 * GiB)
-    assert free.result.step_s < best.result.step_s and free.knobs.clip == 0
+    assert free.knobs.clip == 0 and best.result.step_s == pytest.approx(free.result.step_s, rel=0.01)
 
 
 def test_auto_keeps_the_other_numerics_and_respects_the_budget():

@@ -143,8 +143,9 @@ def test_clipping_is_one_setting_of_the_schedule():
     assert cfg.schedule.knobs() == NAMED_SCHEDULES["arrival"] and cfg.schedule.clip == 0
     assert load_config(None, ["schedule.clip=0.5"]).schedule.knobs().clip == 0.5
     # The resolver's rules surface as ConfigErrors naming the knobs.
-    with pytest.raises(ConfigError, match=r"clip=1\.0 needs the global gradient norm.*optimizer='arrival'"):
-        load_config(None, ["schedule.optimizer=arrival", "schedule.clip=1.0"])
+    assert load_config(None, ["schedule.optimizer=arrival", "schedule.clip=1.0"]).schedule.knobs().clip == 1.0
+    with pytest.raises(ConfigError, match=r"retain_grads=1 keeps them on the GPU.*retain_grads=0"):
+        load_config(None, ["schedule.name=arrival-split", "schedule.clip=1.0", "schedule.retain_grads=1"])
     # The old second setting says where clipping went.
     with pytest.raises(ConfigError, match=r"optimizer\.grad_clip is schedule\.clip now"):
         load_config(None, ["optimizer.grad_clip=0"])
@@ -170,8 +171,8 @@ def test_model_section_gives_the_spec():
 
 
 def test_override_may_complete_a_file_and_file_mistakes_name_the_file(tmp_path):
-    path = write(tmp_path, '[schedule]\nname = "arrival"\nclip = 1.0\n')
-    with pytest.raises(ConfigError, match="clip"):
+    path = write(tmp_path, '[schedule]\nname = "arrival-split"\nclip = 1.0\nretain_grads = 1\n')
+    with pytest.raises(ConfigError, match="retain_grads"):
         load_config(path)
     assert load_config(path, ["schedule.clip=0"]).schedule.clip == 0
     with pytest.raises(ConfigError, match=r"run\.toml: unknown key run\.stepz"):

@@ -36,7 +36,10 @@ VARIANTS = {"overlap-split-kept": ("overlap-split", dict(retain_grads=1)),
             "arrival-split-kept": ("arrival-split", dict(gpu_optimizer_fraction=0.5, retain_grads=1)),
             "arrival-resident": ("arrival", dict(resident_embeddings=True, resident_layers=2)),
             "arrival-compiled-resident": ("arrival", dict(compile_layers=True, resident_embeddings=True,
-                                                           resident_layers=1))}
+                                                           resident_layers=1)),
+            # speculative clipping: host units deferred or undone/redone on the host, resident ones on the GPU
+            "arrival-resident-clip": ("arrival", dict(clip=1.0, resident_embeddings=True, resident_layers=2)),
+            "arrival-split-clip": ("arrival-split", dict(clip=1.0, gpu_optimizer_fraction=0.5))}
 
 
 @pytest.mark.parametrize("name", ["serial", "overlap", "gpu-adam", "split-adam", "long-context", "arrival",

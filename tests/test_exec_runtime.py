@@ -267,8 +267,8 @@ def test_user_mistakes_get_clear_errors():
         tr.step(ids, torch.full_like(targets, -100))
     with pytest.raises(ValueError, match=r"must both be \(batch, seq\)"):
         tr.step(ids, targets[:, :-1])
-    with pytest.raises(ScheduleError, match="clip=1.0 needs the global gradient norm"):  # before any allocation
-        StreamedTrainer(DEBUG, knobs_for("arrival", clip=1.0, **FP32), backend="cpu")
+    with pytest.raises(ScheduleError, match="retain_grads=1 keeps them on the GPU"):  # before any allocation
+        StreamedTrainer(DEBUG, knobs_for("arrival-split", clip=1.0, retain_grads=1, **FP32), backend="cpu")
 
 
 def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
@@ -279,12 +279,12 @@ def test_megatrain_train_runs_the_debug_model(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.count("loss") >= 3 and "done: 3 steps" in out
     assert csv.read_text().splitlines()[0].split(",") == TIMELINE_COLUMNS
-    # Clipping is one setting, the schedule's: asking an arrival schedule to clip is one clear error naming both
-    # ways out, and the old optimizer.grad_clip says where it went.
-    assert main(["train", "--schedule", "arrival", "--set", "clip=1.0", "--device", "cpu", "--steps", "1",
-                 "--out-dir", str(tmp_path / "runs")]) == 2
+    # Clipping is one setting, the schedule's: a clipping schedule that cannot redo its updates on the host is one
+    # clear error naming both ways out, and the old optimizer.grad_clip says where it went.
+    assert main(["train", "--schedule", "arrival-split", "--set", "clip=1.0", "--set", "retain_grads=1", "--device",
+                 "cpu", "--steps", "1", "--out-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
-    assert "clip=0" in err and "optimizer='overlap'" in err and err.count("\n") == 1
+    assert "clip=0" in err and "retain_grads=0" in err and err.count("\n") == 1
     assert main(["train", "--set", "optimizer.grad_clip=0", "--device", "cpu", "--steps", "1",
                  "--out-dir", str(tmp_path / "runs")]) == 2
     assert "schedule.clip" in capsys.readouterr().err

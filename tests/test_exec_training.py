@@ -212,6 +212,16 @@ VARIANTS = {
                                                               retain_grads=4, **FP32)),
     "qwen2/overlap-split": ("qwen2", knobs_for("overlap-split", gpu_optimizer_fraction=0.5, retain_grads=1, **FP32)),
     "qwen2/overlap-recompute2": ("qwen2", knobs_for("overlap", recompute_block=2, **FP32)),
+    # Speculative exact clipping: updates as gradients land, undone and redone when the norm exceeds the max (the
+    # debug model's norm exceeds MAX_NORM in most of these steps, so the redo path is what is compared here)
+    "arrival-clip": ("llama", knobs_for("arrival", clip=MAX_NORM, **FP32)),
+    "arrival-clip-mb2": ("llama", knobs_for("arrival", clip=MAX_NORM, micro_batches=2, **FP32)),
+    "arrival-resident-clip": ("llama", knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True,
+                                                 resident_layers=2, **FP32)),
+    "arrival-split-clip": ("llama", knobs_for("arrival-split", clip=MAX_NORM, gpu_optimizer_fraction=0.5, **FP32)),
+    "tied/arrival-clip": ("llama-tied", knobs_for("arrival", clip=MAX_NORM, **FP32)),
+    "qwen2/arrival-resident-clip": ("qwen2", knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True,
+                                                       resident_layers=1, **FP32)),
 }
 
 
@@ -231,16 +241,18 @@ def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weight
                          loss_tol=BF16_LOSS_TOL)
 
 
-@pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam", "overlap-split"])
+@pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam", "overlap-split", "arrival-clip"])
 def test_bf16_grad_wire_equals_a_loop_on_bf16_rounded_gradients(schedule):
-    knobs = knobs_for(schedule, grad_wire="bf16", **FP32)
+    knobs = (knobs_for("arrival", clip=MAX_NORM, grad_wire="bf16", **FP32) if schedule == "arrival-clip"
+             else knobs_for(schedule, grad_wire="bf16", **FP32))
     if schedule == "overlap-split":  # gradients kept on the GPU are rounded as the wire would round them
         knobs = dataclasses.replace(knobs, gpu_optimizer_fraction=0.5, retain_grads=1)
     results, state = train("llama", knobs)
     assert_same_training(results, state, reference("llama", grad_wire="bf16"), "llama", f"bf16-grads-{schedule}")
 
 
-@pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam", "overlap-split"])
+@pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam", "overlap-split", "arrival-clip",
+                                      "arrival-resident-clip"])
 def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monkeypatch):
     """Step 5's gradients of layer 1 are poisoned with NaN: that update is skipped (no unit changes, no Adam step
     count advances) and training goes on exactly as a plain loop that skipped it."""
@@ -258,7 +270,10 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
         return out
 
     monkeypatch.setattr(compute_module, "layer_functions", lambda compiled: (real_forward, poisoned))
-    results, state = train("llama", knobs_for(schedule, **FP32))
+    knobs = {"arrival-clip": knobs_for("arrival", clip=MAX_NORM, **FP32),
+             "arrival-resident-clip": knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True, resident_layers=2,
+                                                **FP32)}.get(schedule) or knobs_for(schedule, **FP32)
+    results, state = train("llama", knobs)
     assert [r.skipped for r in results] == [i == bad_step for i in range(STEPS)]
     assert results[bad_step].update.applied_units == [] and results[bad_step - 1].update.applied_units
     assert_same_training(results, state, reference("llama", skip_step=bad_step), "llama", f"nan-{schedule}")

@@ -130,6 +130,8 @@ def test_bf16_state_is_8_bytes_per_param_with_ring_and_refused_on_gpu_updates():
     assert plan.host.bytes_per_param == pytest.approx(8 + (ring + scratch) / spec.num_params, rel=1e-12)
     with pytest.raises(ScheduleError, match="state_dtype='bf16'.*GPU"):
         plan_memory(spec, 8, 2048, knobs_for("overlap-split", state_dtype="bf16"))
+    with pytest.raises(ScheduleError, match="speculative clipping undoes"):  # the undo needs the fp32 moments
+        plan_memory(spec, 8, 2048, knobs_for("arrival", clip=1.0, state_dtype="bf16"))
 
 
 # ---- 3. the planner and the NVMe tier ------------------------------------------------------------------------------

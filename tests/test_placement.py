@@ -104,7 +104,8 @@ def test_every_knob_has_an_effect_or_is_refused_or_reported():
 
 def test_invalid_combinations_are_refused_in_the_resolver_naming_the_knobs():
     cases = [
-        (dict(optimizer="arrival", clip=1.0), "clip=1.0 needs the global gradient norm"),
+        (dict(optimizer="arrival-split", clip=1.0, gpu_optimizer_fraction=0.5, retain_grads=1),
+         "retain_grads=1 keeps them on the GPU"),
         (dict(optimizer="overlap", gpu_optimizer_fraction=0.5), "gpu_optimizer_fraction=0.5 has no effect"),
         (dict(optimizer="gpu", gpu_optimizer_fraction=0.5), "updates every layer on the GPU"),
         (dict(optimizer="after", state_buffers=2), "state_buffers=2 sizes the GPU buffers"),

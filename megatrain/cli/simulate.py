@@ -36,6 +36,10 @@ def register(sub) -> None:
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
+    p.add_argument("--clip-activates", action="store_true",
+                   help="speculative clipping (clip > 0 with an arrival placement): predict a step whose gradient "
+                        "norm exceeds the max, so every update is undone and redone (default: a step that does not "
+                        "clip)")
     p.add_argument("--gpu-budget-gib", type=float,
                    help="--schedule auto: the GPU memory the chosen schedule may plan for (default: this GPU's free "
                         "memory less 10%%)")
@@ -219,7 +223,7 @@ def run(args) -> int:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
             program = lower(build_schedule(spec, args.batch, args.seq, knobs))
             program.name = name
-            result = simulate(program, profile)
+            result = simulate(program, profile, clip_activates=args.clip_activates)
             notes.update(program.placement.notes)
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:

@@ -54,6 +54,10 @@ class UpdatePlan:
     # clip=0, GPU updates at arrival: units whose skip the device decided; the host settles the bookkeeping
     # (skipped_units, step counts) once the step's norms have landed
     device_checked: list[int] = field(default_factory=list)
+    # speculative clipping: host units not updated as their gradients landed because the norms landed before them
+    # already exceeded the max; their CLIP_REDO applies them, clipped
+    deferred_units: list[int] = field(default_factory=list)
+    redone_units: list[int] = field(default_factory=list)  # speculative clipping: updated, undone, updated again
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -120,3 +124,37 @@ def adamw_update_bf16_state(param: torch.Tensor, grad: torch.Tensor, exp_avg: to
                      clip_coef)
         exp_avg[lo:hi].copy_(m)
         exp_avg_sq[lo:hi].copy_(v)
+
+
+# Elements per pass of `adamw_undo`: its temporaries stay in cache instead of page-faulting a tile-sized buffer.
+UNDO_CHUNK = 1 << 20
+
+
+@torch.no_grad()
+def adamw_undo(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: int, decay_numel: int, lr: float, cfg: AdamWConfig) -> None:
+    """Invert one unclipped `adamw_update` (the one that made step count `step`) in place, given its gradient.
+
+    The update was  p' = p (1 - lr wd) - (lr / bc1) m' / (sqrt(v') / sqrt(bc2) + eps),
+                    m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2,
+    so  p = (p' + (lr / bc1) m' / (...)) / (1 - lr wd),  m = (m' - (1 - b1) g) / b1,  v = (v' - (1 - b2) g^2) / b2.
+    The denominator is recomputed from v' with the kernel's own operations, so p is recovered to fp32 rounding. m
+    and v lose what rounding m' and v' dropped: a relative error of about 2^-24 |v'| / |v| that a redo with clip
+    coefficient c turns into about 2^-24 / c^2 of the new v (speculative clipping; docs/executor.md).
+    param, grad, exp_avg, exp_avg_sq: (n,) fp32 on one device; weight decay was applied to param[:decay_numel].
+    """
+    b1, b2 = cfg.betas
+    step_size = lr / (1 - b1 ** step)
+    bc2_sqrt = math.sqrt(1 - b2 ** step)
+    shrink = 1 - lr * cfg.weight_decay
+    n = param.numel()
+    for lo in range(0, n, UNDO_CHUNK):
+        hi = min(n, lo + UNDO_CHUNK)
+        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]  # (k,) each
+        denom = v.sqrt().div_(bc2_sqrt).add_(cfg.eps)
+        p.addcdiv_(m, denom, value=step_size)
+        decayed = min(max(decay_numel - lo, 0), hi - lo)
+        if decayed and cfg.weight_decay:
+            p[:decayed].div_(shrink)
+        m.sub_(g, alpha=1 - b1).div_(b1)
+        v.addcmul_(g, g, value=-(1 - b2)).div_(b2).clamp_(min=0.0)

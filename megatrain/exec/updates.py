@@ -18,25 +18,46 @@ from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend
 from .buffers import DeviceBuffers
-from .optim import AdamWConfig, UpdatePlan, adamw_update, adamw_update_bf16_state, clip_coefficient, global_norm
+from .optim import (AdamWConfig, UpdatePlan, adamw_undo, adamw_update, adamw_update_bf16_state, clip_coefficient,
+                    global_norm)
 from .store import HostStore
 
 
 class Updates:
-    """Bodies of O, N, U, S and W tasks over the host store and the device buffers."""
+    """Bodies of O, N, U, V, S and W tasks over the host store and the device buffers."""
 
     def __init__(self, program: Program, store: HostStore, buffers: DeviceBuffers, backend: Backend,
                  cfg: AdamWConfig):
         self.placement = program.placement
         self.spec, self.store, self.buffers, self.backend, self.cfg = program.model, store, buffers, backend, cfg
         self.max_norm = self.placement.clip_max_norm  # None: no global norm (per-unit skips)
+        # Speculative clipping: updates run unclipped as gradients land (skipping a unit whose own gradients are
+        # not finite, as without clipping); CLIP_REDO fixes them once the global norm is known.
+        self.speculative = self.placement.speculative_clip
+        self.unit_skips = self.max_norm is None or self.speculative
         self.unit_index = {u: i for i, u in enumerate(store.units)}
+        # The units whose norms have landed when a unit's gradients have: its own and those of every OFFLOAD
+        # before it in the d2h queue (a stream completes in order), as indices into unit_norms. Their norms bound
+        # the global norm from below, except a tied embedding's and head's (the shared matrix's gradient is the
+        # sum of both: its norm is not theirs), which are left out.
+        self.norms_landed_with: dict[int, list[int]] = {}
+        landed: list[int] = []
+        tied = (EMBED, HEAD) if self.spec.tie_word_embeddings else ()
+        for tid in program.streams.get("d2h", []):
+            task = program.tasks[tid]
+            if task.kind == "O":
+                if task.unit not in tied:
+                    landed.append(self.unit_index[task.unit])
+                self.norms_landed_with[task.unit] = list(landed)
         # Per-unit gradient norms, computed on the device by OFFLOAD and landed next to the gradients.
         self.unit_norms = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=backend.pins_host_memory)
         # The same norms on the device, for GPU updates that must skip non-finite gradients without a host wait.
         self.device_norms = torch.zeros(len(store.units), dtype=torch.float32, device=backend.device)
         self.current: UpdatePlan | None = None
         self.pending: UpdatePlan | None = None
+        # Speculative clipping: whether the last global norm exceeded the max. Norms move slowly from step to step,
+        # so after a step that clipped the host updates wait for the norm instead of being undone and redone.
+        self.last_step_clipped = False
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending
@@ -79,6 +100,7 @@ class Updates:
             plan.skip = True
         else:
             plan.clip_coef = clip_coefficient(plan.grad_norm, self.max_norm)
+        self.last_step_clipped = plan.skip or plan.clip_coef < 1.0
 
     # ---- OPTIMIZER ---------------------------------------------------------------------------------------------
     def _plan(self, t: ProgramTask) -> UpdatePlan | None:
@@ -92,9 +114,9 @@ class Updates:
     def _should_apply(self, unit: int, plan: UpdatePlan | None, on_device: bool = False) -> UpdatePlan | None:
         if plan is None or plan.skip or unit in plan.skipped_units:
             return None
-        if self.max_norm is None and on_device:  # the kernel skips it if need be (`_device_skip`)
+        if self.unit_skips and on_device:  # the kernel skips it if need be (`_device_skip`)
             return plan
-        if self.max_norm is None and not self._unit_finite(unit):
+        if self.unit_skips and not self._unit_finite(unit):
             plan.skipped_units.append(unit)
             return None
         return plan
@@ -103,11 +125,16 @@ class Updates:
         """AdamW on one unit: on the host tiles (cpu stream) or on a GPU buffer (compute stream)."""
         # A GPU update of this step's gradients without a global norm (arrival timing) cannot read the unit's norm
         # on the host yet (it is still landing): the device decides the skip.
-        on_device = t.stream != "cpu" and t.step_offset == 0 and self.max_norm is None
+        on_device = t.stream != "cpu" and t.step_offset == 0 and self.unit_skips
         plan = self._should_apply(t.unit, self._plan(t), on_device)
+        # A speculative update never clips: the norm may already be known when it runs (GPU streams race the
+        # host's CLIP_NORM), but its CLIP_REDO assumes it ran unclipped.
+        coef = 1.0 if self.speculative or plan is None else plan.clip_coef
         if t.stream == "cpu":
-            if plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
-                self._host_update(t.unit, plan)
+            if plan is not None and self.speculative and self._clipping_likely(t.unit):
+                plan.deferred_units.append(t.unit)  # an update that would be undone: its CLIP_REDO applies it
+            elif plan is not None:  # None: step 0 of "overlap" (no gradients yet), or a skipped step / unit
+                self._host_update(t.unit, plan, coef)
             return
         u, store = t.unit, self.store
         master, m, v, g = self._state_views(t)
@@ -116,7 +143,7 @@ class Updates:
             found_inf = self._device_skip(u) if on_device else None
             kept = self.buffers.kept.get(u)  # gradients kept on the GPU, or streamed into the state buffer
             adamw_update(master, kept.g if kept is not None else g, m, v, store.steps[u], store.decay_numel(u),
-                         plan.lr, self.cfg, plan.clip_coef, found_inf)
+                         plan.lr, self.cfg, coef, found_inf)
             plan.applied_units.append(u)
             if on_device:
                 plan.device_checked.append(u)
@@ -145,19 +172,71 @@ class Updates:
                 plan.skipped_units.append(u)
         plan.device_checked.clear()
 
-    def _host_update(self, u: int, plan: UpdatePlan) -> None:
+    def _host_update(self, u: int, plan: UpdatePlan, coef: float | None = None) -> None:
         store = self.store
         store.steps[u] += 1
         master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
         for lo, hi, g in store.optimizer_grad_chunks(u):
             args = (master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo), plan.lr,
                     self.cfg)
+            clip = plan.clip_coef if coef is None else coef
             if store.state_scratch is None:
-                adamw_update(*args, plan.clip_coef)
+                adamw_update(*args, clip)
             else:  # bf16 moments, widened through the store's fp32 scratch
-                adamw_update_bf16_state(*args, store.state_scratch, plan.clip_coef)
+                adamw_update_bf16_state(*args, store.state_scratch, clip)
         store.refresh_stream(u)
         plan.applied_units.append(u)
+
+    # ---- CLIP_REDO ---------------------------------------------------------------------------------------------
+    def _clipping_likely(self, unit: int) -> bool:
+        """Speculative clipping: an unclipped update of this unit now would likely be undone, because the last
+        step clipped, or certainly, because the norms landed with this unit's already exceed the max norm (or are
+        not finite). Either way only the timing changes: a deferred update is applied exactly by its CLIP_REDO."""
+        if self.last_step_clipped:
+            return True
+        partial = global_norm([float(self.unit_norms[i]) for i in self.norms_landed_with.get(unit, [])])
+        return not partial <= self.max_norm  # NaN: not finite, the step will be skipped
+
+    def clip_redo(self, t: ProgramTask) -> None:
+        """Speculative clipping, once the global norm is known: a unit updated unclipped is undone and updated
+        again with the clip coefficient when the norm exceeded the max, or only undone when the norm is not finite
+        (the step is skipped); a deferred unit is updated, clipped, unless the step is skipped. A no-op in steps
+        that needed no clipping: their speculative updates were exact."""
+        plan, u = self.current, t.unit
+        if plan is not None and u in plan.deferred_units:
+            if not plan.skip:
+                self._host_update(u, plan)
+            return
+        if plan is None or u not in plan.applied_units or not (plan.skip or plan.clip_coef < 1.0):
+            return
+        if not self._unit_finite(u):
+            return  # its own gradients were not finite: the device skipped its update (settled after the step)
+        redo = None if plan.skip else plan.clip_coef
+        if t.stream == "cpu":
+            self._host_redo(u, plan, redo)
+        else:
+            master, m, v, g = self._state_views(t)
+            self._redo(master, g, m, v, u, 0, plan, redo)
+        if redo is None:  # undone: the step count goes back, as for an update that never ran
+            self.store.steps[u] -= 1
+            plan.applied_units.remove(u)
+        else:
+            plan.redone_units.append(u)
+
+    def _host_redo(self, u: int, plan: UpdatePlan, coef: float | None) -> None:
+        store = self.store
+        master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
+        for lo, hi, g in store.optimizer_grad_chunks(u):
+            self._redo(master[lo:hi], g, m[lo:hi], v[lo:hi], u, lo, plan, coef)
+        store.refresh_stream(u)
+
+    def _redo(self, master, g, m, v, u: int, lo: int, plan: UpdatePlan, coef: float | None) -> None:
+        """Undo the unit's unclipped update of this step on a (chunk of a) tile starting at element `lo`, then
+        apply it again with `coef` (None: leave it undone)."""
+        step, decay = self.store.steps[u], min(max(self.store.decay_numel(u) - lo, 0), master.numel())
+        adamw_undo(master, g, m, v, step, decay, plan.lr, self.cfg)
+        if coef is not None:
+            adamw_update(master, g, m, v, step, decay, plan.lr, self.cfg, coef)
 
     def flush_update(self, plan: UpdatePlan) -> None:
         """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the

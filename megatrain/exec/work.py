@@ -2,7 +2,7 @@
 
     PREFETCH                     the unit's streaming copy into its GPU buffer                (here)
     FORWARD, RECOMPUTE, BACKWARD the layer math on the buffer's weights          (exec/compute.py)
-    OFFLOAD, CLIP_NORM, OPTIMIZER, STATE_PREFETCH, STATE_OFFLOAD   gradients and updates (exec/updates.py)
+    OFFLOAD, CLIP_NORM, OPTIMIZER, CLIP_REDO, STATE_PREFETCH, STATE_OFFLOAD   gradients and updates (exec/updates.py)
     ACT_OFFLOAD, ACT_PREFETCH    checkpoints to the host and back             (exec/activations.py)
 
 Everything comes from the Program: its placement says which GPU buffers exist (exec/buffers.py), which layers keep
@@ -39,7 +39,7 @@ class StepWork:
         self.updates = Updates(program, store, self.buffers, backend, cfg)
         c, u, a = self.compute, self.updates, self.acts
         self.handlers = {"P": self.prefetch, "F": c.forward, "R": c.recompute, "B": c.backward, "O": u.offload,
-                         "N": u.clip_norm, "U": u.update, "S": u.state_prefetch, "W": u.state_offload,
+                         "N": u.clip_norm, "U": u.update, "V": u.clip_redo, "S": u.state_prefetch, "W": u.state_offload,
                          "X": a.act_offload, "Y": a.act_prefetch}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_valid = 0

@@ -28,7 +28,7 @@ from .order import order_queues
 from .placement import GradLanding, Placement, Timing, UpdateSite, resident_buffer
 from .resolve import resolve
 from .stepgraph import StepGraph, Visit, copy_attrs, work_attrs
-from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, W, X, Y
+from .tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, V, W, X, Y
 
 
 # ---- passes -----------------------------------------------------------------------------------------------------
@@ -194,6 +194,8 @@ def add_updates(sg: StepGraph) -> None:
         for unit in s.units():
             sg.end += _add_update(sg, None, 0, unit)
     _connect_updates(sg)
+    if p.speculative_clip:
+        _add_clip_redos(sg)
 
 
 def _add_update(sg: StepGraph, visit: Visit | None, step_offset: int, unit: int | None = None) -> list[Task]:
@@ -253,7 +255,7 @@ def _connect_updates(sg: StepGraph) -> None:
             sg.edge(t, W(u))
         else:
             sg.edge(O(u), t)
-        if offset == 0 and NORM in g:
+        if offset == 0 and NORM in g and not p.speculative_clip:
             sg.edge(NORM, t, "clip")
     if s.tie_word_embeddings:
         # The head's lm_head gradient is added into the embedding's before its update, and the head's streaming
@@ -276,6 +278,26 @@ def add_gradient_ring(sg: StepGraph) -> None:
             for reader in p.landing_readers(previous[tile]):
                 sg.edge(reader, O(unit), "ring")
         previous[tile] = unit
+
+
+def _add_clip_redos(sg: StepGraph) -> None:
+    """Speculative exact clipping: each update ran unclipped as its gradients landed; V(u), after both U(u) and the
+    global norm, undoes it and applies it again with the clip coefficient when the norm exceeds the max (a no-op
+    otherwise). It runs where the unit's state and gradients are: on the GPU for resident units, else on the host
+    (after W brought a GPU-streamed update back; its gradients landed on the host)."""
+    p, s = sg.placement, sg.placement.model
+    for unit in s.units():
+        update = U(unit)
+        a = sg.graph.nodes[update]
+        if a.get("resident"):
+            redo = sg.add(V(unit), slot=a["slot"], weights=None, resident=True, **copy_attrs(0, a["params"]))
+        else:
+            redo = sg.add(V(unit), device="cpu", **copy_attrs(0, a["params"]))
+        sg.end.append(redo)
+        sg.edge(NORM, redo, "clip")
+        sg.edge(W(unit) if W(unit) in sg.graph else update, redo)
+    if s.tie_word_embeddings:  # the head's streaming copy of the shared matrix is refreshed by the embedding's redo
+        sg.edge(V(EMBED), V(HEAD), "state")
 
 
 def add_checkpoint_offloads(sg: StepGraph) -> None:

@@ -180,6 +180,7 @@ def validate(schedule: Schedule) -> None:
 
     norm = next((t for t in g.nodes if t.kind is TaskKind.CLIP_NORM), None)
     offloads = {t.unit: t for t in g.nodes if t.kind is TaskKind.OFFLOAD}
+    redos = {t.unit: t for t in g.nodes if t.kind is TaskKind.CLIP_REDO}  # speculative clipping (CLIP_REDO)
     for t in g.nodes:
         if t.kind is not TaskKind.OPTIMIZER:
             continue
@@ -189,7 +190,11 @@ def validate(schedule: Schedule) -> None:
         if g.nodes[t].get("step_offset", 0) == 0:
             if not before(off, t):
                 _fail(schedule, f"{t.id} may run before {off.id} has brought its gradients to the host", [off, t])
-            if norm is not None and not before(norm, t):
+            redo = redos.get(t.unit)
+            if redos and (redo is None or norm is None or not before(t, redo) or not before(norm, redo)):
+                _fail(schedule, f"{t.id} runs before the global gradient norm is known, but no CLIP_REDO after both "
+                      f"it and the norm fixes it up (speculative clipping)", [t] + ([redo] if redo else []))
+            if not redos and norm is not None and not before(norm, t):
                 _fail(schedule, f"{t.id} may run before the global gradient norm {norm.id} (exact clipping)",
                       [norm, t])
         else:

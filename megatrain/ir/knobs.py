@@ -9,7 +9,8 @@ refuses combinations that conflict or where a knob would change nothing); each k
                        layers (RECOMPUTE tasks) and holds the block's r layers resident at once
     micro_batches      M micro-batches go through a layer per visit; gradients accumulate on the GPU
     optimizer          after   : every update after the step's backward (and global norm)
-                       arrival : update a unit as soon as its gradients land (no exact clipping possible)
+                       arrival : update a unit as soon as its gradients land (with clip > 0: speculatively, redone with the
+                                 clip coefficient in the steps whose global norm exceeds the max)
                        overlap : updates of the previous step's gradients run while this step streams forward;
                                  each PREFETCH(l) waits only for its own update
                        gpu     : decoder layers updated on the GPU with streamed master and moments
@@ -17,7 +18,7 @@ refuses combinations that conflict or where a knob would change nothing); each k
                        arrival-split : "arrival" with `gpu_optimizer_fraction` of the layers, spread evenly over
                                  the depth, updated on the GPU as their gradients land: S streams master + moments
                                  in during the backward of the layers above, U updates them on the compute stream,
-                                 W sends them back; the host threads update the rest (no exact clipping)
+                                 W sends them back; the host threads update the rest (clip > 0: as "arrival")
                        overlap-split : "overlap" with `gpu_optimizer_fraction` of the layers, spread evenly over the
                                  depth, updated on the GPU: S streams master + moments (+ gradients) into a state
                                  slot, U updates them and writes the new weights straight into the layer's weight
@@ -36,7 +37,9 @@ refuses combinations that conflict or where a knob would change nothing); each k
     weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
     grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
     clip               the max global gradient norm: exact clipping over all gradients (default 1.0), as
-                       torch.nn.utils.clip_grad_norm_; 0 = no global norm and no clipping (arrival placements)
+                       torch.nn.utils.clip_grad_norm_; 0 = no global norm and no clipping (the named arrival
+                       schedules' default). Arrival placements clip speculatively: each update runs unclipped as
+                       its gradients land and is undone and redone (CLIP_REDO) only in steps whose norm exceeds clip
     offload_checkpoints  send checkpointed activations to the host and back (long context)
     gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
                        comes first, so they would be fetched back at once); the host holds the rest

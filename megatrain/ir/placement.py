@@ -189,6 +189,12 @@ class Placement:
         return self.clip_max_norm is not None
 
     @property
+    def speculative_clip(self) -> bool:
+        """Exact clipping with updates as gradients land: each update runs unclipped as its gradients arrive, and
+        is undone and redone with the clip coefficient (CLIP_REDO) in the steps whose global norm exceeds the max."""
+        return self.exact_clip and self.timing is Timing.ARRIVAL
+
+    @property
     def host_layout(self) -> HostLayout:
         spec = self.model
         scratch = 0
@@ -231,6 +237,8 @@ class Placement:
             return " ".join([*ends[:1], _ranges([u for u in chosen if u >= 0]), *ends[1:]]).strip() or "-"
 
         clip = f"exact at max norm {self.clip_max_norm:g}" if self.exact_clip else "none (per-unit non-finite skip)"
+        if self.speculative_clip:
+            clip += " (speculative: updates run as gradients land, redone when the norm exceeds it)"
         lines = [
             f"timing {self.timing.value}; clip {clip}; layer kernel {self.layer_kernel}; wires weight "
             f"{self.weight_wire} / grad {self.grad_wire}; compute {self.compute_dtype}",

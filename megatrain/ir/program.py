@@ -158,7 +158,7 @@ COPY_DIRECTION = {TaskKind.PREFETCH: "h2d", TaskKind.STATE_PREFETCH: "h2d", Task
 def stream_of(schedule: Schedule, task: Task) -> str:
     """The stream a task runs on: by kind (an update: by its device), or the copy stream the schedule names."""
     attrs = schedule.attrs(task)
-    if task.kind is TaskKind.OPTIMIZER:
+    if task.kind in (TaskKind.OPTIMIZER, TaskKind.CLIP_REDO):
         default = "compute" if attrs.get("device") == "gpu" else "cpu"
     else:
         default = _STREAM_OF_KIND[task.kind]

@@ -153,13 +153,16 @@ def _check_state_knobs(k: ScheduleKnobs, timing: Timing, gpu_layers: list[int]) 
 
 
 def _resolve_clip(k: ScheduleKnobs, timing: Timing) -> float | None:
+    """The max norm of exact clipping, or None. With "arrival" timing the updates run before the global norm is
+    known and are redone when it exceeds the max (speculative clipping): that needs each unit's gradients where the
+    redo can read them until the norm is known."""
     if not k.clip:
         return None
-    if timing is Timing.ARRIVAL:
-        raise ScheduleError(f"clip={k.clip} needs the global gradient norm before any update, but "
-                            f"optimizer={k.optimizer!r} updates a unit as soon as its gradients land (the later "
-                            "units' gradients do not exist yet); use clip=0 (no clipping), or optimizer='overlap' "
-                            "(updates overlap the next forward and stay exact)")
+    if timing is Timing.ARRIVAL and k.retain_grads:
+        raise ScheduleError(f"clip={k.clip} with optimizer={k.optimizer!r} updates each unit as its gradients land "
+                            "and redoes the update on the host when the global norm exceeds the max, which needs "
+                            f"the gradients on the host; retain_grads={k.retain_grads} keeps them on the GPU: use "
+                            "retain_grads=0, or clip=0")
     return float(k.clip)
 
 
@@ -225,6 +228,10 @@ def _check_host_state(k: ScheduleKnobs, gpu_layers: list[int], resident: list[in
                                 f"units {len(resident)}) updates some units on the GPU, whose state buffers hold "
                                 f"fp32 moments; use optimizer 'after', 'overlap' or 'arrival' without resident "
                                 f"units, or {name}={default!r}")
+    if k.state_dtype == "bf16" and k.clip and OPTIMIZER_PRESETS[k.optimizer][0] is Timing.ARRIVAL:
+        raise ScheduleError(f"state_dtype='bf16' with clip={k.clip} and optimizer={k.optimizer!r}: speculative "
+                            "clipping undoes an update from the moments it produced, which bf16 storage has "
+                            "rounded; use clip=0, or optimizer='overlap' / 'after' (exact clipping without undo)")
     if k.state_tier == "nvme-all" and k.weight_wire == "fp32":
         raise ScheduleError("state_tier='nvme-all' puts the fp32 master on the NVMe drive, but weight_wire='fp32' "
                             "streams the master itself to the GPU from host memory; use weight_wire='bf16' (a bf16 "

@@ -10,6 +10,8 @@ Every task has an id that round-trips through text, used in logs, traces, golden
     O3      OFFLOAD        GPU -> host copy of layer 3's accumulated gradients
     N       CLIP_NORM      global gradient norm from the per-unit norms (exact clipping)
     U3      OPTIMIZER      AdamW on layer 3 (CPU threads, or the GPU when the schedule says so)
+    V3      CLIP_REDO      speculative exact clipping: undo U3 and apply it again with the clip coefficient when the
+                           global norm (N) turns out above the max norm, or just undo it when the norm is not finite
     S3      STATE_PREFETCH host -> GPU copy of master, moments and gradients for a GPU optimizer update
     W3      STATE_OFFLOAD  GPU -> host copy of the updated master, moments and streaming copy
     X3.1    ACT_OFFLOAD    GPU -> host copy of layer 3's checkpointed input (long context)
@@ -34,6 +36,7 @@ class TaskKind(str, Enum):
     OFFLOAD = "O"
     CLIP_NORM = "N"
     OPTIMIZER = "U"
+    CLIP_REDO = "V"
     STATE_PREFETCH = "S"
     STATE_OFFLOAD = "W"
     ACT_OFFLOAD = "X"
@@ -129,6 +132,10 @@ def U(u):
 
 def S(u):
     return Task(TaskKind.STATE_PREFETCH, u)
+
+
+def V(u):
+    return Task(TaskKind.CLIP_REDO, u)
 
 
 def W(u):

@@ -43,8 +43,9 @@ class UpdateCost:
 class CostModel:
     """Durations of a Program's tasks under a profile (memoised: every layer of a model costs the same)."""
 
-    def __init__(self, program: Program, profile: HardwareProfile):
+    def __init__(self, program: Program, profile: HardwareProfile, clip_activates: bool = False):
         self.program, self.profile = program, profile
+        self.clip_activates = clip_activates  # speculative clipping: price the redos of a step that clips
         self.spec = program.model
         self.signature = model_signature(self.spec)
         self.placement = program.placement
@@ -99,9 +100,11 @@ class CostModel:
         over = p.overhead(task.stream, task.kind)
         if task.kind in ("F", "R", "B"):
             return over + self.compute_s(task)
-        if task.kind == "U":
-            if task.stream == "compute":
-                return over + task.params / p.gpu_adam_params_per_s
+        if task.kind == "U" and task.stream == "compute":
+            return over + task.params / p.gpu_adam_params_per_s
+        if task.kind == "V" and task.stream == "compute":  # a resident unit's undo and update again, if it clips
+            return over + (2 * task.params / p.gpu_adam_params_per_s if self.clip_activates else 0.0)
+        if self.is_cpu_optimizer(task):
             u = self.cpu_update(task)  # its time alone on host memory (the engine shares it with the copies)
             return u.delay_s + max(u.alone_s, u.nvme_s)
         if task.kind == "N":
@@ -146,5 +149,11 @@ class CostModel:
         return task.stream in COPY_STREAMS
 
     def is_cpu_optimizer(self, task: ProgramTask) -> bool:
-        """CPU AdamW work shares host memory bandwidth with the copies."""
-        return task.kind == "U" and task.stream == "cpu"
+        """CPU AdamW work shares host memory bandwidth with the copies. Speculative clipping, in a step that
+        clips: a host unit's update waits for the norm (the executor defers it once the norms landed so far exceed
+        the max, which the step that clips is assumed to show from its first gradients), so its V does the update
+        and its U nothing; in a step that does not clip, V does nothing."""
+        if task.stream != "cpu":
+            return False
+        deferred = self.clip_activates and self.placement.speculative_clip
+        return (task.kind == "U" and not deferred) or (task.kind == "V" and deferred)

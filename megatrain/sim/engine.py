@@ -50,9 +50,9 @@ class SimResult:
 
 
 class _Engine:
-    def __init__(self, program: Program, profile: HardwareProfile):
+    def __init__(self, program: Program, profile: HardwareProfile, clip_activates: bool = False):
         self.program, self.profile = program, profile
-        self.cost = CostModel(program, profile)
+        self.cost = CostModel(program, profile, clip_activates)
         self.env = simpy.Environment()
         self.host = HostMemory(self.env, profile.host_memory_Bps, profile.duplex_Bps, profile.copy_host_bytes_per_byte)
         self.done = {t: self.env.event() for t in program.tasks}
@@ -150,14 +150,17 @@ def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
         return []
 
 
-def simulate(program: Program, profile: HardwareProfile | str = "h200") -> SimResult:
+def simulate(program: Program, profile: HardwareProfile | str = "h200", clip_activates: bool = False) -> SimResult:
     """Predict one training step of `program` on `profile` (a HardwareProfile, a shipped name or a JSON path).
+
+    clip_activates: with speculative clipping (exact clipping, arrival timing), predict a step whose global norm
+    exceeds the max, so every update is undone and redone (CLIP_REDO); by default the step that does not clip.
 
     Returns SimResult(timeline, summary, program, profile); the Timeline has source="predicted".
     Raises SimulationError when the Program cannot run to the end.
     """
     profile = load_profile(profile)
     check_program(program)
-    rows = _Engine(program, profile).run()
+    rows = _Engine(program, profile, clip_activates).run()
     timeline = make_timeline(rows, source="predicted")
     return SimResult(timeline, summarize(timeline, program), program, profile)

@@ -45,7 +45,7 @@ FORMAT = "megatrain.profile/1"
 UNIT_CLASSES = ("layer", "embed", "head")
 COMPUTE_KINDS = ("F", "R", "B")
 STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
-TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "S", "W", "X", "Y")
+TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "V", "S", "W", "X", "Y")
 # Host bytes per parameter of torch's fused CPU AdamW on fp32 tiles: read master, gradient, m, v (16 B) and write
 # master, m, v (12 B). Measured ~28 B/param on the H200 hosts (shared/DESIGN.md section 4).
 ADAM_BYTES_PER_PARAM = 28.0
