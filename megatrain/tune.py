@@ -135,15 +135,22 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
 
 
 def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
-                    profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None) -> TuneResult:
+                    profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None,
+                    same_host_layout: bool = False) -> TuneResult:
     """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
     the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches), and
-    whose host plan fits `host_bytes` when given.
+    whose host plan fits `host_bytes` when given. same_host_layout: only candidates whose host store has the
+    layout of `base`'s (a running trainer can switch to them without rebuilding its store: `use_program`).
     `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
+    from .ir.resolve import resolve_host_layout
+
     profile = load_profile(profile)
+    layout = resolve_host_layout(spec, base) if same_host_layout else None
     rows, results = [], []
     for label, knobs in auto_candidates(spec, base).items():
         try:
+            if layout is not None and resolve_host_layout(spec, knobs) != layout:
+                continue
             plan = plan_memory(spec, batch, seq, knobs)
             peak = plan.gpu.peak_bytes
             if peak > gpu_bytes or (host_bytes is not None and plan.host.total_bytes > host_bytes):
@@ -156,7 +163,8 @@ def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
                          gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
     if not rows:
         host = f" and {host_bytes / 2**30:.1f} GiB of host memory" if host_bytes is not None else ""
-        raise ScheduleError(f"no schedule keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
+        same = " with the same host layout" if layout is not None else ""
+        raise ScheduleError(f"no schedule{same} keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
                             f"{host}; see `megatrain plan` for what takes the memory, or raise the budget")
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["schedule"]))
     knobs, result = results[order[0]]

@@ -1,12 +1,32 @@
-"""Side-by-side benchmark on the GPU machine: megatrain schedules and the peers of BENCHMARKS.md, same model,
-batch and sequence length, in one run. Prints one table and appends it, with the exact command, to
-docs/benchmarks.md (or --out).
+"""Benchmarks a reader can reproduce: megatrain schedules and the peers, each run several times in its own process,
+interleaved round-robin (round 1 runs every configuration once, then round 2, ...), reported as the median with its
+min-max, ratios to a reference, and megatrain's predictions beside the measurement.
 
-Peers run through bench/baseline_train.py (copied from shared/bench into an ignored folder; DeepSpeed from its
-wheels, see BENCHMARKS.md); each run is its own process so peak GPU memory and host RSS are its own.
+Configurations (`--configs`, comma-separated, in the order each round runs them):
 
-    PYTHONPATH=.:/tmp/site python scripts/bench.py --bench-dir .bench --model bench-3b --batch 8 --seq 2048 \
-        --peers resident,zero3,fsdp2 --schedules overlap,arrival
+    resident, zero3, fsdp2   the peers of bench/baseline_train.py (HF model all on the GPU; DeepSpeed ZeRO-3 with
+                             parameters and optimizer offloaded; FSDP2 with CPUOffloadPolicy)
+    authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping)
+    NAME[:k=v;k=v]           megatrain (scripts/bench_megatrain.py) with a named schedule (or `auto`) and knobs
+
+Every process prints one `RESULT {json}` line; a process that fails or times out is marked in its row and the rest
+go on. megatrain rows carry the prediction with `--profile` (uncalibrated), with that profile fitted to the run's
+own steps (live calibration; in-sample), and with `--calibrated-profile` (calibrated on another run: out of
+sample); the Kendall tau between predicted and measured medians of the megatrain rows is printed under the table.
+
+On the GPU machine (`carry: [".bench"]`, .bench/ a copy of shared/bench: baseline_train.py, megatrain_repo/,
+wheels/):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
+    PYTHONPATH=.:/tmp/site python3 scripts/bench.py --model bench-3b --batch 8 --seq 2048 --rounds 3 \\
+        --configs resident,zero3,fsdp2,authors,arrival-resident:resident_layers=4,overlap-split:compile_layers=true
+
+`--dry-run` prints the commands, in the order they would run, and exits.
+
+Long benchmarks over several calls (one call of the GPU machine runs 10 minutes at most): `--results FILE` keeps
+every run's RESULT in FILE (JSON lines) and skips the (round, config) pairs already there; `--budget-s S` starts no
+process that would likely end after S seconds (the longest run so far is the guess) and exits with status 3, "run
+the same command again". The table is made from every run in FILE.
 """
 from __future__ import annotations
 
@@ -14,94 +34,298 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrain.presets import get_model
+PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
+AUTHORS = "authors"
 
 
-def run_json(cmd: list[str], timeout_s: float, log) -> dict:
-    """Run a command, stream its output to the log, return its `RESULT {...}` line (or an error record)."""
-    print("$ " + shlex.join(cmd), file=log, flush=True)
+@dataclass
+class Config:
+    """One configuration: its label and the command that runs it once."""
+
+    label: str
+    kind: str  # "peer", "authors" or "megatrain"
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment
+
+
+def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
+    """`--configs` -> [(label, kind, knob settings)]; one error naming a malformed item."""
+    out = []
+    for item in [s.strip() for s in text.split(",") if s.strip()]:
+        if item in PEERS:
+            out.append((item, "peer", []))
+        elif item == AUTHORS:
+            out.append((item, "authors", []))
+        else:
+            name, _, sets = item.partition(":")
+            kvs = [kv.strip() for kv in sets.split(";") if kv.strip()]
+            bad = [kv for kv in kvs if "=" not in kv]
+            if not re.fullmatch(r"[A-Za-z0-9_.\-/]+", name) or bad:
+                raise SystemExit(f"--configs: {item!r} is not a peer ({', '.join(PEERS)}, {AUTHORS}) or "
+                                 "SCHEDULE[:knob=value;knob=value]")
+            out.append((item, "megatrain", kvs))
+    if not out:
+        raise SystemExit("--configs is empty")
+    return out
+
+
+def build_configs(a) -> list[Config]:
+    """The command of each configuration (module docstring)."""
+    from megatrain.presets import get_model
+
+    spec = get_model(a.model)
+    py, bench = a.python, Path(a.bench_dir)
+    shape = ["--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
+    peer_shape = ["--layers", str(spec.num_layers), "--hidden", str(spec.hidden_size), "--ffn",
+                  str(spec.intermediate_size), *shape]
+    out = []
+    for label, kind, kvs in parse_configs(a.configs):
+        if kind == "peer":
+            out.append(Config(label, kind, [py, str(bench / "baseline_train.py"), label, *peer_shape]))
+        elif kind == "authors":
+            repo = bench / "megatrain_repo"
+            out.append(Config(label, kind, [py, str(repo / "peer.py"), *peer_shape], {"PYTHONPATH": str(repo)}))
+        else:
+            name = label.partition(":")[0]
+            argv = [py, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
+                    "--device", a.device, "--gpu-limit-gib", str(a.gpu_limit_gib)]
+            argv += [x for kv in kvs for x in ("--set", kv)]
+            if a.profile is not None:
+                argv += ["--profile", a.profile]
+            if a.calibrated_profile:
+                argv += ["--calibrated-profile", a.calibrated_profile]
+            if a.save_calibrated_dir:  # the last round's calibrated profile of each config stays
+                path = Path(a.save_calibrated_dir) / (slug(f"megatrain {label}") + ".json")
+                argv += ["--save-calibrated", str(path)]
+            out.append(Config(f"megatrain {label}", kind, argv))
+    return out
+
+
+def peer_shape_note(spec) -> str | None:
+    """baseline_train.py and peer.py build a Llama of --layers/--hidden/--ffn with vocab 32000, hidden/128 heads
+    and a quarter as many KV heads: say so when that is not the model megatrain runs."""
+    heads = spec.hidden_size // 128
+    same = (spec.model_type == "llama" and spec.vocab_size == 32000 and spec.num_heads == heads
+            and spec.num_kv_heads == max(1, heads // 4) and not spec.tie_word_embeddings)
+    return None if same else (f"note: the peers build a Llama with vocab 32000 and {heads} heads / "
+                              f"{max(1, heads // 4)} KV heads, not {spec.name}'s shape")
+
+
+def run_once(cfg: Config, timeout_s: float, log_path: Path | None) -> dict:
+    """Run one process; its `RESULT {...}` line as a dict, or {"error": why}."""
+    env = os.environ.copy()
+    for k, v in cfg.env.items():
+        env[k] = v + (os.pathsep + env[k] if env.get(k) else "")
+    t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    log.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-    log.flush()
-    for line in reversed(proc.stdout.splitlines()):
+        proc = subprocess.run(cfg.argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+        stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr, rc = f"timed out after {timeout_s:.0f} s", None
+    wall = time.perf_counter() - t0
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(f"$ {shlex.join(cfg.argv)}\n# {wall:.1f} s, exit {rc}\n{stdout}\n--- stderr\n{stderr}")
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+            try:
+                return {**json.loads(line[len("RESULT "):]), "wall_s": round(wall, 1)}
+            except json.JSONDecodeError:
+                break
+    if rc is None:
+        return {"error": stderr, "wall_s": round(wall, 1)}
+    tail = " | ".join((stderr or stdout).strip().splitlines()[-2:])
+    return {"error": f"exit {rc}: {tail}"[:300], "wall_s": round(wall, 1)}
 
 
-def table(rows: list[dict], peers: dict[str, dict]) -> str:
-    cols = ["run", "tokens/s", "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "GPU idle %", "predicted tokens/s"]
-    cols += [f"x {p}" for p in peers]
+def slug(label: str) -> str:
+    """A file name for a config label: "megatrain arrival:resident_layers=4" -> megatrain_arrival_resident_layers=4."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+
+
+def rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:
+    """(round, config) in the order they run: every config once per round, rounds one after the other."""
+    return [(r, c) for r in range(1, rounds + 1) for c in configs]
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+def _spread(xs: list[float], fmt: str = "{:,.0f}") -> str:
+    if not xs:
+        return "-"
+    med = statistics.median(xs)
+    return fmt.format(med) + (f" ({fmt.format(min(xs))}-{fmt.format(max(xs))})" if len(xs) > 1 else "")
+
+
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per config: runs, failures, and the medians of what its successful runs report."""
+    out = {}
+    for label, runs in results.items():
+        ok = [r for r in runs if "tokens_per_s" in r]
+        s = {"runs": len(runs), "ok": len(ok), "errors": [r["error"] for r in runs if "error" in r],
+             "tps": [r["tokens_per_s"] for r in ok]}
+        for key in ("model_TFLOPs", "peak_gpu_GiB", "host_rss_GiB", "gpu_idle_pct", "predicted_tokens_per_s",
+                    "calibrated_tokens_per_s", "transfer_tokens_per_s"):
+            vals = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
+            s[key] = statistics.median(vals) if vals else None
+        s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
+        out[label] = s
+    return out
+
+
+def _pred(p: float | None, meas: float | None) -> str:
+    return "-" if p is None or not meas else f"{p:,.0f} ({p / meas - 1:+.1%})"
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float | None:
+    """Kendall's tau-b of two rankings (None with fewer than two items or no untied pair)."""
+    n, conc, disc, tx, ty = len(xs), 0, 0, 0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tx += 1
+            elif dy == 0:
+                ty += 1
+            elif (dx > 0) == (dy > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
+    return (conc - disc) / denom if denom else None
+
+
+def table(summary: dict[str, dict], reference: str | None) -> str:
+    ref = summary.get(reference or "", {})
+    ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
+    cols = ["config", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
+            "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "GPU idle %", "predicted, profile",
+            "predicted, live-calibrated", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['run']} | failed: {r['error'][:120]} |" + " |" * (len(cols) - 2))
-            continue
-        cells = [r["run"], f"{r['tokens_per_s']:,.0f}", f"{r['model_TFLOPs']:.1f}", f"{r['peak_gpu_GiB']:.1f}",
-                 f"{r['host_rss_GiB']:.1f}", f"{r['gpu_idle_pct']:.1f}" if "gpu_idle_pct" in r else "-",
-                 f"{r['predicted_tokens_per_s']:,.0f} ({r['predicted_tokens_per_s'] / r['tokens_per_s'] - 1:+.1%})"
-                 if "predicted_tokens_per_s" in r else "-"]
-        for p, pr in peers.items():
-            cells.append(f"{r['tokens_per_s'] / pr['tokens_per_s']:.2f}" if "tokens_per_s" in pr else "-")
+    for label, s in summary.items():
+        med = statistics.median(s["tps"]) if s["tps"] else None
+        def num(key, fmt="{:.1f}"):
+            return "-" if s[key] is None else fmt.format(s[key])
+        cells = [label + (f" (ran as {s['schedule']})" if s["schedule"] and s["schedule"].startswith("auto") else ""),
+                 f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
+                 f"{med / ref_tps:.2f}" if med and ref_tps else "-", num("model_TFLOPs"), num("peak_gpu_GiB"),
+                 num("host_rss_GiB"), num("gpu_idle_pct"), _pred(s["predicted_tokens_per_s"], med),
+                 _pred(s["calibrated_tokens_per_s"], med), _pred(s["transfer_tokens_per_s"], med)]
         lines.append("| " + " | ".join(cells) + " |")
+        if s["errors"]:
+            lines.append(f"|  ↳ {len(s['errors'])} failed: {s['errors'][0][:160]} |" + " |" * (len(cols) - 1))
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bench-dir", default=".bench", help="folder holding baseline_train.py")
+def tau_lines(summary: dict[str, dict]) -> list[str]:
+    """Kendall tau between each prediction column and the measured medians of the megatrain rows."""
+    rows = {k: s for k, s in summary.items() if k.startswith("megatrain ") and s["tps"]}
+    out = []
+    for key, what in (("predicted_tokens_per_s", "profile"), ("calibrated_tokens_per_s", "live-calibrated"),
+                      ("transfer_tokens_per_s", "calibrated elsewhere")):
+        pairs = [(s[key], statistics.median(s["tps"])) for s in rows.values() if s[key] is not None]
+        tau = kendall_tau([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 2 else None
+        if tau is not None:
+            out.append(f"Kendall tau, predicted ({what}) vs measured medians of {len(pairs)} megatrain configs: "
+                       f"{tau:.2f}")
+    return out
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
+                    help="comma-separated: resident, zero3, fsdp2, authors, or a megatrain SCHEDULE[:k=v;k=v]")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--peers", default="resident,zero3,fsdp2")
-    ap.add_argument("--schedules", default="overlap", help="comma-separated megatrain schedules (name[:k=v;k=v])")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=420)
-    ap.add_argument("--out", default="docs/benchmarks.md")
-    ap.add_argument("--log", default="bench.log")
-    ap.add_argument("--profile", default="h200-measured", help="hardware profile for megatrain's predicted column")
-    ap.add_argument("--timelines", help="folder to write each megatrain run's measured timeline CSV into")
-    a = ap.parse_args()
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per run (after 2 warm-up steps)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per process; a slower one is marked failed")
+    ap.add_argument("--reference", help="config the ratio column divides by (default: the first)")
+    ap.add_argument("--bench-dir", default=".bench", help="folder with baseline_train.py and megatrain_repo/")
+    ap.add_argument("--profile", help="megatrain's profile for the predictions (bench_megatrain.py's default)")
+    ap.add_argument("--calibrated-profile", help="a profile calibrated on another run: the last prediction column")
+    ap.add_argument("--save-calibrated-dir", help="each megatrain run writes its live-calibrated profile here, "
+                                                  "as <config slug>.json (for --calibrated-profile of a later call)")
+    ap.add_argument("--gpu-limit-gib", type=float, default=16.0, help="GPU budget of megatrain's --schedule auto")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="megatrain's backend (cpu: CI)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter of every process")
+    ap.add_argument("--log-dir", help="each process's output and RESULT lines (default $OUT/bench if $OUT is set)")
+    ap.add_argument("--out", help="also append the table, with this command, to this markdown file")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands in the order they would run")
+    ap.add_argument("--results", help="JSON lines of every run: runs already there are not run again")
+    ap.add_argument("--budget-s", type=float, help="start no process likely to end after this many seconds")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    from megatrain.presets import get_model
+
     spec = get_model(a.model)
-    shape = ["--batch", str(a.batch), "--seq", str(a.seq)]
-    with open(a.log, "a") as log:
-        peers = {}
-        for peer in [p for p in a.peers.split(",") if p]:
-            cmd = [sys.executable, str(Path(a.bench_dir) / "baseline_train.py"), peer, "--layers",
-                   str(spec.num_layers), "--hidden", str(spec.hidden_size), "--ffn", str(spec.intermediate_size),
-                   *shape, "--steps", str(a.steps)]
-            peers[peer] = run_json(cmd, a.timeout, log)
-            print(peer, peers[peer], flush=True)
-        rows = [{"run": p, **r} for p, r in peers.items()]
-        for item in [s for s in a.schedules.split(",") if s]:
-            name, _, sets = item.partition(":")
-            extra = [x for kv in sets.split(";") if kv for x in ("--set", kv)]
-            cmd = [sys.executable, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
-                   *extra, "--steps", str(a.steps), "--profile", a.profile]
-            if a.timelines:
-                Path(a.timelines).mkdir(parents=True, exist_ok=True)
-                cmd += ["--timeline", str(Path(a.timelines) / f"timeline-{len(rows)}.csv")]
-            r = run_json(cmd, a.timeout, log)
-            print(item, r, flush=True)
-            rows.append({"run": f"megatrain {item}", **r})
-    ok_peers = {p: r for p, r in peers.items() if "tokens_per_s" in r}
-    text = table(rows, ok_peers)
+    configs = build_configs(a)
+    order = rounds_order(configs, a.rounds)
+    head = (f"{spec.name}: {spec.num_params / 1e9:.3f} B params, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"ffn {spec.intermediate_size}; batch {a.batch} x seq {a.seq}; {a.steps} timed steps after 2 warm-up; "
+            f"{a.rounds} rounds of {len(configs)} configs, each run its own process")
+    print(head)
+    note = peer_shape_note(spec) if any(c.kind != "megatrain" for c in configs) else None
+    if note:
+        print(note)
+    if a.dry_run:
+        for r, c in order:
+            env = " ".join(f"{k}={v}:$PYTHONPATH" for k, v in c.env.items())
+            print(f"round {r}: {env + ' ' if env else ''}{shlex.join(c.argv)}")
+        return 0
+    log_dir = Path(a.log_dir) if a.log_dir else (Path(os.environ["OUT"]) / "bench" if os.environ.get("OUT") else None)
+    results: dict[str, list[dict]] = {c.label: [] for c in configs}
+    done = set()
+    if a.results and Path(a.results).is_file():  # runs of an earlier call of the same command
+        for line in Path(a.results).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("config") in results and (rec["round"], rec["config"]) not in done:
+                done.add((rec["round"], rec["config"]))
+                results[rec["config"]].append(rec)
+        print(f"{len(done)} run(s) already in {a.results}")
+    t0, longest, unfinished = time.perf_counter(), 0.0, 0
+    for i, (r, c) in enumerate(order, 1):
+        if (r, c.label) in done:
+            continue
+        if a.budget_s and time.perf_counter() - t0 + max(longest, 1.0) > a.budget_s:
+            unfinished += 1
+            continue
+        res = run_once(c, a.timeout, log_dir / f"r{r}-{slug(c.label)}.log" if log_dir else None)
+        longest = max(longest, res["wall_s"])
+        results[c.label].append(res)
+        what = f"{res['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in res else f"FAILED ({res['error'][:200]})"
+        print(f"[{i}/{len(order)}] round {r} {c.label}: {what} in {res['wall_s']:.0f} s", flush=True)
+        for path in [p for p in (a.results, log_dir and log_dir / "results.jsonl") if p]:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps({"round": r, "config": c.label, **res}) + "\n")
+    if unfinished:
+        print(f"{unfinished} run(s) left for the time budget: run the same command again to continue")
+    summary = summarize(results)
+    text = "\n".join([table(summary, a.reference or configs[0].label), "", *tau_lines(summary)])
+    print()
     print(text)
-    head = (f"\n## {a.model} ({spec.num_params / 1e9:.3f} B params, {spec.num_layers} layers, hidden "
-            f"{spec.hidden_size}), batch {a.batch} x seq {a.seq} — {datetime.date.today()}\n\n"
-            f"Command: `{shlex.join(['python', *sys.argv])}`\n\n")
-    with open(a.out, "a") as f:
-        f.write(head + text + "\n")
-    return 0
+    if a.out:
+        cmd = shlex.join(["python3", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])])
+        with open(a.out, "a") as f:
+            f.write(f"\n## {head} — {datetime.date.today()}\n\nCommand: `{cmd}`\n\n{text}\n")
+    if unfinished:
+        return 3
+    return 0 if all(s["ok"] for s in summary.values()) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,15 @@
 
 Random token ids, 2 warm-up steps, median of the timed steps; model TFLOP/s = 6·N·tokens / step time (recompute
 not counted, as BENCHMARKS.md counts). Prints one `RESULT {...}` JSON line, plus the predicted numbers of the
-simulator for the same Program when a profile is given.
+simulator for the same Program when a profile is given: with that profile (`predicted_*`), with it fitted to this
+run's timed steps (live calibration, profiling/live.py: `calibrated_*`, in-sample), and with a profile calibrated
+on another run (`--calibrated-profile FILE`: `transfer_*`, out of sample). `--save-calibrated FILE` writes this
+run's calibrated profile for that.
+
+`--schedule auto` chooses as `megatrain train --schedule auto` does (with `--profile` if given, else this
+machine's profile under runs/profiles, measured quickly first when there is none), and re-checks the choice after
+the warm-up as the trainer does (training/autoswitch.py): 2 more steps are measured, and after a switch 2 more
+warm-up steps run before the timed ones.
 
     PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --set retain_grads=10 --set state_buffers=3
@@ -40,6 +48,32 @@ def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float
     return max(300.0, 3 * step_s)
 
 
+def predictions(program, a, timelines, tokens: int) -> dict:
+    """Predicted step and tokens/s of the Program that ran: with --profile (`predicted_*`), with it calibrated to
+    this run's timed steps (`calibrated_*`), and with --calibrated-profile (`transfer_*`)."""
+    from megatrain.profiling.live import calibrate_run
+    from megatrain.sim import load_profile, simulate
+
+    pred = simulate(program, load_profile(a.profile))
+    out = {"predicted_step_s": round(pred.step_s, 4), "predicted_tokens_per_s": round(tokens / pred.step_s, 1),
+           "predicted_gpu_idle_pct": round(100 * pred.summary.gpu_idle_frac, 1)}
+    if program.placement.speculative_clip:  # and a step that clips
+        out["predicted_clipping_step_s"] = round(simulate(program, pred.profile, clip_activates=True).step_s, 4)
+    cal = calibrate_run(program, pred.profile, timelines, warmup=0)
+    out.update(calibrated_step_s=round(cal.after.step_s, 4),
+               calibrated_tokens_per_s=round(tokens / cal.after.step_s, 1), calibration_reason=cal.reason())
+    if a.save_calibrated:
+        from pathlib import Path
+
+        Path(a.save_calibrated).parent.mkdir(parents=True, exist_ok=True)
+        cal.profile.save(a.save_calibrated)
+    if a.calibrated_profile:
+        t = simulate(program, load_profile(a.calibrated_profile)).step_s
+        out.update(transfer_step_s=round(t, 4), transfer_tokens_per_s=round(tokens / t, 1),
+                   transfer_profile=a.calibrated_profile)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="bench-3b")
@@ -50,8 +84,13 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--profile", default="h200-measured", help="profile for the prediction ('' to skip)")
+    p.add_argument("--profile", help="profile for the prediction ('' to skip; default h200-measured, and for "
+                                     "--schedule auto this machine's profile)")
+    p.add_argument("--calibrated-profile", help="also predict with this profile (calibrated on another run)")
+    p.add_argument("--save-calibrated", help="write this run's live-calibrated profile here")
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the CPU backend (CI runs scripts/bench.py on it with the debug model)")
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
     p.add_argument("--gpu-limit-gib", type=float, default=16.0,
@@ -64,16 +103,25 @@ def main() -> None:
     spec = get_model(a.model)
     if a.layers:
         spec = spec.with_layers(a.layers)
+    auto = None
     if a.schedule == "auto":  # the fastest predicted schedule under --gpu-limit-gib, numerics of --set kept
         from megatrain.ir.knobs import DEFAULT_SCHEDULE
+        from megatrain.training.autoswitch import AutoChoice, machine_profile
         from megatrain.tune import choose_schedule
 
-        best = choose_schedule(spec, a.batch, a.seq, resolve_knobs(DEFAULT_SCHEDULE, a.set)[1], a.profile or "h200",
-                               int(a.gpu_limit_gib * 2**30))
+        base = resolve_knobs(DEFAULT_SCHEDULE, a.set)[1]
+        if a.profile is None:
+            a.profile = machine_profile("runs", spec, a.batch, a.seq, base, a.device)
+        best = choose_schedule(spec, a.batch, a.seq, base, a.profile or "h200-measured", int(a.gpu_limit_gib * 2**30),
+                               host_bytes=psutil.virtual_memory().available)
         print(best.table.head(5).to_string(index=False), flush=True)
         name, knobs = f"auto:{best.table.schedule[0]}", best.knobs
+        auto = AutoChoice(spec, a.batch, a.seq, knobs, int(a.gpu_limit_gib * 2**30),
+                          psutil.virtual_memory().available, best.table.schedule[0])
     else:
         name, knobs = resolve_knobs(a.schedule, a.set)
+    a.profile = ("h200-measured" if a.device == "cuda" else "cpu") if a.profile is None else a.profile
+    cuda = a.device == "cuda"
     if a.tune:
         from megatrain.tune import best_gpu_fraction
 
@@ -87,21 +135,43 @@ def main() -> None:
     t0 = time.perf_counter()
     optim = AdamWConfig(lr=1e-5)
     timeout_s = a.timeout_s or _default_timeout_s(spec, a.batch, a.seq, knobs, a.profile)
-    trainer = StreamedTrainer(spec, knobs, optim=optim, backend="cuda", timeout_s=timeout_s)
+    trainer = StreamedTrainer(spec, knobs, optim=optim, backend=a.device, timeout_s=timeout_s)
     init_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, spec.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]
     times, losses, results = [], [], []
-    for i in range(a.warmup + a.steps):
-        ids = data[i % 4][:, :-1].contiguous()
-        tg = data[i % 4][:, 1:].contiguous()
-        if i == a.warmup:
-            torch.cuda.reset_peak_memory_stats()
-        r = trainer.step(ids, tg)
-        if i >= a.warmup:
-            times.append(r.time_s)
-            results.append(r)
+
+    def step(i):
+        r = trainer.step(data[i % 4][:, :-1].contiguous(), data[i % 4][:, 1:].contiguous())
         losses.append(r.loss)
+        return r
+
+    i = 0
+    for _ in range(a.warmup):
+        step(i)
+        i += 1
+    if auto is not None and a.profile:  # re-check the choice on 2 measured steps, as the trainer does
+        from megatrain.sim import load_profile
+        from megatrain.training.autoswitch import switch_trainer
+
+        check = [step(i + k).timeline for k in range(2)]
+        i += 2
+        decision = auto.recheck(trainer.program(a.batch, a.seq), load_profile(a.profile), check,
+                                lambda line: print(line, flush=True))
+        if decision.knobs is not None:
+            switch_trainer(trainer, a.batch, a.seq, decision.knobs, decision.label)
+            name, knobs = f"auto:{decision.label} (switched from {auto.label})", decision.knobs
+            plan = plan_memory(spec, a.batch, a.seq, knobs)
+            for _ in range(a.warmup):
+                step(i)
+                i += 1
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(a.steps):
+        r = step(i)
+        i += 1
+        times.append(r.time_s)
+        results.append(r)
     trainer.flush()
     med_i = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
     med = times[med_i]
@@ -111,7 +181,7 @@ def main() -> None:
         "batch": a.batch, "seq": a.seq, "median_step_s": round(med, 4), "tokens_per_s": round(tokens / med, 1),
         "model_TFLOPs": round(spec.model_flops_per_token() * tokens / med / 1e12, 1),
         "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
-        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "planned_gpu_GiB": round(plan.gpu.peak_bytes / 2**30, 2),
         "host_rss_GiB": round(psutil.Process().memory_info().rss / 2**30, 2),
         "planned_host_GiB": round(plan.host.total_bytes / 2**30, 2),
@@ -139,15 +209,7 @@ def main() -> None:
         out["analysis_error"] = repr(e)
     if a.profile:
         try:
-            from megatrain.sim import load_profile, simulate
-
-            pred = simulate(trainer.program(a.batch, a.seq), load_profile(a.profile))
-            out["predicted_step_s"] = round(pred.step_s, 4)
-            out["predicted_tokens_per_s"] = round(tokens / pred.step_s, 1)
-            out["predicted_gpu_idle_pct"] = round(100 * pred.summary.gpu_idle_frac, 1)
-            if trainer.program(a.batch, a.seq).placement.speculative_clip:  # and a step that clips
-                clipping = simulate(trainer.program(a.batch, a.seq), load_profile(a.profile), clip_activates=True)
-                out["predicted_clipping_step_s"] = round(clipping.step_s, 4)
+            out.update(predictions(trainer.program(a.batch, a.seq), a, [r.timeline for r in results], tokens))
         except Exception as e:
             out["predict_error"] = repr(e)
     if a.timeline:

@@ -214,6 +214,11 @@ def run(args) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
+    from ..profiling.machine import mismatch_line
+
+    mine = f"runs/profile-{spec.name}.json"
+    line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
+                         f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
     if args.schedule == "auto":
         args.schedule, args.set = str(_choose(args, spec, profile, out)), []
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
@@ -241,6 +246,8 @@ def run(args) -> int:
     print(table(rows))
     for note in sorted(notes):  # settings the model's shape clamps (Placement.notes)
         print(f"note: {note}")
+    if line:  # the profile was measured on another machine (or records none)
+        print(line)
     good = [r for r in rows if "error" not in r]
     if good:
         pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)

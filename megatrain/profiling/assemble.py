@@ -5,9 +5,9 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from ..sim.profile import ComputeTable, CopyCurve, HardwareProfile, model_signature
+from ..sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCurve, HardwareProfile, model_signature
 from ..spec import ModelSpec
-from . import units
+from . import host, units
 from .bench import median
 
 if TYPE_CHECKING:
@@ -23,8 +23,7 @@ def _default_name(info: dict) -> str:
 
 def not_simulated(m: dict) -> str:
     """The measured effects the simulator has no parameter for (yet), in one line for the profile's notes."""
-    cu, uu, uc, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "update_under_copies",
-                                      "fresh_thread"))
+    cu, uu, ft = (m[k] for k in ("compute_under_update", "update_under_compute", "fresh_thread"))
     rel = m["runtime"].get("gap_by_stream_and_release_s", {})
     same = [v for k, v in rel.items() if k.endswith("/stream")]
     cross = [v for k, v in rel.items() if k.endswith("/wait")]
@@ -33,18 +32,18 @@ def not_simulated(m: dict) -> str:
             if same and cross else "")
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
-            f"{uu['factor']:.2f}x as long while the compute stream runs ({uc['factor']:.2f}x while both copy "
-            f"directions run is simulated, see host_memory_Bps); the first layer forward in a fresh "
+            f"{uu['factor']:.2f}x as long while the compute stream runs (its slowdown beside copies is simulated, see "
+            f"host_memory_Bps); the first layer forward in a fresh "
             f"issuing thread (the runtime keeps its threads, so only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
 
 
 def _update_slowdown(m: dict) -> dict[int, float]:
-    """How much longer a CPU update takes while 1 / 2 copy directions run. Both directions are measured; one
-    direction is interpolated halfway (the contention is host memory bandwidth, which one copy uses half of)."""
-    both = float(m["update_under_copies"]["factor"])
-    if not math.isfinite(both) or both <= 1.0:
-        return {}
-    return {1: 1.0 + (both - 1.0) / 2, 2: both}
+    """Legacy `cpu_optimizer_slowdown` (how much longer a CPU update takes while 1 / 2 copy directions run), from
+    the host contention measurement: one direction is the mean of h2d and d2h alone, two is both at once."""
+    c = m["host_contention"]
+    one = (c["update_h2d_s"] + c["update_d2h_s"]) / (2 * c["update_alone_s"])
+    both = c["update_both_s"] / c["update_alone_s"]
+    return {k: float(v) for k, v in ((1, one), (2, both)) if math.isfinite(v) and v > 1.0}
 
 
 def in_step_cpu_rate(m: dict, slowdown: dict[int, float], convert_rate: float) -> float | None:
@@ -103,15 +102,20 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     # cpu stream) is a handful of float reads, so its measured ready-to-done time is its whole cost.
     overhead["cpu"] = float(rt["gap_by_kind_s"].get("U", gaps.get("cpu", 0.0))) + adam["fixed_s"]
     overhead["N"] = float(rt["norm_span_s"])
-    dma = m["dma_under_update"]
+    hc = m["host_contention"]
     slowdown = _update_slowdown(m)
+    passes = int(req.knobs.weight_wire == "bf16")  # the measured update refreshes the bf16 streaming copy
+    copy_draw = 1.0 if info["device"] == "cuda" else 2.0  # DMA reads or writes host memory; memcpy does both
+    hfit = host.fit_host_memory(hc, hc["params"], passes, copy_draw, m["host_memory"]["Bps"])
+    m["host_fit"] = hfit
     convert_rate = float(m["cpu_refresh"]["rate"])
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
     if in_step is not None and isolated:  # the runtime's thread count from real steps; the curve keeps its shape
         cpu_rates = {t: v * in_step / isolated for t, v in cpu_rates.items()}
-    where = f"{info['device']} backend, {info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']}"
+    what = info["gpu"] if info["device"] == "cuda" else info["cpu"]
+    where = f"{info['device']} backend, {what}, {info['cores']} cores, torch {info['torch']}"
     notes = {
         "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
                f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
@@ -136,15 +140,21 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
-        "cpu_optimizer_slowdown": "legacy, not simulated (host_memory_Bps is derived from it): a CPU update alone "
-                                  "and while both copy directions run in loops; one direction is taken as half.",
-        "host_memory_Bps": f"measured: a CPU update {slowdown.get(2, 1.0):.2f}x as long while both copy directions "
-                           "run in loops; the budget that gives it that share beside the copies under the max-min "
-                           "fair model: cpu_update_bytes_per_param x the alone rate / that factor + the copies' "
-                           "duplex rate (sim.profile.derive_host_memory_Bps; inf when no slowdown was measured).",
+        "cpu_optimizer_slowdown": "legacy, not simulated: the CPU update beside one copy direction (mean of h2d "
+                                  "and d2h) and both, over the update alone (host contention measurement).",
+        "host_memory_Bps": "fitted (profiling/host.py): " + host.host_note(hfit, hc, info["device"], threads),
+        "cpu_update_bytes_per_param": f"fitted with host_memory_Bps, less 6 per conversion pass of the measured "
+                                      f"update, which the simulator adds back (the implementation's count is "
+                                      f"{host.update_bytes_per_param(passes):g} B/param: fused AdamW 28"
+                                      f"{' + 6 for the bf16 refresh' if passes else ''}).",
+        "copy_host_bytes_per_byte": ("1: a DMA copy reads (h2d) or writes (d2h) host memory once." if copy_draw == 1
+                                     else "2: on the CPU backend a copy is a memcpy, which reads and writes host "
+                                          "memory."),
         "dma_factor_cpu_optimizer": f"legacy, not simulated (host_memory_Bps replaces it): h2d "
-                                    f"{dma['alone_Bps'] / 1e9:.2f} GB/s alone, {dma['with_update_Bps'] / 1e9:.2f} GB/s "
-                                    "while CPU updates run.",
+                                    f"{hc['h2d_alone_Bps'] / 1e9:.2f} GB/s alone, {hc['h2d_update_Bps'] / 1e9:.2f} "
+                                    "GB/s while CPU updates run.",
+        "machine": "recorded by `megatrain profile` (profiling/machine.py); train and simulate compare it with the "
+                   "machine they run on.",
         "task_overhead_s": "measured: mean gap between a task's last dependency and its start in real steps of a "
                            f"{rt['layers']}-layer cut of {spec.name} (batch {rt['batch']} x {rt['seq']}); 'cpu' adds "
                            "the update's fixed cost; 'N' is the norm's whole ready-to-done time.",
@@ -162,10 +172,16 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         cpu_threads=threads,
         gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
         clip_norm_params_per_s=math.inf,
-        dma_factor_cpu_optimizer=float(min(1.0, max(0.05, dma["factor"]))),
+        dma_factor_cpu_optimizer=float(min(1.0, max(0.05, hc["h2d_update_Bps"] / hc["h2d_alone_Bps"]))),
         cpu_optimizer_slowdown=slowdown,
         cpu_convert_params_per_s=convert_rate,
+        host_memory_Bps=float(hfit["host_memory_Bps"]),
+        # the measured update includes its conversion passes; the simulator adds 6 B/param per pass itself
+        cpu_update_bytes_per_param=float(max(1.0, hfit["cpu_update_bytes_per_param"]
+                                             - passes * CONVERT_BYTES_PER_PARAM)),
+        copy_host_bytes_per_byte=copy_draw,
         task_overhead_s=overhead,
+        machine={k: v for k, v in info.items() if k != "host"},
         description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "
                     f"(batch up to {req.batch}, seq {req.seqs}){'; quick' if req.quick else ''}.",
         notes=notes,

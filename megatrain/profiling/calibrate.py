@@ -9,23 +9,23 @@ What is measured, and the profile field it fills:
 
     copies.py    h2d / d2h copy time by size (pinned buffers, each direction from its stream's thread)   h2d, d2h
                  each direction while the other runs                                                     duplex_Bps
-                 h2d while a CPU AdamW update runs                                         dma_factor_cpu_optimizer
     units.py     layer F / R / B, embedding F / B, head FH, by tokens per task             compute_tables
     rates.py     matmul FLOP/s by dtype (analytic fallback), efficiency from the tables    matmul_flops_per_s, ...
                  device memory bandwidth                                                   gpu_memory_Bps
                  CPU AdamW (+ streaming-copy refresh) by thread count, fixed cost per call cpu_adam_params_per_s
                  AdamW on device tiles                                                     gpu_adam_params_per_s
+    host.py      host memory bandwidth alone (streaming read + write at the update threads)
+                 the CPU update alone / beside h2d, d2h, both; copies beside it   host_memory_Bps, cpu_update_bytes_
+                                                                                  per_param (fitted), legacy fields
     overhead.py  ready-to-start gaps of real steps of a 2-layer cut of the model           task_overhead_s
 
 and, recorded in the notes and the measurements file but not (yet) used by the simulator: how much a CPU update
-slows a layer's compute and how much concurrent copies slow the update (see docs/calibration.md).
+slows a layer's compute and a layer's compute the update (see docs/calibration.md). The profile records the machine
+(`HardwareProfile.machine`, profiling/machine.py).
 """
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -37,9 +37,10 @@ from ..ir.knobs import ScheduleKnobs, knobs_for
 from ..sim.profile import HardwareProfile
 from ..spec import EMBED, HEAD, ModelSpec
 from ..training.trainer import set_update_threads
-from . import copies, rates, units
+from . import copies, host, rates, units
 from .assemble import build_profile
 from .bench import Progress, Worker, _fmt_s, median
+from .machine import this_machine
 from .overhead import cpu_update_samples, measure_runtime_gaps
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
@@ -81,10 +82,9 @@ class Calibration:
 
 
 def _machine(backend) -> dict:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": cores,
-            "torch": torch.__version__, "device": backend.name,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    """This machine (profiling/machine.py: CPU model, cores, memory, GPU name and count, torch, date) and the
+    backend measured; the GPU name as torch sees the device measured."""
+    info = this_machine(backend.name)
     if backend.name == "cuda":
         info["gpu"] = torch.cuda.get_device_name(backend.device)
     return info
@@ -212,15 +212,18 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         plan.add("bf16 streaming-copy refresh", budget / 2 + 0.1,
                  lambda: _refresh(m, w, layer_n, threads, budget / 2))
         plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
-        plan.add("h2d while a CPU update runs", 0.1 + 12 * min(max_copy, 256 * copies.MiB) / 5e9,
-                 lambda: _dma_under_update(m, bufs, w, layer_n, stream_copy, quick))
+        host_bytes = _host_stream_bytes(on_gpu, quick)
+        plan.add(f"host memory bandwidth ({host_bytes // copies.MiB} MiB streaming copy, {threads} threads)",
+                 budget / 2 + 0.1 + 3 * host_bytes / 5e9, lambda: _host_memory(m, w, threads, host_bytes, budget / 2))
+        contention_bytes = min(max_copy, (64 if quick else 256) * copies.MiB)
+        plan.add("CPU update alone and beside h2d / d2h / both copies; copies beside it",
+                 budget + 0.3 + 40 * contention_bytes / 5e9,
+                 lambda: _host_contention(m, bufs, w, layer_n, threads, stream_copy, contention_bytes, budget, quick))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
                  lambda: _update_under_compute(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("first layer forward in a fresh thread", 0.3, lambda: _fresh_thread(m, spec, req, backend, w))
-        plan.add("CPU update while both directions copy", budget + 0.2,
-                 lambda: _update_under_copies(m, bufs, w, layer_n, stream_copy, max_copy, budget))
         plan.add("host wait on a device event", 0.2 if on_gpu else 0.0,
                  lambda: _host_wait(m, backend, w))
         steps = 3 if quick else 5
@@ -316,12 +319,27 @@ def _update_fn(n, stream_copy):
     return tiles.update
 
 
-def _dma_under_update(m, bufs, w, n, stream_copy, quick):
-    nbytes = min(bufs["buffers"][0].host.numel(), 256 * copies.MiB)
-    r = copies.measure_dma_under_optimizer(bufs["buffers"][0], w["h2d"], w["cpu"], _update_fn(n, stream_copy),
-                                           nbytes, quick)
-    m["dma_under_update"] = r
-    return f"{r['alone_Bps'] / 1e9:.2f} -> {r['with_update_Bps'] / 1e9:.2f} GB/s (x{r['factor']:.2f})"
+def _host_stream_bytes(on_gpu: bool, quick: bool) -> int:
+    """The streaming copy that measures host memory bandwidth: well beyond the last-level cache (256 MiB on a GPU
+    host, 64 MiB on the CPU backend; half with `quick`)."""
+    return (256 if on_gpu else 64) * copies.MiB // (2 if quick else 1)
+
+
+def _host_memory(m, w, threads, nbytes, budget):
+    m["host_memory"] = host.measure_host_memory(w["cpu"], threads, nbytes, budget)
+    return f"{m['host_memory']['Bps'] / 1e9:.1f} GB/s read + write"
+
+
+def _host_contention(m, bufs, w, n, threads, stream_copy, nbytes, budget, quick):
+    a, b = bufs["buffers"]
+    r = host.measure_contention(w["cpu"], _update_fn(n, stream_copy), threads, w["h2d"], w["d2h"],
+                                a.copier("h2d", nbytes), b.copier("d2h", nbytes), nbytes, budget, quick)
+    r["params"] = n
+    m["host_contention"] = r
+    ms = {k: r[f"update_{k}_s"] * 1e3 for k in ("alone", "h2d", "d2h", "both")}
+    return (f"update {ms['alone']:.2f} ms alone, {ms['h2d']:.2f} / {ms['d2h']:.2f} / {ms['both']:.2f} beside h2d / "
+            f"d2h / both; h2d {r['h2d_alone_Bps'] / 1e9:.1f} -> {r['h2d_update_Bps'] / 1e9:.1f}, d2h "
+            f"{r['d2h_alone_Bps'] / 1e9:.1f} -> {r['d2h_update_Bps'] / 1e9:.1f} GB/s beside the update")
 
 
 def _layer_forward(spec, req, backend, w):
@@ -352,15 +370,6 @@ def _fresh_thread(m, spec, req, backend, w):
     r = rates.measure_fresh_thread(backend, _layer_forward(spec, req, backend, w))
     m["fresh_thread"] = r
     return f"first call {r['first_s'] * 1e3:.3f} ms, later {r['later_s'] * 1e3:.3f} ms (+{r['extra_s'] * 1e3:.3f} ms)"
-
-
-def _update_under_copies(m, bufs, w, n, stream_copy, max_copy, budget):
-    a, b = bufs["buffers"]
-    nbytes = min(max_copy, 256 * copies.MiB)
-    r = rates.measure_update_under_copies(w["cpu"], _update_fn(n, stream_copy), w["h2d"], w["d2h"],
-                                          a.copier("h2d", nbytes), b.copier("d2h", nbytes), budget)
-    m["update_under_copies"] = r
-    return f"{r['alone_s'] * 1e3:.3f} -> {r['with_copies_s'] * 1e3:.3f} ms (x{r['factor']:.2f})"
 
 
 def _host_wait(m, backend, w):

@@ -105,15 +105,3 @@ def measure_duplex(bufs_a: CopyBuffers, bufs_b: CopyBuffers, h2d: Worker, d2h: W
     out["duplex_Bps"] = out["h2d_shared_Bps"] + out["d2h_shared_Bps"]
     out["bytes"] = nbytes
     return out
-
-
-def measure_dma_under_optimizer(bufs: CopyBuffers, h2d: Worker, cpu: Worker, update, nbytes: int,
-                                quick: bool) -> dict:
-    """h2d bandwidth alone and while a CPU AdamW update (the runtime's, on layer-sized tiles) runs in a loop:
-    their ratio is `dma_factor_cpu_optimizer` (DMA and AdamW compete for host memory bandwidth)."""
-    reps = 3 if quick else 6
-    alone = median(h2d.time(bufs.copier("h2d", nbytes), reps, warmup=1))
-    with Background(cpu, update):
-        shared = median(h2d.time(bufs.copier("h2d", nbytes), reps, warmup=1))
-    return {"bytes": nbytes, "alone_Bps": nbytes / alone, "with_update_Bps": nbytes / shared,
-            "factor": min(1.0, alone / shared)}

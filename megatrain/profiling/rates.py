@@ -214,12 +214,3 @@ def measure_fresh_thread(backend: Backend, body, threads: int = 4) -> dict:
             raise ExecError(f"profile: the new-thread measurement did not finish within {bench.WAIT_TIMEOUT_S:.0f} s "
                             "(--wait-timeout)")
     return {"first_s": median(firsts), "later_s": median(laters), "extra_s": median(firsts) - median(laters)}
-
-
-def measure_update_under_copies(cpu: Worker, update, h2d: Worker, d2h: Worker, copy_in, copy_out,
-                                budget_s: float) -> dict:
-    """The CPU update alone and while both copy directions run in loops (host memory bandwidth shared)."""
-    alone = median(cpu.time_for(update, budget_s / 2, warmup=1))
-    with Background(h2d, copy_in), Background(d2h, copy_out):
-        shared = median(cpu.time_for(update, budget_s / 2, warmup=1))
-    return {"alone_s": alone, "with_copies_s": shared, "factor": shared / alone if alone > 0 else math.nan}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .assemble import not_simulated
 from .calibrate import Calibration
+from .machine import describe
 
 
 def _size(n: int) -> str:
@@ -17,9 +18,7 @@ def calibration_report(cal: Calibration) -> str:
     """A multi-line summary of a Calibration: machine, copies, compute tables, optimizer, overheads, contention."""
     p, m = cal.profile, cal.measurements
     mach = m["machine"]
-    gpu = mach["gpu"] + ", " if "gpu" in mach else ""
-    lines = [f"profile {p.name}: {p.description}",
-             f"machine: {gpu}host {mach['cpu']} ({mach['cores']} cores), torch {mach['torch']}",
+    lines = [f"profile {p.name}: {p.description}", f"machine: {describe(mach)}, {mach['date']}",
              "", "copies (time of one copy, and the curve's rate = size / (time - latency)):",
              f"  {'size':>10} {'h2d us':>10} {'h2d GB/s':>9} {'d2h us':>10} {'d2h GB/s':>9}"]
     h, d = m["h2d"], m["d2h"]
@@ -46,7 +45,8 @@ def calibration_report(cal: Calibration) -> str:
     by = ", ".join(f"{t} threads {v / 1e9:.2f}" for t, v in p.cpu_adam_params_per_s.items())
     lines += ["", f"CPU AdamW on {adam['params']:,}-parameter tiles, Gparam/s: {by}; the runtime "
                   f"uses {p.cpu_threads} threads; fixed cost {adam['fixed_s'] * 1e6:.0f} us per update",
-              f"AdamW on device tiles: {p.gpu_adam_params_per_s / 1e9:.2f} Gparam/s"]
+              f"AdamW on device tiles: {p.gpu_adam_params_per_s / 1e9:.2f} Gparam/s",
+              "", f"host memory: {p.notes.get('host_memory_Bps', '')}"]
     rt = m["runtime"]
     ov = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in p.task_overhead_s.items())
     steps = ", ".join(f"{s * 1e3:.1f}" for s in rt["step_s"])

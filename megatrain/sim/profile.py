@@ -26,6 +26,8 @@ A profile holds
     nvme_read_Bps, nvme_write_Bps  the NVMe tier of the optimizer state (knob state_tier): sequential read and
                          write bandwidth of the drive(s) a host update reads its state from and writes it back to
                          (defaults: one PCIe 4.0 x4 drive, 6.5 / 5.0 GB/s, an assumption of the shipped profiles)
+    machine              the machine `megatrain profile` measured (CPU model, cores, memory, GPU, torch, date;
+                         profiling/machine.py): train and simulate say when it is not the one running
 
 Measured profiles (`megatrain profile`) write the same JSON with tables filled in; shipped profiles live in
 megatrain/profiles/ and say, field by field under "notes", which numbers are measured and which are assumptions.
@@ -193,6 +195,7 @@ class HardwareProfile:
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
     nvme_write_Bps: float = 5.0e9
+    machine: dict = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 

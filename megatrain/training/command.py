@@ -84,19 +84,21 @@ def config_from_args(args) -> RunConfig:
 
     cfg = load_config(getattr(args, "config", None), overrides)
     if getattr(args, "schedule", None) == "auto":
-        cfg = cfg.with_overrides(_auto_schedule(cfg, getattr(args, "gpu_budget_gib", None)))
+        overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None))
+        cfg = cfg.with_overrides(overrides)
     return cfg
 
 
-def _auto_schedule(cfg: RunConfig, budget_gib: float | None) -> list[str]:
+def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
     """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune.py),
-    printed with the next best; the config's numerics (clipping, dtypes, kernel, micro-batches) are kept."""
-    from dataclasses import replace
-
+    printed with the next best, and the AutoChoice that re-checks it after the warm-up (training/autoswitch.py);
+    the config's numerics (clipping, dtypes, kernel, micro-batches) are kept. Without run.profile it uses this
+    machine's profile, measured quickly first when there is none."""
     import psutil
 
     from ..ir.dag import ScheduleError
     from ..tune import choose_schedule
+    from .autoswitch import AutoChoice, machine_profile, schedule_overrides
     from .fit import machine_capacity
 
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and Path("/proc/driver/nvidia").exists()
@@ -105,19 +107,23 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None) -> list[str]:
         budget = int(budget_gib * 2**30)
     else:
         budget = int(machine_capacity("cuda")[1] * 0.9) if cuda else psutil.virtual_memory().available // 2
-    profile = cfg.run.profile or ("h200-measured" if cuda else "cpu")
-    batch, seq = cfg.step_shape()
+    spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
+    extra = []
+    profile = cfg.run.profile
+    if not profile:
+        profile = machine_profile(cfg.run.out_dir, spec, batch, seq, base, "cuda" if cuda else "cpu")
+        extra = [f"run.profile={profile}"]
+    host = machine_capacity("cuda" if cuda else "cpu")[0]
     try:
-        best = choose_schedule(cfg.model.spec(), batch, seq, cfg.step_knobs(), profile, budget,
-                               host_bytes=machine_capacity("cuda" if cuda else "cpu")[0])
+        best = choose_schedule(spec, batch, seq, base, profile, budget, host_bytes=host)
     except ScheduleError as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     print(f"--schedule auto ({budget / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
           f"{len(best.table)} that fit:")
     for row in best.table.head(3).itertuples():
         print(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
-    knobs = replace(best.knobs, micro_batches=cfg.schedule.micro_batches)  # the loop multiplies it by grad_accum
-    return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
+    choice = AutoChoice(spec, batch, seq, best.knobs, budget, host, best.table.schedule[0])
+    return schedule_overrides(best.knobs, cfg.schedule.micro_batches) + extra, choice
 
 
 def run_from_args(args) -> int:
@@ -131,7 +137,7 @@ def run_from_args(args) -> int:
 
     cfg = config_from_args(args)
     try:
-        summary = run_training(cfg)
+        summary = run_training(cfg, auto=getattr(args, "auto_choice", None))
     except KeyboardInterrupt:
         return 130
     if summary.stop_signal is not None:

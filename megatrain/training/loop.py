@@ -84,22 +84,24 @@ KEEP_TIMELINE_STEPS = 10  # measured timelines kept for timeline_measured.csv (t
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
-                 stop_at_step: int | None = None, trackers: tuple = ()) -> RunSummary:
+                 stop_at_step: int | None = None, trackers: tuple = (), auto=None) -> RunSummary:
     """Train as `cfg` says (see the module docstring); returns a RunSummary.
 
     log: where the log lines go (default: printed, above the progress bar on a terminal); train.log in the run
     directory gets them too. stop_at_step: end the session after this step with a checkpoint, as a preemption
     would (`run.resume` continues it). trackers: callables given each step's metrics record (a dict of
-    METRIC_KEYS), e.g. to send them to an experiment tracker (docs/training.md, "Metrics"). Raises TrainingError
+    METRIC_KEYS), e.g. to send them to an experiment tracker (docs/training.md, "Metrics"). auto: the
+    `--schedule auto` choice (training/autoswitch.AutoChoice), re-checked once after the warm-up. Raises TrainingError
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
-    return _Training(cfg, log, stop_at_step, trackers).run()
+    return _Training(cfg, log, stop_at_step, trackers, auto).run()
 
 
 class _Training:
     def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None, stop_at_step: int | None,
-                 trackers: tuple = ()):
+                 trackers: tuple = (), auto=None):
         self.cfg = cfg.validate()
+        self.auto = auto
         self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
         self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
@@ -272,7 +274,7 @@ class _Training:
         from ..analysis.summary import summarize
 
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
-        start = trainer.step_count
+        start = since = trainer.step_count  # since: the first step of the Program that runs (auto may switch)
         summary = RunSummary(self.run_dir, start, start, predicted=self.predicted,
                              skipped_steps=self.skips.skipped_steps)
         timelines, step_times, idles = [], [], []
@@ -316,6 +318,10 @@ class _Training:
                     del timelines[:-KEEP_TIMELINE_STEPS]
                     step_times.append(r.time_s)
                     idles.append(100 * measured.gpu_idle_frac)
+                    if self._auto_switched(step, since, timelines):  # --schedule auto chose again: a new Program
+                        since, summary.predicted = step, self.predicted  # its steps are measured from here
+                        for kept in (timelines, step_times, idles):
+                            kept.clear()
                     if self.skips.diverged:
                         raise self.ckpt.diverged(step, self.skips.consecutive, run.max_skipped_steps)
                     if run.checkpoint_every and step % run.checkpoint_every == 0:
@@ -351,8 +357,31 @@ class _Training:
             from ..profiling.live import calibrate_training_run
 
             summary.calibration = calibrate_training_run(self.run_dir, self.program, self.predicted,
-                                                         self.profile_name, timelines, start, self.log)
+                                                         self.profile_name, timelines, since, self.log)
         return summary
+
+    def _auto_switched(self, step: int, start: int, timelines: list) -> bool:
+        """`--schedule auto` after the warm-up (training/autoswitch.py): re-check the choice once, and switch the
+        trainer to another schedule when the calibrated profile predicts one faster. True when it switched."""
+        from ..profiling.live import MIN_STEPS, WARMUP_STEPS
+
+        if self.auto is None or self.auto.done or self.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
+            return False
+        from .autoswitch import schedule_overrides, switch_trainer
+
+        warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
+        decision = self.auto.recheck(self.program, self.predicted.profile, warm, self.log)
+        if decision.knobs is None:
+            return False
+        self.program, applied = switch_trainer(self.trainer, self.batch, self.seq, decision.knobs, decision.label)
+        self._log_skips(self.skips.settle(applied))
+        self.knobs = decision.knobs
+        from ..sim import simulate
+
+        self.predicted = simulate(self.program, self.predicted.profile)
+        self.cfg = self.cfg.with_overrides(schedule_overrides(decision.knobs, self.cfg.schedule.micro_batches))
+        self.cfg.save(self.run_dir)  # the run directory records the schedule that runs from here on
+        return True
 
     def _write_metrics(self, record: dict) -> None:
         """Append the step's record; a failed write (disk full) checkpoints the state in memory and stops."""

@@ -47,6 +47,14 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
     if cfg.run.simulate:
         profile_name = cfg.run.profile or ("h200-measured" if backend == "cuda" else "cpu")
         profile = load_profile_checked(profile_name)
+        from ..profiling.machine import mismatch_line
+
+        out = f"{cfg.run.out_dir}/profiles/{spec.name}-{backend}.json"
+        line = mismatch_line(profile, Path(profile_name).stem, f"megatrain profile --quick --model {cfg.model.name} "
+                             f"--batch {batch} --seq {seq} --device {backend} --out {out}",
+                             f" (then --set run.profile={out})")
+        if line:
+            log(line)
     if cfg.model.pretrained:
         from .hf_checkpoint import check_hf_dir
 

@@ -1,0 +1,145 @@
+"""The host as a shared resource: host memory bandwidth, the CPU update alone and beside copies, the copies beside
+the update, and the fit of the simulator's host memory model (sim/hostmem.py) to them.
+
+What is measured (each on the thread the runtime would use, at the runtime's update thread count):
+
+- host memory bandwidth alone: a streaming fp32 copy (read + write) of a buffer well beyond the caches on the cpu
+  worker with the update's threads (`measure_host_memory`);
+- the CPU update (the runtime's `adamw_update`, plus the bf16 refresh when the schedule streams bf16) alone, and
+  while h2d copies, d2h copies, and both run in loops on their own workers (`measure_contention`);
+- each copy direction alone, while the update runs, and while the update and the other direction run.
+
+On CUDA the copies are pinned-memory DMA on side streams (issued from the h2d / d2h workers) while the update runs
+on the host threads. On the CPU backend both ends of a "copy" are host memory: a host-to-host memcpy on its own
+thread, which takes a core as well as memory bandwidth (on a 2-core machine the slowdown it causes is mostly cores).
+
+The fit (`fit_host_memory`): the simulator shares `host_memory_Bps` (B) max-min fairly between the update (drawing
+`cpu_update_bytes_per_param` (bpp) per parameter) and the copies (`copy_host_bytes_per_byte` per byte). Copies
+below their fair share keep their rate, so beside copies that draw c_k host bytes/s the update keeps
+rate_k = (B - c_k) / bpp: a line in c_k, fitted by least squares over the copy mixes that slowed it (two unknowns,
+three mixes). When the mixes do not determine a line consistent with the update alone (fewer than two slowed, or an
+intercept below the alone rate), the update alone is taken as bound by host memory, B = bpp x rate_alone, and
+rate_alone - rate_k = c_k / bpp gives bpp (least squares through the origin). The model's rate for each mix is kept
+beside the measured one for the notes. If no copy slows the update measurably, nothing binds: bpp is the
+implementation's byte count and B the larger of the streaming bandwidth and what all three flows drew together.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM
+from .bench import Background, Worker, median
+
+MIXES = ("h2d", "d2h", "both")  # the copies that run beside the update
+SLOWED = 0.97  # an update rate below this fraction of the alone rate counts as slowed
+
+
+def measure_host_memory(worker: Worker, threads: int, nbytes: int, budget_s: float) -> dict:
+    """Host memory bytes/s of a streaming read + write (fp32 `copy_` of `nbytes`) at `threads` intra-op threads."""
+    n = max(1, nbytes // 4)
+    src = torch.full((n,), 1.0)
+    dst = torch.empty(n)
+    before = worker.call(torch.get_num_threads)
+    try:
+        worker.call(torch.set_num_threads, threads)
+        t = median(worker.time_for(lambda: dst.copy_(src), budget_s, warmup=1))
+    finally:
+        worker.call(torch.set_num_threads, before)
+    return {"bytes": 4 * n, "threads": threads, "time_s": t, "Bps": 8.0 * n / t}
+
+
+def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Worker, copy_in, copy_out,
+                       nbytes: int, budget_s: float, quick: bool) -> dict:
+    """The update's seconds alone and beside each copy mix; each copy direction's bytes/s alone, beside the
+    update, and beside the update and the other direction. `copy_in` / `copy_out` copy `nbytes` each."""
+    reps = 3 if quick else 6
+    each = budget_s / 4
+    before = cpu.call(torch.get_num_threads)
+
+    def update_s() -> float:
+        return median(cpu.time_for(update, each, warmup=1, rounds=2 if quick else 3))
+
+    def copy_Bps(worker: Worker, fn) -> float:
+        return nbytes / median(worker.time(fn, reps, warmup=1))
+
+    out: dict = {"copy_bytes": nbytes, "threads": threads}
+    try:
+        cpu.call(torch.set_num_threads, threads)
+        out["update_alone_s"] = update_s()
+        with Background(h2d, copy_in):
+            out["update_h2d_s"] = update_s()
+        with Background(d2h, copy_out):
+            out["update_d2h_s"] = update_s()
+        with Background(h2d, copy_in), Background(d2h, copy_out):
+            out["update_both_s"] = update_s()
+        out["h2d_alone_Bps"], out["d2h_alone_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
+        with Background(cpu, update):
+            out["h2d_update_Bps"], out["d2h_update_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
+            with Background(d2h, copy_out):
+                out["h2d_both_Bps"] = copy_Bps(h2d, copy_in)
+            with Background(h2d, copy_in):
+                out["d2h_both_Bps"] = copy_Bps(d2h, copy_out)
+    finally:
+        cpu.call(torch.set_num_threads, before)
+    return out
+
+
+def update_bytes_per_param(passes: int) -> float:
+    """Host bytes per parameter of the update as implemented: fused AdamW (28) plus 6 per bf16 conversion pass."""
+    return ADAM_BYTES_PER_PARAM + passes * CONVERT_BYTES_PER_PARAM
+
+
+def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_Bps: float) -> dict:
+    """host_memory_Bps and cpu_update_bytes_per_param from `measure_contention`'s record (module docstring).
+
+    params: parameters of one measured update; passes: its bf16 conversion passes; copy_draw: host bytes drawn
+    per byte copied; stream_Bps: `measure_host_memory`'s bandwidth. Returns the two fields, whether the update was
+    bound by host memory, and per copy mix the update rate measured and the rate the fitted model gives."""
+    alone = params / c["update_alone_s"]
+    rate = {k: params / c[f"update_{k}_s"] for k in MIXES}
+    drawn = {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
+             "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}  # copy host bytes/s beside the update
+    slowed = [k for k in MIXES if rate[k] < SLOWED * alone]
+    bpp, host = math.inf, math.inf
+    if len(slowed) >= 2:
+        # rate_k = (B - drawn_k) / bpp: a line in drawn_k, intercept B / bpp and slope -1 / bpp (least squares)
+        xs, ys = [drawn[k] for k in slowed], [rate[k] for k in slowed]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+        if slope < 0 and my - slope * mx >= alone:  # the update alone below the line's intercept: consistent
+            bpp = -1.0 / slope
+            host = (my - slope * mx) * bpp
+    if slowed and not math.isfinite(bpp):
+        # the update alone taken as bound by host memory: B = bpp x rate_alone, rate_alone - rate_k = drawn_k / bpp
+        inv = sum((alone - rate[k]) * drawn[k] for k in MIXES) / sum(drawn[k] ** 2 for k in MIXES)
+        if inv > 0:
+            bpp = 1.0 / inv
+            host = bpp * alone
+    if not math.isfinite(bpp):
+        bpp = update_bytes_per_param(passes)
+        host = max(stream_Bps, bpp * alone + drawn["both"])
+    model = {k: max(0.0, min(alone, (host - drawn[k]) / bpp)) for k in MIXES}
+    return {"host_memory_Bps": host, "cpu_update_bytes_per_param": bpp, "bound": bool(slowed),
+            "update_alone_params_per_s": alone, "update_params_per_s": rate, "model_params_per_s": model,
+            "copies_drawn_Bps": drawn, "stream_Bps": stream_Bps}
+
+
+def host_note(fit: dict, c: dict, device: str, threads: int) -> str:
+    """The profile note of host_memory_Bps / cpu_update_bytes_per_param: what was measured and how well the fit
+    reproduces each mix."""
+    g = 1e9
+    mixes = "; ".join(f"beside {k}: measured {fit['update_params_per_s'][k] / g:.2f}, model "
+                      f"{fit['model_params_per_s'][k] / g:.2f}" for k in MIXES)
+    copies = ("pinned DMA on side streams" if device == "cuda"
+              else "host-to-host memcpys on their own threads (cores shared too)")
+    how = ("the update's rate beside copies fitted as (B - copy bytes/s) / bpp by least squares over the copy mixes"
+           if fit["bound"] else "no copy mix slowed the update: bpp is the implementation's count and "
+           "B the larger of the streaming bandwidth and all three flows together")
+    return (f"measured at {threads} update threads: streaming read+write {fit['stream_Bps'] / g:.1f} GB/s; CPU update "
+            f"alone {fit['update_alone_params_per_s'] / g:.2f} Gparam/s, {mixes} Gparam/s; copies ({copies}) h2d "
+            f"{c['h2d_alone_Bps'] / g:.1f} -> {c['h2d_update_Bps'] / g:.1f} GB/s and d2h {c['d2h_alone_Bps'] / g:.1f}"
+            f" -> {c['d2h_update_Bps'] / g:.1f} GB/s beside the update; {how} "
+            f"(B {fit['host_memory_Bps'] / g:.1f} GB/s, bpp {fit['cpu_update_bytes_per_param']:.1f}).")

@@ -1,0 +1,102 @@
+"""scripts/bench.py: every config in its own process, interleaved round-robin, medians with min-max, failures
+marked without stopping the rest; --dry-run prints the commands."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_script"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_prints_every_command_round_robin(bench, capsys):
+    assert bench.main(["--dry-run", "--rounds", "3", "--configs",
+                       "resident,zero3,authors,arrival-resident:resident_layers=4;compile_layers=true,auto:clip=0",
+                       "--bench-dir", "BENCH", "--gpu-limit-gib", "40", "--python", "py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bench-3b: 2.971 B params, 28 layers") and "3 rounds of 5 configs" in out[0]
+    runs = [line for line in out if line.startswith("round ")]
+    assert len(runs) == 15
+    rounds = [int(line.split()[1].rstrip(":")) for line in runs]
+    assert rounds == [1] * 5 + [2] * 5 + [3] * 5  # every config once per round, rounds in order
+    first = runs[:5]
+    assert first[0] == ("round 1: py BENCH/baseline_train.py resident --layers 28 --hidden 3072 --ffn 8192 "
+                        "--batch 8 --seq 2048 --steps 4")
+    assert first[2].startswith("round 1: PYTHONPATH=BENCH/megatrain_repo:$PYTHONPATH py BENCH/megatrain_repo/peer.py "
+                               "--layers 28")
+    assert first[3].endswith("--schedule arrival-resident --device cuda --gpu-limit-gib 40.0 --set resident_layers=4 "
+                             "--set compile_layers=true")
+    assert "--schedule auto" in first[4] and first[4].endswith("--set clip=0")
+    assert runs[5:10] == [r.replace("round 1", "round 2") for r in first]
+
+
+def test_a_malformed_config_is_one_error(bench):
+    with pytest.raises(SystemExit, match="not a peer"):
+        bench.main(["--dry-run", "--configs", "overlap:buffers"])
+
+
+def tau_b(xs, ys) -> float:
+    """sum sign(dx) sign(dy) / sqrt(sum sign(dx)^2 x sum sign(dy)^2) over pairs: tau-b in matrix form."""
+    sx = np.sign(np.subtract.outer(xs, xs))[np.triu_indices(len(xs), 1)]
+    sy = np.sign(np.subtract.outer(ys, ys))[np.triu_indices(len(ys), 1)]
+    return float((sx * sy).sum() / np.sqrt((sx**2).sum() * (sy**2).sum()))
+
+
+def test_medians_ratios_and_kendall_tau(bench):
+    runs = {"resident": [{"tokens_per_s": t} for t in (100.0, 110.0, 90.0)],
+            "megatrain a": [{"tokens_per_s": t, "predicted_tokens_per_s": 150.0, "calibrated_tokens_per_s": 205.0,
+                             "schedule": "a"} for t in (200.0, 180.0, 220.0)],
+            "megatrain b": [{"tokens_per_s": 50.0, "predicted_tokens_per_s": 40.0, "schedule": "b"},
+                            {"error": "exit 1: boom"}],
+            "megatrain c": [{"tokens_per_s": 120.0, "predicted_tokens_per_s": 160.0, "schedule": "c"}] * 3}
+    s = bench.summarize(runs)
+    text = bench.table(s, "resident")
+    row = next(line for line in text.splitlines() if line.startswith("| megatrain a "))
+    assert "| 3/3 | 200 (180-220) | 2.00 |" in row and "150 (-25.0%)" in row and "205 (+2.5%)" in row
+    assert "| 1/2 | 50 |" in text and "1 failed: exit 1: boom" in text
+    # Kendall's tau-b against its matrix form in numpy, ties included
+    xs, ys = [150.0, 40.0, 160.0, 40.0], [200.0, 50.0, 120.0, 60.0]
+    assert bench.kendall_tau(xs, ys) == pytest.approx(tau_b(xs, ys))
+    tau = tau_b([150.0, 40.0, 160.0], [200.0, 50.0, 120.0])
+    want = f"Kendall tau, predicted (profile) vs measured medians of 3 megatrain configs: {tau:.2f}"
+    assert bench.tau_lines(s)[0] == want
+
+
+def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, capsys, monkeypatch):
+    """Real processes on the CPU backend: a good config and one whose knobs are refused (its row is marked)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + ":" + __import__("os").environ.get("PYTHONPATH", ""))
+    rc = bench.main(["--model", "debug", "--batch", "2", "--seq", "16", "--steps", "2", "--rounds", "1", "--device",
+                     "cpu", "--configs", "serial,serial:buffers=0", "--log-dir", str(tmp_path), "--timeout", "120",
+                     "--python", sys.executable])
+    out = capsys.readouterr().out
+    assert rc == 1  # one config failed
+    assert "[1/2] round 1 megatrain serial: " in out and "tok/s" in out.split("[1/2]")[1].splitlines()[0]
+    assert "[2/2] round 1 megatrain serial:buffers=0: FAILED (exit 1" in out
+    row = next(line for line in out.splitlines() if line.startswith("| megatrain serial |"))
+    assert "| 1/1 |" in row and ("(-" in row or "(+" in row)  # measured, and predicted beside it with its error
+    assert "| megatrain serial:buffers=0 | 0/1 |" in out and "1 failed: exit 1" in out
+    assert (tmp_path / "results.jsonl").is_file() and len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):
+    """Runs already in --results are not run again (here every run is there: nothing starts) and count in the
+    table; the (round, config) pairs are what is skipped."""
+    path = tmp_path / "r.jsonl"
+    rows = [{"round": r, "config": "megatrain overlap", "tokens_per_s": t} for r, t in ((1, 10.0), (2, 30.0))]
+    path.write_text("".join(__import__("json").dumps(row) + "\n" for row in rows))
+    assert bench.main(["--model", "debug", "--device", "cpu", "--rounds", "2", "--configs", "overlap",
+                       "--results", str(path), "--python", "false"]) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s) already in" in out and "round 1 megatrain overlap" not in out
+    assert "| megatrain overlap | 2/2 | 20 (10-30) |" in out
