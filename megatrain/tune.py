@@ -110,7 +110,7 @@ def best_gpu_fraction(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnob
 # Knobs that decide the numbers training computes: `auto` keeps the user's, and searches only where and when work
 # runs (placement, buffers, resident units, kept gradients, wires of the weights, checkpoint offload).
 NUMERICS_KNOBS = ("clip", "compute_dtype", "grad_wire", "compile_layers", "loss_chunk_tokens", "mlp_tile_tokens",
-                  "micro_batches")
+                  "micro_batches", "state_dtype")
 
 
 def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleKnobs]:

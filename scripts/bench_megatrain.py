@@ -185,6 +185,8 @@ def main() -> None:
         "planned_gpu_GiB": round(plan.gpu.peak_bytes / 2**30, 2),
         "host_rss_GiB": round(psutil.Process().memory_info().rss / 2**30, 2),
         "planned_host_GiB": round(plan.host.total_bytes / 2**30, 2),
+        "host_rss_over_plan": round(psutil.Process().memory_info().rss / plan.host.total_bytes, 4),
+        "planned_host_B_per_param": round(plan.host.bytes_per_param, 2),
         "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / 2**30, 2),
         "init_s": round(init_s, 1),
     }

@@ -40,6 +40,9 @@ KNOB_VALUES = {
     "compile_layers": [False, True],
     "resident_embeddings": [False, True],
     "resident_layers": [0, 1],
+    "grad_ring": [0, 1, 2],
+    "state_dtype": ["fp32", "bf16"],
+    "state_tier": ["host", "nvme-moments", "nvme-all"],
 }
 
 
@@ -68,7 +71,7 @@ def fingerprint(knobs: ScheduleKnobs) -> tuple[str, tuple[str, ...]] | None:
     # state buffers and lookahead) only shapes the tasks and queues, which are compared whole.
     runs = {k: placement[k] for k in ("units", "buffers", "checkpoint_layers", "offloaded_checkpoints", "weight_wire",
                                       "grad_wire", "compute_dtype", "layer_kernel", "clip_max_norm",
-                                      "mlp_tile_tokens")}
+                                      "mlp_tile_tokens", "ring_tiles", "state_dtype", "state_tier")}
     runs["loss_chunk"] = min(placement["loss_chunk_tokens"], program.placement.tokens_per_micro)
     fields = {k: d[k] for k in ("tasks", "streams", "memory")}
     return json.dumps([fields, runs], sort_keys=True), program.placement.notes

@@ -7,7 +7,12 @@ between host and GPU is one memcpy per unit:
     adam m, adam v  AdamW moments (fp32)                           8 B/param
     streaming copy  bf16 copy of the master, what PREFETCH sends   2 B/streamed param (weight_wire="bf16" only;
                     with "fp32" the master itself is streamed)
-    gradients       landing space of OFFLOAD, in the grad wire dtype   4 | 2 B/streamed param
+    gradients       landing space of OFFLOAD, in the grad wire dtype   4 | 2 B/streamed param; with a gradient
+                    ring (HostLayout.grad_ring = K) instead K tiles, each the size of the largest unit, that the
+                    units share in turn (the Program makes each OFFLOAD wait for the readers of its tile's
+                    previous unit): with weight_wire="fp32" the store is then master + m + v, 12 B/param
+    adam m, v in bf16  HostLayout.state_dtype="bf16": 2 + 2 B/param; the update widens them to fp32 chunk by
+                    chunk in a small scratch (optim.adamw_update_bf16_state)
 
 Each kind is ONE host allocation carved into page-aligned tiles, so pinning does not go through torch's caching
 host allocator (which rounds every block up to a power of two, up to 2x the memory). Only what DMA touches is
@@ -25,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..ir.dag import ScheduleError
 from ..ir.placement import HostLayout
 from ..spec import EMBED, HEAD, ModelSpec
 from .backend import PAGE, Backend, CpuBackend
@@ -93,6 +99,11 @@ class HostStore:
 
     def __init__(self, spec: ModelSpec, layout: HostLayout, backend: Backend | None = None,
                  tiles: Mapping[int, torch.Tensor] | None = None):
+        if layout.state_tier != "host":
+            raise ScheduleError(f"state_tier={layout.state_tier!r} is planned only, not executed: `megatrain plan` "
+                                "and `simulate` model the NVMe tier, but the executor keeps the optimizer state in "
+                                "host memory; train with state_tier='host' (see `megatrain plan` for the layouts "
+                                "that fit without it: grad_ring, weight_wire=fp32, state_dtype=bf16)")
         self.spec, self.layout = spec, layout
         self.backend = backend or CpuBackend()
         self.units = spec.units()  # EMBED, 0..L-1, HEAD: layers are consecutive tiles in every region
@@ -104,9 +115,20 @@ class HostStore:
         own, full = self._tile_sizes()
 
         self._master = HostRegion(self.backend, torch.float32, own)
-        self._m = HostRegion(self.backend, torch.float32, own)
-        self._v = HostRegion(self.backend, torch.float32, own)
-        self._grad = HostRegion(self.backend, self.grad_dtype, full)
+        state_dtype = TORCH_DTYPES[layout.state_dtype]
+        self._m = HostRegion(self.backend, state_dtype, own)
+        self._v = HostRegion(self.backend, state_dtype, own)
+        # Gradient landing: a tile per unit, or a ring of tiles the units share in turn ({unit: tile}).
+        self._ring_of = dict(layout.ring_tiles)
+        if layout.grad_ring:
+            self._grad = HostRegion(self.backend, self.grad_dtype,
+                                    {t: layout.ring_tile_elements for t in range(layout.grad_ring)})
+        else:
+            self._grad = HostRegion(self.backend, self.grad_dtype, full)
+        # bf16 moments are widened into these fp32 buffers (m, v) for the update, a chunk at a time.
+        self._state_scratch = (HostRegion(self.backend, torch.float32, {0: layout.state_scratch_elements,
+                                                                         1: layout.state_scratch_elements})
+                               if layout.state_scratch_elements else None)
         self._stream = HostRegion(self.backend, torch.bfloat16, full) if layout.weight_wire == "bf16" else None
         # bf16 gradients are converted to fp32 for the update chunk by chunk in this one reused buffer.
         self._scratch = (HostRegion(self.backend, torch.float32, {0: layout.grad_scratch_elements})
@@ -115,11 +137,11 @@ class HostStore:
         # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
         # the first step. It comes before pinning, because cudaHostRegister faults the pages from this one thread,
         # as the seeded init would for the master.
-        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch):
+        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch, self._state_scratch):
             if r is not None:
                 r.raw.zero_()
         # Pin only what DMA touches.
-        self._grad.pin(self.units)
+        self._grad.pin(self._grad.order)
         if self._stream is not None:
             self._stream.pin(self.units)
             self._master.pin(self.gpu_units)
@@ -151,8 +173,20 @@ class HostStore:
         return self._v.tiles[unit]
 
     def grad(self, unit: int) -> torch.Tensor:
-        """Landing space of the unit's gradients (full tile, grad wire dtype)."""
+        """Landing space of the unit's gradients (full tile, grad wire dtype): its own tile, or with a gradient ring
+        the front of the ring tile the Program assigned it (valid until the tile's next unit lands)."""
+        if self.layout.grad_ring:
+            if unit not in self._ring_of:
+                raise KeyError(f"unit {unit} has no gradient landing tile in the ring (its gradients stay on the GPU)")
+            return self._grad.tiles[self._ring_of[unit]][:self.layouts[unit].numel]
         return self._grad.tiles[unit]
+
+    @property
+    def state_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(fp32 m, fp32 v) widening buffers of bf16 moments; None with fp32 moments."""
+        if self._state_scratch is None:
+            return None
+        return self._state_scratch.tiles[0], self._state_scratch.tiles[1]
 
     def decay_numel(self, unit: int) -> int:
         """Length of the weight-decayed prefix of `master(unit)`."""
@@ -251,13 +285,17 @@ class HostStore:
 
     # ---- accounting ----------------------------------------------------------------------------------------------
     def _regions(self) -> dict[str, HostRegion | None]:
+        from ..ir.placement import host_component_names
+
+        names = host_component_names(self.layout)
         return {
-            "fp32 master": self._master,
-            "adam m (fp32)": self._m,
-            "adam v (fp32)": self._v,
-            "bf16 streaming copy": self._stream,
-            f"gradients ({self.layout.grad_wire})": self._grad,
-            **({"fp32 gradient scratch": self._scratch} if self._scratch is not None else {}),
+            names["master"]: self._master,
+            names["m"]: self._m,
+            names["v"]: self._v,
+            names["stream"]: self._stream,
+            names["grads"]: self._grad,
+            **({names["grad_scratch"]: self._scratch} if self._scratch is not None else {}),
+            **({names["state_scratch"]: self._state_scratch} if self._state_scratch is not None else {}),
         }
 
     def bytes_by_component(self) -> dict[str, int]:

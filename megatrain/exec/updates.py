@@ -18,7 +18,8 @@ from ..ir.program import Program, ProgramTask
 from ..spec import EMBED, HEAD
 from .backend import Backend
 from .buffers import DeviceBuffers
-from .optim import AdamWConfig, UpdatePlan, adamw_undo, adamw_update, clip_coefficient, global_norm
+from .optim import (AdamWConfig, UpdatePlan, adamw_undo, adamw_update, adamw_update_bf16_state, clip_coefficient,
+                    global_norm)
 from .store import HostStore
 
 
@@ -69,8 +70,10 @@ class Updates:
         resident = self.placement.unit(t.unit).resident  # its gradients stay where they are: only the norm
         if not resident:
             self.store.gradients_landing(t.unit)
-            landing = self.store.grad(t.unit)
-        wire = g if resident or landing.dtype == g.dtype else g.to(landing.dtype)  # rounded on the device
+        # Gradients kept on the GPU (t.fills) have no host landing tile (none in a gradient ring): the wire dtype
+        # is the store's gradient dtype either way.
+        landing = None if resident or t.fills else self.store.grad(t.unit)
+        wire = g if resident or self.store.grad_dtype == g.dtype else g.to(self.store.grad_dtype)  # on the device
         # The norm of what lands (and is applied), computed where the gradients are, in fp32; kept on the device
         # too, for GPU updates that decide a skip there.
         norm = torch.linalg.vector_norm(wire, dtype=torch.float32).reshape(1)
@@ -174,8 +177,13 @@ class Updates:
         store.steps[u] += 1
         master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
         for lo, hi, g in store.optimizer_grad_chunks(u):
-            adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo),
-                         plan.lr, self.cfg, plan.clip_coef if coef is None else coef)
+            args = (master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo), plan.lr,
+                    self.cfg)
+            clip = plan.clip_coef if coef is None else coef
+            if store.state_scratch is None:
+                adamw_update(*args, clip)
+            else:  # bf16 moments, widened through the store's fp32 scratch
+                adamw_update_bf16_state(*args, store.state_scratch, clip)
         store.refresh_stream(u)
         plan.applied_units.append(u)
 

@@ -9,6 +9,7 @@ and has a one-sentence contract:
     add_weight_fills         each visit's buffer is filled (PREFETCH, or the GPU update that writes new weights)
     add_gradient_offloads    each unit's accumulated gradients leave its buffer once, after its last backward
     add_updates              each unit's AdamW update, where and when the placement says, and the global norm
+    add_gradient_ring        with a gradient ring, an OFFLOAD into a ring tile waits for the readers of its previous unit
     add_checkpoint_offloads  offloaded checkpoints go to the host after the forward and back before the backward
     add_collectives          (world > 1) all-gathers complete the slots, reduce-scatters sum the gradients
                              (megatrain/ir/collectives.py)
@@ -270,6 +271,18 @@ def _connect_updates(sg: StepGraph) -> None:
         sg.edge(W(a), S(b), "slot")
 
 
+def add_gradient_ring(sg: StepGraph) -> None:
+    """With a gradient ring, an OFFLOAD into a ring tile waits for every reader of the tile's previous unit (the
+    ring tiles are assigned by the placement, `Placement.ring_tiles`)."""
+    p = sg.placement
+    previous: dict[int, int] = {}
+    for unit, tile in p.ring_tiles:
+        if tile in previous:
+            for reader in p.landing_readers(previous[tile]):
+                sg.edge(reader, O(unit), "ring")
+        previous[tile] = unit
+
+
 def _add_clip_redos(sg: StepGraph) -> None:
     """Speculative exact clipping: each update ran unclipped as its gradients landed; V(u), after both U(u) and the
     global norm, undoes it and applies it again with the clip coefficient when the norm exceeds the max (a no-op
@@ -323,7 +336,7 @@ def add_checkpoint_offloads(sg: StepGraph) -> None:
 
 
 PASSES = (add_compute, assign_weight_slots, add_weight_fills, add_gradient_offloads, add_updates,
-          add_checkpoint_offloads, add_collectives, order_queues)
+          add_gradient_ring, add_checkpoint_offloads, add_collectives, order_queues)
 
 
 # ---- entry points -----------------------------------------------------------------------------------------------

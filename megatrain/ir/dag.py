@@ -15,7 +15,8 @@ A `Schedule` is a `networkx.DiGraph` whose nodes are `Task`s. Node attributes:
     bytes, flops, tokens, params   the work, for the simulator's cost model
 
 Edge attribute `why`: "data" (a value flows), "slot" (a buffer is refilled only after its readers are done),
-"accum" (gradient accumulation into one buffer), "clip" (the global norm needs every gradient), "state".
+"accum" (gradient accumulation into one buffer), "clip" (the global norm needs every gradient), "state",
+"ring" (a gradient ring tile is landed into only after the previous unit's gradients in it were read).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ def validate(schedule: Schedule) -> None:
     - a PREFETCH of a layer after that layer's GPU update comes after the STATE_OFFLOAD that brings the updated
       weights back to the host;
     - every OFFLOAD of a gradient buffer finishes before that buffer's slot is refilled;
+    - with a gradient ring, an OFFLOAD into a ring tile waits for the readers of the tile's previous unit;
     - every optimizer update that uses this step's gradients comes after their OFFLOAD (and after the global norm
       when clipping is exact); an update of the previous step's gradients comes before this step's OFFLOAD
       overwrites them and before the PREFETCH that streams the updated weights.
@@ -203,8 +205,26 @@ def validate(schedule: Schedule) -> None:
             first = next((p for p in g.successors(t) if p.kind is TaskKind.PREFETCH), None)
             if first is None and not g.nodes[t].get("fills") and schedule.spec is not None:
                 _fail(schedule, f"{t.id} updates weights that no PREFETCH waits for", [t])
+    _validate_gradient_ring(schedule, before)
     if norm is not None:
         missing = [o for o in offloads.values() if not before(o, norm)]
         if missing:
             _fail(schedule, f"the global norm {norm.id} may be taken before " + ", ".join(o.id for o in missing),
                   [norm, *missing])
+
+
+def _validate_gradient_ring(schedule: Schedule, before) -> None:
+    """Gradient ring (Placement.ring_tiles): an OFFLOAD into a ring tile comes after every reader of the tile's
+    previous unit (its update, its state copy, the tied embedding's update)."""
+    p = schedule.placement
+    if p is None or not getattr(p, "ring_tiles", ()):
+        return
+    g, previous = schedule.graph, {}
+    for unit, tile in p.ring_tiles:
+        off = next(t for t in g.nodes if t.kind is TaskKind.OFFLOAD and t.unit == unit)
+        for reader in p.landing_readers(previous[tile]) if tile in previous else []:
+            if reader not in g or not before(reader, off):
+                _fail(schedule, f"{off.id} lands gradients in ring tile {tile} while {reader.id} may still read the "
+                      f"gradients of the tile's previous unit (add an edge {reader.id} -> {off.id})",
+                      [t for t in (reader, off) if t in g])
+        previous[tile] = unit

@@ -53,6 +53,16 @@ refuses combinations that conflict or where a knob would change nothing); each k
     mlp_tile_tokens    tokens per tile of the layer's norm + MLP half (its (tokens, ffn) intermediates live for one
                        tile at a time, forward and backward; one more MLP forward per backward); 0 = untiled;
                        unset = tiles of 8192 tokens when a micro-batch has more than 32768 tokens, else untiled
+    grad_ring          K > 0: gradients land in a ring of K pinned host tiles (each sized for the largest streamed
+                       unit) instead of a tile per unit, and the host update consumes each as it arrives; an OFFLOAD
+                       into a ring tile waits for the update that read the tile's previous unit. With weight_wire
+                       fp32 the host then holds master + m + v only (12 B/param). Arrival placements with clip=0
+                       only (exact clipping keeps every unit's gradients until the global norm is known: 4 B/param)
+    state_dtype        "fp32" | "bf16": Adam m and v on the host (bf16: 4 B/param less; the update's math stays
+                       fp32, chunk by chunk through an fp32 scratch; host-updated units only)
+    state_tier         "host" | "nvme-moments" | "nvme-all": where the optimizer state lives (m and v, or master +
+                       m + v, on an NVMe drive, read and written by each host update); planned and simulated only,
+                       `train` refuses it
     compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
                        residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
                        setting so that the simulator has compiled compute tables
@@ -69,6 +79,7 @@ from .dag import ScheduleError
 # Presets of a timing and a rule for the GPU-updated layers (megatrain/ir/placement.py: OPTIMIZER_PRESETS).
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+STATE_TIERS = ("host", "nvme-moments", "nvme-all")
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,9 @@ class ScheduleKnobs:
     compile_layers: bool = False
     resident_embeddings: bool = False
     resident_layers: int = 0
+    grad_ring: int = 0  # 0: a gradient landing tile per unit; K: a ring of K landing tiles (arrival, clip=0)
+    state_dtype: str = "fp32"  # dtype of Adam m and v on the host
+    state_tier: str = "host"  # "nvme-*": planned and simulated only
 
     def __post_init__(self):
         """Each knob's own type and range. The rules between knobs live in `placement.resolve`."""
@@ -105,7 +119,8 @@ class ScheduleKnobs:
                                       ("micro_batches", 1, False), ("loss_chunk_tokens", 1, False),
                                       ("state_buffers", 1, True), ("state_lookahead", 0, True),
                                       ("retain_grads", 0, False), ("gpu_checkpoints", 0, False),
-                                      ("resident_layers", 0, False), ("mlp_tile_tokens", 0, True)):
+                                      ("resident_layers", 0, False), ("mlp_tile_tokens", 0, True),
+                                      ("grad_ring", 0, False)):
             value = getattr(self, name)
             if optional and value is None:
                 continue
@@ -119,7 +134,9 @@ class ScheduleKnobs:
         f = self.gpu_optimizer_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
             bad("gpu_optimizer_fraction", "a fraction in [0, 1] (or unset)")
-        for name in ("weight_wire", "grad_wire", "compute_dtype"):
+        if self.state_tier not in STATE_TIERS:
+            bad("state_tier", " | ".join(STATE_TIERS))
+        for name in ("weight_wire", "grad_wire", "compute_dtype", "state_dtype"):
             if getattr(self, name) not in WIRE_DTYPES:
                 bad(name, " | ".join(WIRE_DTYPES))
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not 0 <= self.clip < math.inf:
@@ -156,6 +173,9 @@ NAMED_SCHEDULES: dict[str, ScheduleKnobs] = {
     # layer compiled, embedding and head on the GPU for the whole run; add resident_layers as GPU memory allows.
     "arrival-resident": ScheduleKnobs(buffers=3, optimizer="arrival", clip=0, weight_wire="fp32",
                                       compile_layers=True, resident_embeddings=True),
+    # 12 bytes per parameter with exact fp32 AdamW (docs/training.md): the host holds the fp32 master and the
+    # moments only; gradients land in a ring of two pinned tiles and are consumed as they arrive (no clipping).
+    "lean": ScheduleKnobs(buffers=3, optimizer="arrival", clip=0, weight_wire="fp32", grad_ring=2),
 }
 DEFAULT_SCHEDULE = "overlap"
 

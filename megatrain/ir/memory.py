@@ -4,9 +4,13 @@ It reads a Placement (the one a Program carries), never the knobs: what lives wh
 
 Host bytes per parameter (unique parameters; a tied lm_head counts once):
 
-    fp32 master 4 + Adam m 4 + Adam v 4                      = 12
+    fp32 master 4 + Adam m 4 + Adam v 4                      = 12  (m and v 2 + 2 with state_dtype="bf16")
     + bf16 streaming copy 2        (weight_wire = "bf16"; with "fp32" the master itself is streamed)
-    + gradient landing space 4 | 2 (grad_wire "fp32" | "bf16")
+    + gradient landing space 4 | 2 (grad_wire "fp32" | "bf16"); with a gradient ring (grad_ring = K) instead
+      K tiles of the largest unit, a bounded amount (arrival timing without clipping)
+
+With the NVMe tier (state_tier) m and v (or master, m and v) are on the drive, and the host keeps a staging area
+of two units' state (one being read, one being written back); the NVMe bytes are reported beside the host's.
 
 The streaming copy and the gradient landing space exist for every *streamed* parameter, so a tied model pays
 them twice for the shared matrix (the head streams its own copy). Pinned: what DMA touches — the streaming copy
@@ -24,7 +28,7 @@ from dataclasses import dataclass, replace
 from ..spec import ModelSpec
 from .dag import ScheduleError
 from .knobs import ScheduleKnobs
-from .placement import BufferKind, Placement
+from .placement import BufferKind, Placement, host_component_names
 from .resolve import resolve
 
 GiB = 2**30
@@ -144,6 +148,7 @@ class HostMemoryPlan:
     components: dict[str, int]
     pinned_bytes: int
     num_params: int
+    nvme: dict[str, int] = None  # bytes on the NVMe tier by component ({} without it)
 
     @property
     def store_bytes(self) -> int:
@@ -179,34 +184,47 @@ class MemoryPlan:
 
 
 def plan_host_memory(p: Placement, backend: str = "cuda") -> HostMemoryPlan:
-    """Host bytes of the store (what `exec.store.HostStore` allocates), offloaded checkpoints, runtime."""
-    spec = p.model
+    """Host bytes of the store (what `exec.store.HostStore` allocates), offloaded checkpoints, runtime; and the
+    NVMe tier's bytes when the optimizer state is planned there."""
+    spec, layout = p.model, p.host_layout
+    names = host_component_names(layout)
     n = spec.num_params
     streamed = sum(spec.unit_params(u) for u in spec.units())  # the head streams its own copy when tied
+    state = 2 if p.state_dtype == "bf16" else 4
+    grads = (layout.grad_ring * layout.ring_tile_elements if layout.grad_ring else streamed)
     components = {
-        "fp32 master": 4 * n,
-        "adam m (fp32)": 4 * n,
-        "adam v (fp32)": 4 * n,
-        "bf16 streaming copy": 2 * streamed if p.weight_wire == "bf16" else 0,
-        f"gradients ({p.grad_wire})": p.wire_bytes("grad_wire") * streamed,
+        names["master"]: 4 * n,
+        names["m"]: state * n,
+        names["v"]: state * n,
+        names["stream"]: 2 * streamed if p.weight_wire == "bf16" else 0,
+        names["grads"]: p.wire_bytes("grad_wire") * grads,
     }
-    if p.host_layout.grad_scratch_elements:
-        components["fp32 gradient scratch"] = 4 * p.host_layout.grad_scratch_elements
+    if layout.grad_scratch_elements:
+        components[names["grad_scratch"]] = 4 * layout.grad_scratch_elements
+    if layout.state_scratch_elements:
+        components[names["state_scratch"]] = 2 * 4 * layout.state_scratch_elements
+    nvme = {}
+    if p.state_tier != "host":  # on the drive; the host stages two units' state (one read, one written back)
+        on_drive = [names["m"], names["v"]] + ([names["master"]] if p.state_tier == "nvme-all" else [])
+        nvme = {k: components.pop(k) for k in on_drive}
+        per_param = sum(nvme.values()) / n
+        components["NVMe staging (2 units of state)"] = int(2 * per_param * max(spec.unit_params(u)
+                                                                                 for u in spec.units()))
     if p.offloaded_checkpoints:
         components["offloaded checkpoints"] = (len(p.offloaded_checkpoints) * p.batch * p.seq * spec.hidden_size
                                                * p.wire_bytes("compute_dtype"))
     components["runtime overhead"] = RUNTIME_OVERHEAD_BYTES[backend]
 
-    pinned = components["bf16 streaming copy"] + components[f"gradients ({p.grad_wire})"]
+    pinned = components[names["stream"]] + components[names["grads"]]
     pinned += components.get("offloaded checkpoints", 0)
     if p.weight_wire == "fp32":
-        pinned += components["fp32 master"]
+        pinned += components[names["master"]]
     gpu_params = sum(spec.unit_params(u) for u in p.gpu_streamed_layers)
     if gpu_params:  # master (already pinned with an fp32 wire) and moments of the GPU-updated layers
         pinned += (0 if p.weight_wire == "fp32" else 4 * gpu_params) + 8 * gpu_params
     if backend == "cpu":
         pinned = 0
-    return HostMemoryPlan(components, pinned, n)
+    return HostMemoryPlan(components, pinned, n, nvme)
 
 
 def plan_placement(p: Placement, backend: str = "cuda", knobs: ScheduleKnobs | None = None) -> MemoryPlan:
@@ -220,20 +238,41 @@ def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, bac
 
 
 # ---- fitting ----------------------------------------------------------------------------------------------------
+def knob_changes(knobs: ScheduleKnobs, alt: ScheduleKnobs) -> str:
+    """The `--set` overrides that turn `knobs` into `alt` ("optimizer=arrival clip=0 ...")."""
+    a, b = knobs.to_dict(), alt.to_dict()
+    return " ".join(f"{k}={str(b[k]).lower() if isinstance(b[k], bool) else b[k]}" for k in b if a[k] != b[k])
+
+
+def lean_knobs(knobs: ScheduleKnobs) -> ScheduleKnobs:
+    """`knobs` changed to the 12 B/param layout: host updates as gradients land (arrival, no clipping), the fp32
+    master streamed (no bf16 copy), gradients in a ring of two tiles."""
+    return replace(knobs, optimizer="arrival", gpu_optimizer_fraction=None, state_buffers=None, state_lookahead=None,
+                   retain_grads=0, clip=0, weight_wire="fp32", grad_ring=max(knobs.grad_ring, 2))
+
+
 def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
-    """Knob changes that lower the host bytes, each with a label saying what it costs."""
+    """Knob changes that lower the host bytes, least invasive first, each with a label saying what it costs."""
     alts = []
     if knobs is None:
         return alts
     if knobs.grad_wire == "fp32":
-        alts.append(("grad_wire=bf16 (gradients travel and land in bf16)", replace(knobs, grad_wire="bf16")))
+        alts.append(("gradients travel and land in bf16", replace(knobs, grad_wire="bf16")))
     if knobs.weight_wire == "bf16":
-        alts.append(("weight_wire=fp32 (no bf16 copy; streams 2x the bytes)", replace(knobs, weight_wire="fp32")))
+        alts.append(("no bf16 copy; streams 2x the bytes", replace(knobs, weight_wire="fp32")))
     if knobs.grad_wire == "fp32" and knobs.weight_wire == "bf16":
-        alts.append(("grad_wire=bf16 and weight_wire=fp32", replace(knobs, grad_wire="bf16", weight_wire="fp32")))
+        alts.append(("both of the above", replace(knobs, grad_wire="bf16", weight_wire="fp32")))
     if knobs.offload_checkpoints:
-        alts.append(("offload_checkpoints=false", replace(knobs, offload_checkpoints=False)))
-    return alts
+        alts.append(("checkpoints stay on the GPU", replace(knobs, offload_checkpoints=False)))
+    lean = lean_knobs(knobs)
+    alts.append(("exact fp32 AdamW at 12 B/param: updates as gradients land into a 2-tile ring, no clipping", lean))
+    # bf16 moments and the NVMe tier are for host updates only: no resident units
+    host_only = replace(lean, resident_embeddings=False, resident_layers=0)
+    alts.append(("8 B/param: adam m/v stored in bf16 (fp32 math; docs/precision.md)",
+                 replace(host_only, state_dtype="bf16")))
+    alts.append(("4 B/param on the host: adam m/v on the NVMe tier (planned only; `simulate` prices the drive)",
+                 replace(host_only, state_tier="nvme-moments")))
+    return [(f"{knob_changes(knobs, alt)} ({what})", alt) for what, alt in alts if alt != knobs]
 
 
 def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
@@ -293,10 +332,20 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
         lines.append(f"{what}: DOES NOT FIT: needs {need / GiB:.1f} GiB, has {have / GiB:.1f} GiB, "
                      f"short by {(need - have) / GiB:.1f} GiB")
         alts = host_alternatives(plan.knobs) if what == "host" else gpu_alternatives(plan)
+        fix = None
         for label, alt in alternative_plans(plan, alts):
             alt_need = alt.host.total_bytes if what == "host" else alt.gpu.peak_bytes
             verdict = "fits" if alt_need <= have else "still short"
-            lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict})")
+            per_param = f", {alt.host.bytes_per_param:.2f} B/param in the store" if what == "host" else ""
+            lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict}){per_param}")
+            if fix is None and alt_need <= have:
+                fix = (alt, alt_need)
+        if what == "host" and fix is not None:
+            alt, alt_need = fix
+            exact = alt.placement.state_dtype == "fp32" and alt.placement.state_tier == "host"
+            lines.append(f"  => fits {'with exact fp32 AdamW ' if exact else ''}with --set "
+                         f"{knob_changes(plan.knobs, alt.knobs)}: {alt_need / GiB:.1f} GiB of {have / GiB:.1f} GiB "
+                         f"({alt.host.bytes_per_param:.2f} B/param in the store)")
         if what == "GPU" and plan.batch > 1:
             lines.append("  - or a smaller batch / shorter sequence")
     return ok, lines
@@ -337,7 +386,11 @@ def format_plan(plan: MemoryPlan) -> str:
     for name, b in h.components.items():
         out.append(f"  {name:<54}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
     out.append(f"  {'total':<54}{h.total_bytes / GiB:>10.2f}{h.total_bytes / h.num_params:>10.2f}")
-    out.append(f"  {'of which pinned':<54}{h.pinned_bytes / GiB:>10.2f}")
+    out.append(f"  {'of which pinned':<54}{h.pinned_bytes / GiB:>10.2f}{h.pinned_bytes / h.num_params:>10.2f}")
+    if h.nvme:
+        out += ["", f"{'NVMe tier (state_tier, planned only)':<56}{'GiB':>10}{'B/param':>10}"]
+        for name, b in h.nvme.items():
+            out.append(f"  {name:<54}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
     out += ["", f"{'GPU memory':<56}{'GiB':>10}"]
     for label, b in gpu_rows(plan):
         out.append(f"  {label:<54}{b / GiB:>10.2f}")

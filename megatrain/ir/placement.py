@@ -89,12 +89,36 @@ class HostLayout:
     grad_wire: str  # dtype of the gradient landing tiles
     gpu_streamed_units: tuple[int, ...]  # units whose master and moments are copied to the GPU (pinned)
     grad_scratch_elements: int  # fp32 elements of the bf16 -> fp32 gradient conversion buffer (0: none needed)
+    # Gradient ring (knob grad_ring): K landing tiles of `ring_tile_elements` each, and which tile each unit whose
+    # gradients land on the host uses; K = 0: a landing tile per unit.
+    grad_ring: int = 0
+    ring_tiles: tuple[tuple[int, int], ...] = ()  # (unit, tile) in landing order
+    ring_tile_elements: int = 0
+    state_dtype: str = "fp32"  # Adam m and v
+    state_scratch_elements: int = 0  # fp32 elements of each of the two m / v widening buffers (bf16 state)
+    state_tier: str = "host"  # "nvme-moments" | "nvme-all": planned and simulated only
+
+    def ring_tile(self, unit: int) -> int | None:
+        """The ring tile `unit`'s gradients land in (None: no ring, or the unit lands nowhere on the host)."""
+        return dict(self.ring_tiles).get(unit)
+
+
+def host_component_names(layout: HostLayout) -> dict[str, str]:
+    """The names of the host store's components, as the store (`exec.store.HostStore.bytes_by_component`) and the
+    planner (`ir.memory.plan_host_memory`) both report them."""
+    ring = f"gradient ring ({layout.grad_ring} tiles, {layout.grad_wire})"
+    return {"master": "fp32 master", "m": f"adam m ({layout.state_dtype})", "v": f"adam v ({layout.state_dtype})",
+            "stream": "bf16 streaming copy", "grads": ring if layout.grad_ring else f"gradients ({layout.grad_wire})",
+            "grad_scratch": "fp32 gradient scratch", "state_scratch": "fp32 m/v scratch"}
 
 
 # Gradients that land in bf16 are converted to fp32 for the update this many elements at a time, in one reused
 # host buffer (a fresh fp32 copy per update page-faulted ~0.9 GB per Llama-3-8B layer and made the update 1.5x
 # slower on the H200 host).
 GRAD_SCRATCH_ELEMENTS = 1 << 26
+# bf16 moments are widened to fp32 for the update this many elements at a time (two 4 MiB buffers, m and v: small
+# enough to stay in the cache between the widening, the update and the rounding back).
+STATE_SCRATCH_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,10 @@ class Placement:
     mlp_tile_tokens: int = 0  # tokens per tile of the layers' norm + MLP half; 0 = untiled
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
     world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/ir/collectives.py)
+    grad_ring: int = 0  # gradient ring tiles in use (0: a landing tile per unit)
+    ring_tiles: tuple[tuple[int, int], ...] = ()  # (unit, ring tile) in landing order
+    state_dtype: str = "fp32"  # Adam m and v on the host
+    state_tier: str = "host"  # "host" | "nvme-moments" | "nvme-all" (planned and simulated only)
     _by_unit: dict = field(default=None, init=False, repr=False, compare=False)
 
     # ---- per unit -----------------------------------------------------------------------------------------------
@@ -148,6 +176,16 @@ class Placement:
     def kept_grad_layers(self) -> list[int]:
         return [u.unit for u in self.units if u.grads is GradLanding.GPU_KEPT]
 
+    def landing_readers(self, unit: int) -> list:
+        """The tasks that read `unit`'s gradients from its host landing tile: its host update, or the state copy S
+        of a GPU update; a tied head's tile is read by the embedding's update too (it adds the lm_head gradient)."""
+        from .tasks import S, U
+
+        readers = [S(unit) if self.unit(unit).update is UpdateSite.GPU_STREAMED else U(unit)]
+        if unit == HEAD and self.model.tie_word_embeddings:
+            readers.append(U(EMBED))
+        return readers
+
     @property
     def exact_clip(self) -> bool:
         return self.clip_max_norm is not None
@@ -166,7 +204,11 @@ class Placement:
             own = [spec.hidden_size if u == HEAD and spec.tie_word_embeddings else spec.unit_params(u)
                    for u in spec.units()]
             scratch = min(max(own), GRAD_SCRATCH_ELEMENTS)
-        return HostLayout(self.weight_wire, self.grad_wire, tuple(self.gpu_streamed_layers), scratch)
+        tile = max((spec.unit_params(u) for u, _ in self.ring_tiles), default=0)
+        state_scratch = (min(max(spec.unit_params(u) for u in spec.units()), STATE_SCRATCH_ELEMENTS)
+                         if self.state_dtype == "bf16" else 0)
+        return HostLayout(self.weight_wire, self.grad_wire, tuple(self.gpu_streamed_layers), scratch,
+                          self.grad_ring, self.ring_tiles, tile, self.state_dtype, state_scratch, self.state_tier)
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @property
@@ -215,6 +257,12 @@ class Placement:
         if self.world > 1:
             lines.append(f"data parallel over {self.world} ranks: each owns 1/{self.world} of every unit's host "
                          "state; slots filled by all-gather, gradients reduce-scattered")
+        if self.grad_ring or self.state_dtype != "fp32" or self.state_tier != "host":
+            order = [f"{unit_text(u)}:{t}" for u, t in self.ring_tiles]  # unit:tile in landing order
+            shown = " ".join(order[:8]) + (f" ... {order[-1]}" if len(order) > 8 else "")
+            ring = f"a ring of {self.grad_ring} tiles ({shown})" if self.grad_ring else "a tile per unit"
+            lines.append(f"host store: gradients land in {ring}; adam m/v {self.state_dtype} on the "
+                         f"{'host' if self.state_tier == 'host' else 'NVMe tier (' + self.state_tier + ')'}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
@@ -234,6 +282,9 @@ class Placement:
             "loss_chunk_tokens": self.loss_chunk_tokens, "mlp_tile_tokens": self.mlp_tile_tokens,
             "notes": list(self.notes),
             **({"world": self.world} if self.world > 1 else {}),  # one-GPU Programs keep their JSON
+            "loss_chunk_tokens": self.loss_chunk_tokens, "notes": list(self.notes),
+            "grad_ring": self.grad_ring, "ring_tiles": [list(r) for r in self.ring_tiles],
+            "state_dtype": self.state_dtype, "state_tier": self.state_tier,
         }
 
     @classmethod
@@ -244,6 +295,7 @@ class Placement:
         buffers = tuple(Buffer(b["name"], BufferKind(b["kind"]), b["unit"], b["numel"], b["nbytes"])
                         for b in d.pop("buffers"))
         tuples = ("checkpoint_layers", "offloaded_checkpoints", "state_order", "notes")
+        d["ring_tiles"] = tuple(tuple(r) for r in d.get("ring_tiles", ()))
         return cls(model=model, batch=batch, seq=seq, timing=Timing(d.pop("timing")), units=units, buffers=buffers,
                    **{k: tuple(v) if k in tuples else v for k, v in d.items()})
 

@@ -70,13 +70,16 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
     timing, rule = OPTIMIZER_PRESETS[k.optimizer]
     gpu_layers = _gpu_layers(k, rule, L)
     _check_state_knobs(k, timing, gpu_layers)
+    _check_ring_timing(k, timing)
     clip = _resolve_clip(k, timing)
     resident = _resident_units(spec, k, timing, gpu_layers)
     kept = _kept_grad_layers(k, gpu_layers)
+    _check_host_state(k, gpu_layers, resident)
     state_order = gpu_layers[::-1] if timing is Timing.ARRIVAL else list(gpu_layers)
     state_buffers = min(k.state_buffers or DEFAULT_STATE_BUFFERS, len(gpu_layers))
     state_of = {u: f"s{i % state_buffers}" for i, u in enumerate(state_order)}
     units = tuple(_unit_placement(u, resident, gpu_layers, kept, state_of) for u in spec.units())
+    grad_ring, ring_tiles = _gradient_ring(spec, k, units, notes)
     checkpoint_layers = tuple(range(0, L, recompute_block))
     offloaded = _offloaded_checkpoints(k, checkpoint_layers)
     tokens_mb = batch // k.micro_batches * seq
@@ -91,7 +94,8 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
         state_lookahead=DEFAULT_STATE_LOOKAHEAD if k.state_lookahead is None else k.state_lookahead,
         buffers=(), weight_wire=k.weight_wire, grad_wire=k.grad_wire, compute_dtype=k.compute_dtype,
         layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
-        loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes))
+        loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes),
+        grad_ring=grad_ring, ring_tiles=ring_tiles, state_dtype=k.state_dtype, state_tier=k.state_tier)
     object.__setattr__(placement, "buffers", gpu_buffers(placement))
     return placement
 
@@ -166,6 +170,78 @@ def _resolve_clip(k: ScheduleKnobs, timing: Timing) -> float | None:
                             f"the gradients on the host; retain_grads={k.retain_grads} keeps them on the GPU: use "
                             "retain_grads=0, or clip=0")
     return float(k.clip)
+
+
+def _check_ring_timing(k: ScheduleKnobs, timing: Timing) -> None:
+    """A gradient ring needs updates that consume gradients as they land, and no global norm."""
+    if not k.grad_ring:
+        return
+    if timing is not Timing.ARRIVAL:
+        raise ScheduleError(f"grad_ring={k.grad_ring} lands gradients in a ring of tiles that the update must consume "
+                            f"as they arrive, but optimizer={k.optimizer!r} updates after the backward (or in the "
+                            "next step), when every unit's gradients must still be held; use optimizer='arrival' "
+                            "(or 'arrival-split') with clip=0, or grad_ring=0")
+    if k.clip:
+        raise ScheduleError(f"grad_ring={k.grad_ring} cannot clip exactly (clip={k.clip}): the global norm is known "
+                            "only once every unit's gradients have landed, so each unit's gradients must be kept "
+                            "until then (a landing tile per unit: 4 B/param with grad_wire=fp32, 2 with bf16); use "
+                            "clip=0 with the ring, or grad_ring=0 to clip")
+
+
+def _gradient_ring(spec: ModelSpec, k: ScheduleKnobs, units: tuple[UnitPlacement, ...],
+                   notes: list[str]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(ring tiles, (unit, tile) in landing order) of the gradient ring; (0, ()) without one.
+
+    Units land in backward order (head, layers L-1..0, embedding); a unit's tile is released by the tasks that read
+    its gradients from the host: its host update or its state copy S (a GPU update), and for a tied head also the
+    embedding's update (which adds the head's lm_head gradient into its own). Each landing takes the tile released
+    earliest (builders.add_gradient_ring turns each reuse into an edge)."""
+    if not k.grad_ring:
+        return 0, ()
+    landing = [u for u in [HEAD, *reversed(range(spec.num_layers)), EMBED]
+               if next(p for p in units if p.unit == u).grads is GradLanding.HOST]
+    if not landing:
+        raise ScheduleError(f"grad_ring={k.grad_ring} but no unit's gradients land on the host (every unit is "
+                            "resident or keeps its gradients on the GPU); use grad_ring=0")
+    tied = spec.tie_word_embeddings and HEAD in landing and EMBED in landing
+    if tied and k.grad_ring < 2:
+        raise ScheduleError(f"grad_ring={k.grad_ring} with tied embeddings: the head's tile holds the lm_head "
+                            "gradient until the embedding's update adds it into its own (the last to land), so the "
+                            "other units need a tile of their own; use grad_ring >= 2")
+    ring = k.grad_ring
+    if ring > len(landing):
+        notes.append(f"grad_ring={ring} but only {len(landing)} unit(s) land gradients on the host: {len(landing)} "
+                     "ring tiles are used")
+        ring = len(landing)
+    free_at = [-1] * ring  # landing index after which each tile is free again
+    release = {u: i for i, u in enumerate(landing)}
+    if tied:
+        release[HEAD] = len(landing)  # held until the embedding's update, the last landing's reader
+    tiles = []
+    for i, u in enumerate(landing):
+        tile = min((t for t in range(ring) if free_at[t] < i), key=lambda t: (free_at[t], t))
+        tiles.append((u, tile))
+        free_at[tile] = release[u]
+    return ring, tuple(tiles)
+
+
+def _check_host_state(k: ScheduleKnobs, gpu_layers: list[int], resident: list[int]) -> None:
+    """bf16 moments and the NVMe tier are layouts of the host store, for units the host threads update."""
+    for name, value, default in (("state_dtype", k.state_dtype, "fp32"), ("state_tier", k.state_tier, "host")):
+        if value != default and (gpu_layers or resident):
+            raise ScheduleError(f"{name}={value!r} is a layout of the host updates' optimizer state, but optimizer="
+                                f"{k.optimizer!r} (gpu_optimizer_fraction={k.gpu_optimizer_fraction}, resident "
+                                f"units {len(resident)}) updates some units on the GPU, whose state buffers hold "
+                                f"fp32 moments; use optimizer 'after', 'overlap' or 'arrival' without resident "
+                                f"units, or {name}={default!r}")
+    if k.state_dtype == "bf16" and k.clip and OPTIMIZER_PRESETS[k.optimizer][0] is Timing.ARRIVAL:
+        raise ScheduleError(f"state_dtype='bf16' with clip={k.clip} and optimizer={k.optimizer!r}: speculative "
+                            "clipping undoes an update from the moments it produced, which bf16 storage has "
+                            "rounded; use clip=0, or optimizer='overlap' / 'after' (exact clipping without undo)")
+    if k.state_tier == "nvme-all" and k.weight_wire == "fp32":
+        raise ScheduleError("state_tier='nvme-all' puts the fp32 master on the NVMe drive, but weight_wire='fp32' "
+                            "streams the master itself to the GPU from host memory; use weight_wire='bf16' (a bf16 "
+                            "copy stays on the host) or state_tier='nvme-moments'")
 
 
 def _resident_units(spec: ModelSpec, k: ScheduleKnobs, timing: Timing, gpu_layers: list[int]) -> list[int]:

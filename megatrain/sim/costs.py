@@ -38,6 +38,7 @@ class UpdateCost:
     delay_s: float
     nbytes: float
     alone_s: float
+    nvme_s: float = 0.0  # seconds of NVMe drive time (state_tier): reading the unit's state and writing it back
 
 
 class CostModel:
@@ -109,7 +110,7 @@ class CostModel:
             return over + (2 * task.params / p.gpu_adam_params_per_s if self.clip_activates else 0.0)
         if self.is_cpu_optimizer(task):
             u = self.cpu_update(task)  # its time alone on host memory (the engine shares it with the copies)
-            return u.delay_s + u.alone_s
+            return u.delay_s + max(u.alone_s, u.nvme_s)
         if task.kind == "N":
             return over + task.params / p.clip_norm_params_per_s
         if task.kind in ("G", "Z"):  # data parallel (sim/collectives.py)
@@ -121,13 +122,26 @@ class CostModel:
     def conversion_passes(self) -> int:
         """bf16 <-> fp32 passes a CPU update makes besides AdamW: the streaming-copy refresh (weight_wire bf16)
         and the gradients' conversion into the fp32 scratch (grad_wire bf16)."""
-        return (self.placement.weight_wire == "bf16") + (self.placement.grad_wire == "bf16")
+        p = self.placement
+        # bf16 moments: m and v are widened to fp32 and rounded back (two passes each way, counted as two)
+        return (p.weight_wire == "bf16") + (p.grad_wire == "bf16") + 2 * (p.state_dtype == "bf16")
+
+    def nvme_s(self, params: int) -> float:
+        """Drive seconds of a host update whose state is on the NVMe tier: read it before, write it back after
+        (the drive does one at a time: reads and writes share it)."""
+        p = self.placement
+        if p.state_tier == "host":
+            return 0.0
+        moments = 2 * (2 if p.state_dtype == "bf16" else 4)
+        per_param = moments + (4 if p.state_tier == "nvme-all" else 0)  # + the fp32 master
+        return params * per_param * (1 / self.profile.nvme_read_Bps + 1 / self.profile.nvme_write_Bps)
 
     def cpu_update(self, task: ProgramTask) -> UpdateCost:
         """The host-memory flow of a CPU update: its bytes (AdamW + conversion passes) and its time alone."""
         p, passes = self.profile, self.conversion_passes()
         alone = task.params / p.cpu_adam_rate() + passes * task.params / p.cpu_convert_params_per_s
-        return UpdateCost(p.overhead(task.stream, task.kind), p.cpu_update_bytes(task.params, passes), alone)
+        return UpdateCost(p.overhead(task.stream, task.kind), p.cpu_update_bytes(task.params, passes), alone,
+                          self.nvme_s(task.params))
 
     def copy_cost(self, task: ProgramTask) -> CopyCost:
         """The copy a task on the h2d / d2h stream performs: priced by the direction its bytes go (a copy moved to the

@@ -85,7 +85,7 @@ class _Engine:
                 u = cost.cpu_update(t)
                 if u.delay_s:
                     yield env.timeout(u.delay_s)
-                yield self.host.update(u.nbytes, u.alone_s)
+                yield self.host.update(u.nbytes, u.alone_s, u.nvme_s)
             else:
                 yield env.timeout(cost.duration_s(t))
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,

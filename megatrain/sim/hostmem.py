@@ -72,7 +72,7 @@ class HostMemory:
 
     def __init__(self, env: simpy.Environment, host_Bps: float, duplex_Bps: float, copy_draw: float):
         self.env, self.host_Bps, self.duplex_Bps, self.copy_draw = env, host_Bps, duplex_Bps, copy_draw
-        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (copies) and "cpu" (a CPU update), by stream
+        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time)
         self._t = 0.0  # time up to which `remaining` is accounted
         self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
 
@@ -80,11 +80,17 @@ class HostMemory:
         """Move `nbytes` on a copy stream; the returned event fires when the last byte has arrived."""
         return self._start(stream, nbytes, alone_Bps, self.copy_draw)
 
-    def update(self, nbytes: float, alone_s: float) -> simpy.Event:
-        """A CPU update moving `nbytes` of host memory, `alone_s` seconds when nothing else draws on it."""
+    def update(self, nbytes: float, alone_s: float, nvme_s: float = 0.0) -> simpy.Event:
+        """A CPU update moving `nbytes` of host memory, `alone_s` seconds when nothing else draws on it; with the
+        optimizer state on the NVMe tier also `nvme_s` seconds of the drive (a flow of its own, streamed chunk by
+        chunk alongside the update: the update ends when both have)."""
         if nbytes <= 0 or alone_s <= 0:
-            return self._start("cpu", alone_s, 1.0, 0.0)  # no bytes known: a plain duration
-        return self._start("cpu", nbytes, nbytes / alone_s, 1.0)
+            done = self._start("cpu", alone_s, 1.0, 0.0)  # no bytes known: a plain duration
+        else:
+            done = self._start("cpu", nbytes, nbytes / alone_s, 1.0)
+        if nvme_s <= 0:
+            return done
+        return simpy.AllOf(self.env, [done, self._start("nvme", nvme_s, 1.0, 0.0)])
 
     def _start(self, name: str, amount: float, ceiling: float, draw: float) -> simpy.Event:
         done = self.env.event()
@@ -109,7 +115,7 @@ class HostMemory:
             return
         rates = share_rates({n: f.ceiling for n, f in self.flows.items()},
                             {n: f.draw for n, f in self.flows.items()},
-                            {n for n in self.flows if n != "cpu"}, self.host_Bps, self.duplex_Bps)
+                            {n for n in self.flows if n not in ("cpu", "nvme")}, self.host_Bps, self.duplex_Bps)
         for n, f in self.flows.items():
             f.rate = rates[n]
         dt, due = min((max(f.remaining, 0.0) / f.rate, n) for n, f in self.flows.items())

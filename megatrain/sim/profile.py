@@ -25,6 +25,9 @@ A profile holds
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
     collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
                          latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
+    nvme_read_Bps, nvme_write_Bps  the NVMe tier of the optimizer state (knob state_tier): sequential read and
+                         write bandwidth of the drive(s) a host update reads its state from and writes it back to
+                         (defaults: one PCIe 4.0 x4 drive, 6.5 / 5.0 GB/s, an assumption of the shipped profiles)
     machine              the machine `megatrain profile` measured (CPU model, cores, memory, GPU, torch, date;
                          profiling/machine.py): train and simulate say when it is not the one running
 
@@ -192,6 +195,8 @@ class HardwareProfile:
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
+    nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
+    nvme_write_Bps: float = 5.0e9
     machine: dict = field(default_factory=dict)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
@@ -214,7 +219,8 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
         if not 0 < self.dma_factor_cpu_optimizer <= 1:
             raise ProfileError(f"profile {self.name}: dma_factor_cpu_optimizer must be in (0, 1]")
-        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s"):
+        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s",
+                     "nvme_read_Bps", "nvme_write_Bps"):
             if not getattr(self, name) > 0:
                 raise ProfileError(f"profile {self.name}: {name} must be > 0")
         missing = set(UNIT_CLASSES) - set(self.efficiency)
