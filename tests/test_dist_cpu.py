@@ -248,3 +248,26 @@ def test_two_gpus_train_like_one_gpu_with_two_micro_batches(tmp_path):
         diff2 = sum((out["tiles"][u].double() - ref[u].double().cpu()).square().sum().item() for u in ref)
         moved2 = sum((ref[u].double().cpu() - init[u].double()).square().sum().item() for u in ref)
         assert max(errs) <= 1e-5 and (diff2 / moved2) ** 0.5 <= MOVE_TOL, (schedule, clip, errs, diff2 / moved2)
+
+
+def test_torchrun_train_checkpoints_resume_on_another_number_of_ranks(tmp_path):
+    """`megatrain train` checkpoints under torchrun (sharded) and `--resume` continues 2 ranks -> 1 process and
+    1 process (the one-process format) -> 2 ranks; both equal 4 uninterrupted steps of one process."""
+    const = ["--set", "optimizer.decay=constant", "--set", "optimizer.warmup_steps=0", "--set",
+             "run.checkpoint_at_end=true"]  # run.steps then does not move the learning rate
+    accum = ["--set", "run.grad_accum=2"]
+    full, _ = _train_cli(tmp_path, "full", 1, "--steps", "4", *const, *accum)
+    _train_cli(tmp_path, "a", 2, "--steps", "2", *const, "--set", "run.checkpoint_every=1", "--set",
+               "run.keep_last=1")
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002"], ckpts  # every step, the older one pruned
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints" / ckpts[0]).iterdir()) == [
+        "manifest.json", "rank0.safetensors", "rank1.safetensors", "trainer_state.json"]
+    a, out = _train_cli(tmp_path, "a", 1, "--steps", "4", "--resume", *const, *accum)
+    assert "resumed from" in out and "at step 2" in out
+    _train_cli(tmp_path, "b", 1, "--steps", "2", *const, *accum)
+    b, out = _train_cli(tmp_path, "b", 2, "--steps", "4", "--resume", *const)
+    assert "resumed from" in out and out.count("done: 2 steps (3-4)") == 1  # rank 1 is silent
+    for got in (a, b):
+        errs = [abs(x - y) / abs(y) for x, y in zip(got, full)]
+        assert len(got) == 4 and max(errs) <= LOSS_TOL, (got, full)

@@ -21,14 +21,13 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     if not world.distributed:
         return cfg
     run = cfg.run
-    unsupported = {"run.resume": bool(run.resume), "run.checkpoint_every": bool(run.checkpoint_every),
-                   "run.checkpoint_at_end": run.checkpoint_at_end, "run.export_hf": bool(run.export_hf),
+    unsupported = {"run.export_hf": bool(run.export_hf),
                    "run.eval_every": bool(run.eval_every), "model.name (a pretrained directory)": cfg.model.pretrained}
     bad = [k for k, on in unsupported.items() if on]
     if bad:
-        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (sharded "
-                          "checkpoints, export and evaluation are not built); set run.checkpoint_every=0 "
-                          "run.checkpoint_at_end=false run.eval_every=0 run.export_hf='' and start from a seeded init")
+        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (export and "
+                          "evaluation are not built); set run.eval_every=0 run.export_hf='' and start from a seeded "
+                          "init")
     if world.rank == 0:
         return cfg
     scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")

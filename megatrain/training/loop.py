@@ -43,15 +43,10 @@ from pathlib import Path
 
 import torch
 
+from ..dist.world import World
 from ..ir.memory import GiB
-from .checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    check_writable,
-    rng_state,
-    unit_key,
-)
-from .checkpointing import SessionCheckpoints
+from .checkpoint import CheckpointError, CheckpointManager, check_writable
+from .checkpointing import SessionCheckpoints, trainer_state
 from .config import ConfigError, RunConfig
 from .errors import TrainingError
 from .evaluate import evaluate
@@ -95,7 +90,6 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
     from ..dist.run import config_for_rank, silent
-    from ..dist.world import World
 
     # torchrun: one rank per GPU (WORLD_SIZE > 1), pinned to its own cores before the trainer sizes its threads.
     world = World.from_env(_backend_name(cfg.run.device), cfg.run.wait_timeout_s)
@@ -110,7 +104,7 @@ class _Training:
                  trackers: tuple = (), auto=None, world=None):
         self.cfg = cfg.validate()
         self.auto = auto
-        self.world = world  # megatrain.dist.world.World: one rank, or this rank of a data-parallel run
+        self.world = world if world is not None else World()  # one process, or this rank of a data-parallel run
         self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
         self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
@@ -164,11 +158,13 @@ class _Training:
         self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
                                                                  checked.profile_name)
         # 3. the run directory (locked) and the checkpoint to resume: before the store exists
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
-        self.ckpt = SessionCheckpoints(self.manager, self.log)
+        # Every rank writes its slices into rank 0's checkpoint directory (the others' run directories are scratch).
+        self.manager = CheckpointManager(self.world.share(run_dir / "checkpoints"), keep_last=run.keep_last)
+        self.ckpt = SessionCheckpoints(self.manager, self.log, self.world)
         resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
         # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
-        self.replace_export = bool(run.export_hf) and check_export_target(run.export_hf, run_dir)
+        self.replace_export = bool(run.export_hf) and self.world.rank == 0 and check_export_target(run.export_hf,
+                                                                                                   run_dir)
         check_writable(self.manager.directory)
         self.lock = RunLock(run_dir)  # from here on no other process uses the directory
         cfg.save(run_dir)
@@ -177,11 +173,12 @@ class _Training:
         self._build_trainer()
         self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
         if resume is not None:
-            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, cfg, self.log)
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, resume, cfg, self.log)
             if resume["state"].get("schedule") != cfg.schedule.name:
                 self.log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with "
                          f"{cfg.schedule.name!r} (the schedule changes speed, not results)")
-            aside = set_aside_newer(self.manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
+            aside = (set_aside_newer(self.manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
+                     if self.world.rank == 0 else None)
             if aside is not None:
                 self.log(f"note: resuming from step {resume['step']} starts a new branch: the newer checkpoints of "
                          f"the abandoned one (and their metrics) were moved to {aside}")
@@ -249,17 +246,8 @@ class _Training:
         """Checkpoint `step` (SessionCheckpoints: one retry, then a TrainingError saying how to resume)."""
         store, t0 = self.trainer.store, time.perf_counter()
         self._log_skips(self.skips.settle(self.trainer.flush()))  # the pending "overlap" update belongs to this step
-        state = {
-            "rng": rng_state(),
-            "data": self.data.train.state_dict(),
-            "optimizer_steps": {unit_key(u): n for u, n in store.steps.items()},
-            "tokens_seen": self.tokens_seen,
-            "spec": self.spec.to_dict(),
-            "schedule": self.cfg.schedule.name,
-            "config": self.cfg.to_dict(),
-        }
-        tiles = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-        path = self.ckpt.save(step, tiles, state, store.units, self.trainer.step_count)
+        state = trainer_state(store, self.data, self.spec, self.cfg, self.tokens_seen)
+        path = self.ckpt.save_store(step, store, state, self.trainer.step_count)
         self.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
         return path
 
