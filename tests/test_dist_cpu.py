@@ -258,11 +258,12 @@ def test_torchrun_train_checkpoints_resume_on_another_number_of_ranks(tmp_path):
     accum = ["--set", "run.grad_accum=2"]
     full, _ = _train_cli(tmp_path, "full", 1, "--steps", "4", *const, *accum)
     _train_cli(tmp_path, "a", 2, "--steps", "2", *const, "--set", "run.checkpoint_every=1", "--set",
-               "run.keep_last=1")
+               "run.keep_last=1", "--set", f"run.export_hf={tmp_path / 'hf_end'}")
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert ckpts == ["step_00000002"], ckpts  # every step, the older one pruned
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints" / ckpts[0]).iterdir()) == [
         "manifest.json", "rank0.safetensors", "rank1.safetensors", "trainer_state.json"]
+    _check_exports(tmp_path, tmp_path / "a" / "checkpoints" / ckpts[0])
     a, out = _train_cli(tmp_path, "a", 1, "--steps", "4", "--resume", *const, *accum)
     assert "resumed from" in out and "at step 2" in out
     _train_cli(tmp_path, "b", 1, "--steps", "2", *const, *accum)
@@ -271,3 +272,38 @@ def test_torchrun_train_checkpoints_resume_on_another_number_of_ranks(tmp_path):
     for got in (a, b):
         errs = [abs(x - y) / abs(y) for x, y in zip(got, full)]
         assert len(got) == 4 and max(errs) <= LOSS_TOL, (got, full)
+
+
+def _check_exports(tmp_path, ckpt):
+    """The export at the end of a 2-rank run and `megatrain export` of its sharded checkpoint both equal the HF
+    export of the same checkpoint loaded into one process's store (tensors read back by safetensors)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatrain.dist.checkpoint import load_store
+    from megatrain.spec import ModelSpec
+    from megatrain.training.export import export_weights
+    from megatrain.training.trainer import StreamedTrainer
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "megatrain", "export", str(ckpt.parent.parent), str(tmp_path / "hf_cli")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((ckpt / "trainer_state.json").read_text())["state"]
+    spec = ModelSpec.from_dict(state["spec"])
+    one = StreamedTrainer(spec, "overlap", backend="cpu", init=False)
+    assert load_store(ckpt, one.store, World()) == 2
+    export_weights(tmp_path / "hf_one", spec, one.store.master, state["config"])
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    ref = tensors(tmp_path / "hf_one")
+    assert len(ref) >= 3 and any(t.abs().sum() > 0 for t in ref.values())
+    for d in ("hf_end", "hf_cli"):
+        got = tensors(tmp_path / d)
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), d

@@ -138,6 +138,52 @@ def _sources(path: Path) -> dict:
             "step": meta["step"], "file": lambda kind, key, r: (path / f"{kind}.safetensors", key)}
 
 
+class _Reader:
+    """Reads element ranges of a unit's flat tile from the files of a checkpoint (`_sources`), each file's header
+    read once."""
+
+    def __init__(self, path: Path, sources: dict):
+        self.path, self.src, self.headers = path, sources, {}
+
+    def __call__(self, kind: str, key: str, lo: int, dest: torch.Tensor) -> None:
+        """Fill `dest` (1-D fp32) with elements [lo, lo + len(dest)) of `kind`'s tile of unit `key`."""
+        hi, s_old = lo + dest.numel(), self.src["slice"][key]
+        for r in range(self.src["world"]):  # the saved slices that overlap [lo, hi)
+            a, b = max(lo, r * s_old), min(hi, (r + 1) * s_old)
+            if a >= b:
+                continue
+            file, name = self.src["file"](kind, key, r)
+            if file not in self.headers:
+                self.headers[file] = stio.read_header(file)[0]
+            info = self.headers[file][name]
+            if info.dtype != torch.float32:
+                raise CheckpointError(f"{file}: {name!r} is {info.dtype}; only fp32 tiles are read by slice")
+            begin = info.begin + (a - r * s_old) * 4
+            part = stio.TensorInfo(info.name, torch.float32, (b - a,), begin, begin + (b - a) * 4)
+            stio.read_into(file, part, dest[a - lo:b - lo])
+        if not stio.all_finite(dest):
+            raise CheckpointError(f"{self.path}: {kind} {key!r} holds non-finite values (NaN or inf); the run had "
+                                  "diverged when it was saved, or a file is damaged. Resume from an earlier one")
+
+
+def tile_reader(path: str | Path, kind: str = "master"):
+    """fn(unit) -> the unit's whole flat fp32 tile of `kind`, read from a checkpoint of either format (the
+    slices of every rank put together; one unit in memory at a time): what an HF export of a checkpoint reads."""
+    path = Path(path)
+    src = _sources(path)
+    read = _Reader(path, src)
+
+    def tile(unit: int) -> torch.Tensor:
+        key = unit_key(unit)
+        if key not in src["numel"]:
+            raise CheckpointError(f"checkpoint {path} has no tile {key!r}")
+        out = torch.empty(src["numel"][key])
+        read(kind, key, 0, out)
+        return out
+
+    return tile
+
+
 def load_sharded(path: str | Path, store: HostStore, world: World) -> int:
     """Fill this rank's tiles (master, moments, step counts) from a checkpoint written by any number of ranks;
     returns the trainer step it was saved at. Reads only the bytes of this rank's slices."""
@@ -147,29 +193,14 @@ def load_sharded(path: str | Path, store: HostStore, world: World) -> int:
     if manifest["numel"] != want:
         raise CheckpointError(f"{path}: the checkpoint's units ({manifest['numel']}) are not this model's ({want}); "
                               "resume with the same model config")
-    old_world = manifest["world"]
-    headers = {}  # file -> its tensors' places
+    read = _Reader(path, manifest)
     for u in store.units:
         key = unit_key(u)
         lo, valid = _span(store, world, u)
-        s_old = manifest["slice"][key]
         for kind, get in KINDS.items():
             dest = get(store, u)
             dest.zero_()  # padding stays zero
-            for r in range(old_world):  # the old slices that overlap [lo, lo + valid)
-                a, b = max(lo, r * s_old), min(lo + valid, (r + 1) * s_old)
-                if a >= b:
-                    continue
-                file, name = manifest["file"](kind, key, r)
-                if file not in headers:
-                    headers[file] = stio.read_header(file)[0]
-                info = headers[file][name]
-                begin = info.begin + (a - r * s_old) * 4
-                part = stio.TensorInfo(info.name, torch.float32, (b - a,), begin, begin + (b - a) * 4)
-                stio.read_into(file, part, dest[a - lo:b - lo])
-            if not stio.all_finite(dest):
-                raise CheckpointError(f"{path}: {kind} {key!r} holds non-finite values (NaN or inf); the run had "
-                                      "diverged when it was saved, or a file is damaged. Resume from an earlier one")
+            read(kind, key, lo, dest[:valid])
         store.refresh_stream(u)
     store.steps = {key_unit(k): int(n) for k, n in manifest["steps"].items()}
     return int(manifest["step"])

@@ -21,13 +21,14 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     if not world.distributed:
         return cfg
     run = cfg.run
-    unsupported = {"run.export_hf": bool(run.export_hf),
-                   "run.eval_every": bool(run.eval_every), "model.name (a pretrained directory)": cfg.model.pretrained}
+    if run.export_hf and not run.checkpoint_at_end:
+        raise ConfigError(f"run.export_hf with {world.size} ranks exports the final checkpoint (rank 0 reads every "
+                          "rank's slices): set run.checkpoint_at_end=true, or export later with `megatrain export`")
+    unsupported = {"run.eval_every": bool(run.eval_every), "model.name (a pretrained directory)": cfg.model.pretrained}
     bad = [k for k, on in unsupported.items() if on]
     if bad:
-        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (export and "
-                          "evaluation are not built); set run.eval_every=0 run.export_hf='' and start from a seeded "
-                          "init")
+        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (evaluation is "
+                          "not built); set run.eval_every=0 and start from a seeded init")
     if world.rank == 0:
         return cfg
     scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")

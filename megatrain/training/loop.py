@@ -419,7 +419,12 @@ class _Training:
         from .export import export_weights
 
         t0 = time.perf_counter()
-        path = export_weights(self.cfg.run.export_hf, self.spec, self.trainer.store.master, self.cfg.to_dict(),
+        tiles = self.trainer.store.master
+        if self.world.distributed:  # rank 0 reads every rank's slices of the final checkpoint (dist/run.py)
+            from ..dist.checkpoint import tile_reader
+
+            tiles = tile_reader(self.ckpt.last)
+        path = export_weights(self.cfg.run.export_hf, self.spec, tiles, self.cfg.to_dict(),
                               tokenizer=self.data.tokenizer, overwrite=self.replace_export,
                               provenance={"run_dir": str(self.run_dir), "checkpoint": str(self.ckpt.last),
                                           "step": self.trainer.step_count})
@@ -433,7 +438,7 @@ class _Training:
         self._log_skips(self.skips.settle(self.trainer.flush()))
         if run.checkpoint_at_end and self.ckpt.step != summary.steps and summary.steps > start:
             self._save(summary.steps)
-        if run.export_hf:
+        if run.export_hf and self.world.rank == 0:
             try:
                 summary.export_dir = self._export()
             except (CheckpointError, OSError) as e:
