@@ -224,7 +224,12 @@ class _Training:
         """Seeded init or a Hugging Face directory, written unit by unit into the store's own master tiles."""
         m, store = self.cfg.model, self.trainer.store
         t0 = time.perf_counter()
-        if m.pretrained:
+        if m.pretrained and self.world.distributed:  # each rank reads only its slices (megatrain/dist/hf_load.py)
+            from ..dist.hf_load import load_hf_slices
+
+            load_hf_slices(m.name, store, strict=not m.num_layers)
+            what = f"loaded from {m.name} (this rank's slices)"
+        elif m.pretrained:
             from .hf_checkpoint import load_hf_into
 
             load_hf_into(m.name, self.spec, store.master, strict=not m.num_layers)
