@@ -288,7 +288,7 @@ def _check_exports(tmp_path, ckpt):
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-m", "megatrain", "export", str(ckpt.parent.parent), str(tmp_path / "hf_cli")],
-                       env=env, capture_output=True, text=True, timeout=120)
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     state = json.loads((ckpt / "trainer_state.json").read_text())["state"]
     spec = ModelSpec.from_dict(state["spec"])

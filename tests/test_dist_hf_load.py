@@ -18,7 +18,7 @@ from megatrain.ir.resolve import resolve
 from megatrain.training.hf_checkpoint import load_hf_tiles, weight_files
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf_checkpoint import DEBUG, hf_model  # noqa: E402
+from test_hf_checkpoint import DEBUG, hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,7 +35,7 @@ def test_rank_slices_of_a_hf_directory_equal_a_one_process_load(tmp_path, dtype,
         store = ShardedHostStore(DEBUG, layout, World(rank=rank, size=ranks))
         read.append(load_hf_slices(path, store))
         for u in DEBUG.units():
-            lo, valid = store.shard(u)
+            _, valid = store.shard(u)
             assert torch.equal(store.master(u)[valid:], torch.zeros(store.master(u).numel() - valid))  # padding
             got[u].append(store.master(u)[:valid])
     for u in DEBUG.units():
@@ -47,7 +47,7 @@ def test_rank_slices_of_a_hf_directory_equal_a_one_process_load(tmp_path, dtype,
 def test_a_truncated_shard_fails_before_any_rank_reads(tmp_path):
     path = tmp_path / "hf"
     hf_model(DEBUG).save_pretrained(path, max_shard_size="100KB")
-    shard = sorted(path.glob("*.safetensors"))[-1]
+    shard = max(path.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-8])
     layout = for_world(resolve(DEBUG, 2, 16, knobs_for("overlap")), 2).host_layout
     with pytest.raises(CheckpointError) as e:

@@ -32,6 +32,8 @@ from ..exec.store import HostStore
 from ..training import safetensors_io as stio
 from ..training.checkpoint import (
     FORMAT as STATE_FORMAT,
+)
+from ..training.checkpoint import (
     STATE_FILE,
     VERSION,
     CheckpointError,

@@ -34,6 +34,17 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     return replace(cfg, run=replace(run, out_dir=scratch, progress=False))
 
 
+def join(cfg: RunConfig, backend: str, log, trackers: tuple) -> tuple[World, RunConfig, object, tuple]:
+    """This process's place in a torchrun launch (WORLD_SIZE > 1; else a world of one): the process group joined
+    and the rank pinned to its own cores (before the trainer sizes its threads), `cfg` for this rank, and its log
+    sink and trackers (rank 0's are the caller's; the other ranks are silent). Returns (world, cfg, log, trackers)."""
+    world = World.from_env(backend, cfg.run.wait_timeout_s)
+    cfg = config_for_rank(cfg, world)
+    if world.rank != 0:
+        log, trackers = silent, ()
+    return world, cfg, log, trackers
+
+
 def silent(line: str) -> None:
     """The log sink of ranks other than 0."""
 

@@ -35,7 +35,7 @@ from .tokenization import (
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-__all__ = ["DTYPES", "export_checkpoint", "export_weights", "find_checkpoint", "check_export_target"]
+__all__ = ["DTYPES", "export_checkpoint", "export_weights", "export_run", "find_checkpoint", "check_export_target"]
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -133,3 +133,23 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
     out = export_weights(out, spec, tile, state.get("config", {}), dtype=DTYPES[dtype], provenance=provenance,
                          overwrite=overwrite)
     return out, json.loads((out / PROVENANCE_FILE).read_text())
+
+
+def export_run(cfg, spec, trainer, world, tokenizer: TokenizerChoice, run_dir: Path, checkpoint: Path | None,
+               overwrite: bool, log) -> Path:
+    """`run.export_hf` at the end of a run (rank 0 only): the store's master, or with several ranks every rank's
+    slices of the final checkpoint (`checkpoint`, written just before; dist/run.py requires it)."""
+    import time
+
+    t0 = time.perf_counter()
+    tiles = trainer.store.master
+    if world.distributed:
+        from ..dist.checkpoint import tile_reader
+
+        tiles = tile_reader(checkpoint)
+    path = export_weights(cfg.run.export_hf, spec, tiles, cfg.to_dict(), tokenizer=tokenizer, overwrite=overwrite,
+                          provenance={"run_dir": str(run_dir), "checkpoint": str(checkpoint),
+                                      "step": trainer.step_count})
+    log(f"exported to {path} (Hugging Face, bf16; tokenizer {tokenizer.describe()}) in "
+        f"{time.perf_counter() - t0:.2f} s")
+    return path

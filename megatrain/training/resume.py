@@ -83,3 +83,17 @@ def restore(trainer, resume: dict, cfg,
     if note:
         log(note)
     return path, step, tokens
+
+
+def branch_off(manager: CheckpointManager, resume: dict, cfg, run_dir: Path, log: Callable[[str], None]) -> None:
+    """After a restore, in the run directory's owner: say when the schedule changed, and move the checkpoints and
+    metrics newer than the resumed step aside (a resume from an older checkpoint starts a new branch)."""
+    from .rundir import set_aside_newer
+
+    if resume["state"].get("schedule") != cfg.schedule.name:
+        log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with {cfg.schedule.name!r} (the "
+            "schedule changes speed, not results)")
+    aside = set_aside_newer(manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
+    if aside is not None:
+        log(f"note: resuming from step {resume['step']} starts a new branch: the newer checkpoints of the "
+            f"abandoned one (and their metrics) were moved to {aside}")
