@@ -307,3 +307,19 @@ def _check_exports(tmp_path, ckpt):
     for d in ("hf_end", "hf_cli"):
         got = tensors(tmp_path / d)
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), d
+
+
+def test_torchrun_train_from_a_pretrained_hf_directory(tmp_path):
+    """`model.name=<HF directory>` under torchrun (each rank reads its slices) trains like one process loading it
+    whole with grad_accum 2."""
+    pytest.importorskip("transformers")
+    from test_hf_checkpoint import DEBUG, hf_model
+
+    hf = tmp_path / "hf"
+    hf_model(DEBUG).save_pretrained(hf, max_shard_size="100KB")
+    args = ["--steps", "2", "--set", f"model.name={hf}", "--set", "data.tokenizer=bytes"]
+    dp, out = _train_cli(tmp_path, "dp", 2, *args)
+    one, _ = _train_cli(tmp_path, "one", 1, *args, "--set", "run.grad_accum=2")
+    assert "this rank's slices" in out
+    errs = [abs(a - b) / abs(b) for a, b in zip(dp, one)]
+    assert len(dp) == 2 and max(errs) <= LOSS_TOL, (dp, one)
