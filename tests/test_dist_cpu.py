@@ -248,3 +248,78 @@ def test_two_gpus_train_like_one_gpu_with_two_micro_batches(tmp_path):
         diff2 = sum((out["tiles"][u].double() - ref[u].double().cpu()).square().sum().item() for u in ref)
         moved2 = sum((ref[u].double().cpu() - init[u].double()).square().sum().item() for u in ref)
         assert max(errs) <= 1e-5 and (diff2 / moved2) ** 0.5 <= MOVE_TOL, (schedule, clip, errs, diff2 / moved2)
+
+
+def test_torchrun_train_checkpoints_resume_on_another_number_of_ranks(tmp_path):
+    """`megatrain train` checkpoints under torchrun (sharded) and `--resume` continues 2 ranks -> 1 process and
+    1 process (the one-process format) -> 2 ranks; both equal 4 uninterrupted steps of one process."""
+    const = ["--set", "optimizer.decay=constant", "--set", "optimizer.warmup_steps=0", "--set",
+             "run.checkpoint_at_end=true"]  # run.steps then does not move the learning rate
+    accum = ["--set", "run.grad_accum=2"]
+    full, _ = _train_cli(tmp_path, "full", 1, "--steps", "4", *const, *accum)
+    _train_cli(tmp_path, "a", 2, "--steps", "2", *const, "--set", "run.checkpoint_every=1", "--set",
+               "run.keep_last=1", "--set", f"run.export_hf={tmp_path / 'hf_end'}")
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002"], ckpts  # every step, the older one pruned
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints" / ckpts[0]).iterdir()) == [
+        "manifest.json", "rank0.safetensors", "rank1.safetensors", "trainer_state.json"]
+    _check_exports(tmp_path, tmp_path / "a" / "checkpoints" / ckpts[0])
+    a, out = _train_cli(tmp_path, "a", 1, "--steps", "4", "--resume", *const, *accum)
+    assert "resumed from" in out and "at step 2" in out
+    _train_cli(tmp_path, "b", 1, "--steps", "2", *const, *accum)
+    b, out = _train_cli(tmp_path, "b", 2, "--steps", "4", "--resume", *const)
+    assert "resumed from" in out and out.count("done: 2 steps (3-4)") == 1  # rank 1 is silent
+    for got in (a, b):
+        errs = [abs(x - y) / abs(y) for x, y in zip(got, full)]
+        assert len(got) == 4 and max(errs) <= LOSS_TOL, (got, full)
+
+
+def _check_exports(tmp_path, ckpt):
+    """The export at the end of a 2-rank run and `megatrain export` of its sharded checkpoint both equal the HF
+    export of the same checkpoint loaded into one process's store (tensors read back by safetensors)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatrain.dist.checkpoint import load_store
+    from megatrain.spec import ModelSpec
+    from megatrain.training.export import export_weights
+    from megatrain.training.trainer import StreamedTrainer
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "megatrain", "export", str(ckpt.parent.parent), str(tmp_path / "hf_cli")],
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((ckpt / "trainer_state.json").read_text())["state"]
+    spec = ModelSpec.from_dict(state["spec"])
+    one = StreamedTrainer(spec, "overlap", backend="cpu", init=False)
+    assert load_store(ckpt, one.store, World()) == 2
+    export_weights(tmp_path / "hf_one", spec, one.store.master, state["config"])
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    ref = tensors(tmp_path / "hf_one")
+    assert len(ref) >= 3 and any(t.abs().sum() > 0 for t in ref.values())
+    for d in ("hf_end", "hf_cli"):
+        got = tensors(tmp_path / d)
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), d
+
+
+def test_torchrun_train_from_a_pretrained_hf_directory(tmp_path):
+    """`model.name=<HF directory>` under torchrun (each rank reads its slices) trains like one process loading it
+    whole with grad_accum 2."""
+    pytest.importorskip("transformers")
+    from test_hf_checkpoint import DEBUG, hf_model
+
+    hf = tmp_path / "hf"
+    hf_model(DEBUG).save_pretrained(hf, max_shard_size="100KB")
+    args = ["--steps", "2", "--set", f"model.name={hf}", "--set", "data.tokenizer=bytes"]
+    dp, out = _train_cli(tmp_path, "dp", 2, *args)
+    one, _ = _train_cli(tmp_path, "one", 1, *args, "--set", "run.grad_accum=2")
+    assert "this rank's slices" in out
+    errs = [abs(a - b) / abs(b) for a, b in zip(dp, one)]
+    assert len(dp) == 2 and max(errs) <= LOSS_TOL, (dp, one)

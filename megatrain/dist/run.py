@@ -21,19 +21,28 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     if not world.distributed:
         return cfg
     run = cfg.run
-    unsupported = {"run.resume": bool(run.resume), "run.checkpoint_every": bool(run.checkpoint_every),
-                   "run.checkpoint_at_end": run.checkpoint_at_end, "run.export_hf": bool(run.export_hf),
-                   "run.eval_every": bool(run.eval_every), "model.name (a pretrained directory)": cfg.model.pretrained}
-    bad = [k for k, on in unsupported.items() if on]
-    if bad:
-        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support {', '.join(bad)} yet (sharded "
-                          "checkpoints, export and evaluation are not built); set run.checkpoint_every=0 "
-                          "run.checkpoint_at_end=false run.eval_every=0 run.export_hf='' and start from a seeded init")
+    if run.export_hf and not run.checkpoint_at_end:
+        raise ConfigError(f"run.export_hf with {world.size} ranks exports the final checkpoint (rank 0 reads every "
+                          "rank's slices): set run.checkpoint_at_end=true, or export later with `megatrain export`")
+    if run.eval_every:
+        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support run.eval_every yet (evaluation "
+                          "is not built for sharded stores); set run.eval_every=0 and evaluate a checkpoint later")
     if world.rank == 0:
         return cfg
     scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return replace(cfg, run=replace(run, out_dir=scratch, progress=False))
+
+
+def join(cfg: RunConfig, backend: str, log, trackers: tuple) -> tuple[World, RunConfig, object, tuple]:
+    """This process's place in a torchrun launch (WORLD_SIZE > 1; else a world of one): the process group joined
+    and the rank pinned to its own cores (before the trainer sizes its threads), `cfg` for this rank, and its log
+    sink and trackers (rank 0's are the caller's; the other ranks are silent). Returns (world, cfg, log, trackers)."""
+    world = World.from_env(backend, cfg.run.wait_timeout_s)
+    cfg = config_for_rank(cfg, world)
+    if world.rank != 0:
+        log, trackers = silent, ()
+    return world, cfg, log, trackers
 
 
 def silent(line: str) -> None:

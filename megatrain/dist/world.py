@@ -88,6 +88,14 @@ class World:
         dist.all_gather(out, piece.contiguous(), group=self.host_group)
         return torch.cat(out)
 
+    def share(self, value):
+        """Rank 0's `value` (any picklable object) on every rank, e.g. the run directory rank 0 chose."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
     def any(self, flag: bool) -> bool:
         """Whether `flag` is set on some rank."""
         return self.sum(1.0 if flag else 0.0) > 0

@@ -165,3 +165,26 @@ def schedule_overrides(knobs, micro_batches: int) -> list[str]:
 
     knobs = replace(knobs, micro_batches=micro_batches)  # the loop multiplies it by grad_accum
     return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
+
+
+def switch_after_warmup(run, step: int, start: int, timelines: list) -> bool:
+    """`--schedule auto` after the warm-up: re-check the choice of `run` (a training/loop._Training) once, and
+    switch its trainer to another schedule when the calibrated profile predicts one faster (its Program,
+    prediction, knobs and saved config follow). True when it switched."""
+    from ..profiling.live import MIN_STEPS, WARMUP_STEPS
+
+    if run.auto is None or run.auto.done or run.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
+        return False
+    warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
+    decision = run.auto.recheck(run.program, run.predicted.profile, warm, run.log)
+    if decision.knobs is None:
+        return False
+    run.program, applied = switch_trainer(run.trainer, run.batch, run.seq, decision.knobs, decision.label)
+    run._log_skips(run.skips.settle(applied))
+    run.knobs = decision.knobs
+    from ..sim import simulate
+
+    run.predicted = simulate(run.program, run.predicted.profile)
+    run.cfg = run.cfg.with_overrides(schedule_overrides(decision.knobs, run.cfg.schedule.micro_batches))
+    run.cfg.save(run.run_dir)  # the run directory records the schedule that runs from here on
+    return True

@@ -246,6 +246,10 @@ class CheckpointManager:
         self.prune()
         return final
 
+    def step_path(self, step: int) -> Path:
+        """The directory checkpoint `step` is published as."""
+        return self.directory / _step_dir_name(step)
+
     def prune(self, keep_last: int | None = None) -> list[Path]:
         """Delete all but the newest `keep_last` (default: the manager's; 0 keeps all) checkpoints; returns what
         was deleted. Each is first renamed to a hidden name, so a kill mid-delete leaves no half checkpoint."""
@@ -322,8 +326,10 @@ def verify_checkpoint(path: str | Path) -> dict:
     against size) and matching its SHA-256. Returns the state file's content; CheckpointError naming the file."""
     path = Path(path)
     meta = read_state(path)
-    for kind in KINDS:
-        file = path / f"{kind}.safetensors"
+    # Version 2 lists its tensor files (an ordinary checkpoint's three kinds, a sharded one's rank files).
+    names = list(meta.get("files", {})) if meta["version"] >= 2 else [f"{kind}.safetensors" for kind in KINDS]
+    for name in names:
+        file = path / name
         try:
             stio.read_header(file)
         except FileNotFoundError:

@@ -23,7 +23,7 @@ import torch
 
 from ..spec import ModelSpec
 from . import safetensors_io as stio
-from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager, unit_key
+from .checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 from .config import ConfigError
 from .hf_checkpoint import PROVENANCE_FILE, export_hf
 from .tokenization import (
@@ -35,7 +35,7 @@ from .tokenization import (
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-__all__ = ["DTYPES", "export_checkpoint", "export_weights", "find_checkpoint", "check_export_target"]
+__all__ = ["DTYPES", "export_checkpoint", "export_weights", "export_run", "find_checkpoint", "check_export_target"]
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -120,23 +120,36 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
         spec = ModelSpec.from_dict(state["spec"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_FILE} does not describe a megatrain training checkpoint ({e})") from None
-    master = path / "master.safetensors"
-    try:
-        infos, _ = stio.read_header(master)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no master.safetensors") from None
+    from ..dist.checkpoint import tile_reader
+
+    try:  # either format: a one-process checkpoint or the slices of every rank, one unit at a time
+        tile = tile_reader(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path} lacks a file: {e}") from None
     except stio.SafetensorsFormatError as e:
         raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
-
-    def tile(unit: int) -> torch.Tensor:  # one unit's master, read when the export reaches it
-        info = infos.get(unit_key(unit))
-        if info is None:
-            raise CheckpointError(f"{master} has no tile {unit_key(unit)!r}")
-        t = torch.empty(info.shape, dtype=info.dtype)
-        stio.read_into(master, info, t)
-        return t.reshape(-1)
 
     provenance = {"run_dir": str(path.parent.parent), "checkpoint": str(path), "step": step}
     out = export_weights(out, spec, tile, state.get("config", {}), dtype=DTYPES[dtype], provenance=provenance,
                          overwrite=overwrite)
     return out, json.loads((out / PROVENANCE_FILE).read_text())
+
+
+def export_run(cfg, spec, trainer, world, tokenizer: TokenizerChoice, run_dir: Path, checkpoint: Path | None,
+               overwrite: bool, log) -> Path:
+    """`run.export_hf` at the end of a run (rank 0 only): the store's master, or with several ranks every rank's
+    slices of the final checkpoint (`checkpoint`, written just before; dist/run.py requires it)."""
+    import time
+
+    t0 = time.perf_counter()
+    tiles = trainer.store.master
+    if world.distributed:
+        from ..dist.checkpoint import tile_reader
+
+        tiles = tile_reader(checkpoint)
+    path = export_weights(cfg.run.export_hf, spec, tiles, cfg.to_dict(), tokenizer=tokenizer, overwrite=overwrite,
+                          provenance={"run_dir": str(run_dir), "checkpoint": str(checkpoint),
+                                      "step": trainer.step_count})
+    log(f"exported to {path} (Hugging Face, bf16; tokenizer {tokenizer.describe()}) in "
+        f"{time.perf_counter() - t0:.2f} s")
+    return path

@@ -43,19 +43,15 @@ from pathlib import Path
 
 import torch
 
+from ..dist.world import World
 from ..ir.memory import GiB
-from .checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    check_writable,
-    rng_state,
-    unit_key,
-)
-from .checkpointing import SessionCheckpoints
+from .autoswitch import switch_after_warmup
+from .checkpoint import CheckpointError, CheckpointManager, check_writable
+from .checkpointing import SessionCheckpoints, trainer_state
 from .config import ConfigError, RunConfig
 from .errors import TrainingError
 from .evaluate import evaluate
-from .export import check_export_target
+from .export import check_export_target, export_run
 from .fit import MemoryFitError, check_memory, machine_capacity
 from .log import RunLog, compile_note, config_line
 from .lr import lr_schedule
@@ -71,10 +67,11 @@ from .metrics import (
 from .outputs import report_lines, write_timelines
 from .preflight import preflight
 from .result import RunSummary
-from .resume import restore, resume_state
-from .rundir import RunLock, fresh_run_dir, set_aside_newer
+from .resume import branch_off, restore, resume_state
+from .rundir import RunLock, fresh_run_dir
 from .signals import StopRequest
 from .skips import Skip, SkipTracker
+from .weights import fill_weights
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
            "evaluate"]
@@ -94,14 +91,9 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     `--schedule auto` choice (training/autoswitch.AutoChoice), re-checked once after the warm-up. Raises TrainingError
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
-    from ..dist.run import config_for_rank, silent
-    from ..dist.world import World
+    from ..dist.run import join
 
-    # torchrun: one rank per GPU (WORLD_SIZE > 1), pinned to its own cores before the trainer sizes its threads.
-    world = World.from_env(_backend_name(cfg.run.device), cfg.run.wait_timeout_s)
-    cfg = config_for_rank(cfg.validate(), world)
-    if world.rank != 0:
-        log, trackers = silent, ()
+    world, cfg, log, trackers = join(cfg.validate(), _backend_name(cfg.run.device), log, trackers)  # torchrun
     return _Training(cfg, log, stop_at_step, trackers, auto, world).run()
 
 
@@ -110,7 +102,7 @@ class _Training:
                  trackers: tuple = (), auto=None, world=None):
         self.cfg = cfg.validate()
         self.auto = auto
-        self.world = world  # megatrain.dist.world.World: one rank, or this rank of a data-parallel run
+        self.world = world if world is not None else World()  # one process, or this rank of a data-parallel run
         self.runlog = RunLog(log)  # console + train.log (megatrain/training/log.py)
         self.trackers = tuple(trackers)
         self.stop_at_step = stop_at_step
@@ -164,11 +156,13 @@ class _Training:
         self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
                                                                  checked.profile_name)
         # 3. the run directory (locked) and the checkpoint to resume: before the store exists
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=run.keep_last)
-        self.ckpt = SessionCheckpoints(self.manager, self.log)
+        # Every rank writes its slices into rank 0's checkpoint directory (the others' run directories are scratch).
+        self.manager = CheckpointManager(self.world.share(run_dir / "checkpoints"), keep_last=run.keep_last)
+        self.ckpt = SessionCheckpoints(self.manager, self.log, self.world)
         resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
         # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
-        self.replace_export = bool(run.export_hf) and check_export_target(run.export_hf, run_dir)
+        self.replace_export = bool(run.export_hf) and self.world.rank == 0 and check_export_target(run.export_hf,
+                                                                                                   run_dir)
         check_writable(self.manager.directory)
         self.lock = RunLock(run_dir)  # from here on no other process uses the directory
         cfg.save(run_dir)
@@ -177,17 +171,12 @@ class _Training:
         self._build_trainer()
         self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
         if resume is not None:
-            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, self.manager, resume, cfg, self.log)
-            if resume["state"].get("schedule") != cfg.schedule.name:
-                self.log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with "
-                         f"{cfg.schedule.name!r} (the schedule changes speed, not results)")
-            aside = set_aside_newer(self.manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
-            if aside is not None:
-                self.log(f"note: resuming from step {resume['step']} starts a new branch: the newer checkpoints of "
-                         f"the abandoned one (and their metrics) were moved to {aside}")
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, resume, cfg, self.log)
+            if self.world.rank == 0:  # rank 0 owns the run directory
+                branch_off(self.manager, resume, cfg, run_dir, self.log)
         else:
             torch.manual_seed(run.seed)
-            self._fill_weights()
+            self.log(fill_weights(cfg.model, spec, self.trainer.store, self.world))
         # Opened only now: on resume it drops the records of steps after the checkpoint (they are run again),
         # which must not happen if the checkpoint then failed to load.
         try:
@@ -223,43 +212,13 @@ class _Training:
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
                  f"{self.plan.host.store_bytes / GiB:.3f} GiB); process RSS {host_rss_bytes() / GiB:.2f} GiB")
 
-    def _fill_weights(self) -> None:
-        """Seeded init or a Hugging Face directory, written unit by unit into the store's own master tiles."""
-        m, store = self.cfg.model, self.trainer.store
-        t0 = time.perf_counter()
-        if m.pretrained:
-            from .hf_checkpoint import load_hf_into
-
-            load_hf_into(m.name, self.spec, store.master, strict=not m.num_layers)
-            what = f"loaded from {m.name}"
-        else:
-            from ..init import init_into
-
-            if self.world is not None and self.world.distributed:  # this rank's slices (megatrain/dist/shard.py)
-                store.init_slices(m.seed, m.init_std)
-            else:
-                init_into(self.spec, store.master, seed=m.seed, std=m.init_std)
-            what = f"random init (seed {m.seed}, std {m.init_std})"
-        for u in store.units:
-            store.refresh_stream(u)
-        self.log(f"weights: {what} in {time.perf_counter() - t0:.2f} s")
-
     # -- checkpoints --
     def _save(self, step: int) -> Path:
         """Checkpoint `step` (SessionCheckpoints: one retry, then a TrainingError saying how to resume)."""
         store, t0 = self.trainer.store, time.perf_counter()
         self._log_skips(self.skips.settle(self.trainer.flush()))  # the pending "overlap" update belongs to this step
-        state = {
-            "rng": rng_state(),
-            "data": self.data.train.state_dict(),
-            "optimizer_steps": {unit_key(u): n for u, n in store.steps.items()},
-            "tokens_seen": self.tokens_seen,
-            "spec": self.spec.to_dict(),
-            "schedule": self.cfg.schedule.name,
-            "config": self.cfg.to_dict(),
-        }
-        tiles = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-        path = self.ckpt.save(step, tiles, state, store.units, self.trainer.step_count)
+        state = trainer_state(store, self.data, self.spec, self.cfg, self.tokens_seen)
+        path = self.ckpt.save_store(step, store, state, self.trainer.step_count)
         self.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
         return path
 
@@ -334,7 +293,7 @@ class _Training:
                     del timelines[:-KEEP_TIMELINE_STEPS]
                     step_times.append(r.time_s)
                     idles.append(100 * measured.gpu_idle_frac)
-                    if self._auto_switched(step, since, timelines):  # --schedule auto chose again: a new Program
+                    if switch_after_warmup(self, step, since, timelines):  # --schedule auto chose again: a new Program
                         since, summary.predicted = step, self.predicted  # its steps are measured from here
                         for kept in (timelines, step_times, idles):
                             kept.clear()
@@ -376,29 +335,6 @@ class _Training:
                                                          self.profile_name, timelines, since, self.log)
         return summary
 
-    def _auto_switched(self, step: int, start: int, timelines: list) -> bool:
-        """`--schedule auto` after the warm-up (training/autoswitch.py): re-check the choice once, and switch the
-        trainer to another schedule when the calibrated profile predicts one faster. True when it switched."""
-        from ..profiling.live import MIN_STEPS, WARMUP_STEPS
-
-        if self.auto is None or self.auto.done or self.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
-            return False
-        from .autoswitch import schedule_overrides, switch_trainer
-
-        warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
-        decision = self.auto.recheck(self.program, self.predicted.profile, warm, self.log)
-        if decision.knobs is None:
-            return False
-        self.program, applied = switch_trainer(self.trainer, self.batch, self.seq, decision.knobs, decision.label)
-        self._log_skips(self.skips.settle(applied))
-        self.knobs = decision.knobs
-        from ..sim import simulate
-
-        self.predicted = simulate(self.program, self.predicted.profile)
-        self.cfg = self.cfg.with_overrides(schedule_overrides(decision.knobs, self.cfg.schedule.micro_batches))
-        self.cfg.save(self.run_dir)  # the run directory records the schedule that runs from here on
-        return True
-
     def _write_metrics(self, record: dict) -> None:
         """Append the step's record; a failed write (disk full) checkpoints the state in memory and stops."""
         try:
@@ -427,27 +363,16 @@ class _Training:
         return True
 
     # -- the end --
-    def _export(self) -> Path:
-        from .export import export_weights
-
-        t0 = time.perf_counter()
-        path = export_weights(self.cfg.run.export_hf, self.spec, self.trainer.store.master, self.cfg.to_dict(),
-                              tokenizer=self.data.tokenizer, overwrite=self.replace_export,
-                              provenance={"run_dir": str(self.run_dir), "checkpoint": str(self.ckpt.last),
-                                          "step": self.trainer.step_count})
-        self.log(f"exported to {path} (Hugging Face, bf16; tokenizer {self.data.tokenizer.describe()}) in "
-                 f"{time.perf_counter() - t0:.2f} s")
-        return path
-
     def _finish(self, summary: RunSummary, start: int) -> None:
         """Final checkpoint and export; the skips the last flush settles are counted too."""
         run = self.cfg.run
         self._log_skips(self.skips.settle(self.trainer.flush()))
         if run.checkpoint_at_end and self.ckpt.step != summary.steps and summary.steps > start:
             self._save(summary.steps)
-        if run.export_hf:
+        if run.export_hf and self.world.rank == 0:
             try:
-                summary.export_dir = self._export()
+                summary.export_dir = export_run(self.cfg, self.spec, self.trainer, self.world, self.data.tokenizer,
+                                                self.run_dir, self.ckpt.last, self.replace_export, self.log)
             except (CheckpointError, OSError) as e:
                 where = (f"the trained weights are in checkpoint {self.ckpt.last}" if self.ckpt.last
                          else "no checkpoint holds the trained weights (run.checkpoint_at_end=false)")

@@ -61,25 +61,39 @@ def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict
     return {"path": path, "step": step, "state": state}
 
 
-def restore(trainer, manager: CheckpointManager, resume: dict, cfg,
+def restore(trainer, resume: dict, cfg,
             log: Callable[[str], None]) -> tuple[Path, int, int]:
     """Read the checkpoint `resume_state` checked into the trainer's store; (path, step, tokens seen). A learning
     rate that differs from the checkpoint's run at this step is stated (`lr.lr_change_note`)."""
+    from ..dist.checkpoint import load_store
+
     store, t0 = trainer.store, time.perf_counter()
-    kinds = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-    loaded = manager.load(resume["path"], dest=lambda kind, u: kinds[kind](u), verify=False)  # verified already
-    for u in store.units:
-        store.refresh_stream(u)
-    state = loaded.state
+    # Either format into a one-process store or this rank's slices (verified already by resume_state).
+    path, state = resume["path"], resume["state"]
+    step = load_store(path, store, trainer.world)
     try:
         store.steps = {key_unit(k): int(n) for k, n in state["optimizer_steps"].items()}
         set_rng_state(state["rng"])
         tokens = int(state.get("tokens_seen", 0))
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{loaded.path / STATE_FILE} is damaged ({type(e).__name__}: {e})") from None
-    trainer.step_count = loaded.step
-    log(f"resumed from {loaded.path} at step {loaded.step} ({time.perf_counter() - t0:.2f} s)")
-    note = lr_change_note(state.get("config"), cfg, loaded.step)
+        raise CheckpointError(f"{path / STATE_FILE} is damaged ({type(e).__name__}: {e})") from None
+    trainer.step_count = step
+    log(f"resumed from {path} at step {step} ({time.perf_counter() - t0:.2f} s)")
+    note = lr_change_note(state.get("config"), cfg, step)
     if note:
         log(note)
-    return loaded.path, loaded.step, tokens
+    return path, step, tokens
+
+
+def branch_off(manager: CheckpointManager, resume: dict, cfg, run_dir: Path, log: Callable[[str], None]) -> None:
+    """After a restore, in the run directory's owner: say when the schedule changed, and move the checkpoints and
+    metrics newer than the resumed step aside (a resume from an older checkpoint starts a new branch)."""
+    from .rundir import set_aside_newer
+
+    if resume["state"].get("schedule") != cfg.schedule.name:
+        log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with {cfg.schedule.name!r} (the "
+            "schedule changes speed, not results)")
+    aside = set_aside_newer(manager.checkpoints(), resume["step"], run_dir / "metrics.jsonl")
+    if aside is not None:
+        log(f"note: resuming from step {resume['step']} starts a new branch: the newer checkpoints of the "
+            f"abandoned one (and their metrics) were moved to {aside}")
