@@ -136,11 +136,12 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
 
 def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
                     profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None,
-                    same_host_layout: bool = False) -> TuneResult:
+                    same_host_layout: bool = False, world: int = 1) -> TuneResult:
     """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
     the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches), and
     whose host plan fits `host_bytes` when given. same_host_layout: only candidates whose host store has the
     layout of `base`'s (a running trainer can switch to them without rebuilding its store: `use_program`).
+    world: data-parallel ranks (schedules that data parallelism refuses are left out; the step is one rank's).
     `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
     from .ir.resolve import resolve_host_layout
 
@@ -155,7 +156,7 @@ def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
             peak = plan.gpu.peak_bytes
             if peak > gpu_bytes or (host_bytes is not None and plan.host.total_bytes > host_bytes):
                 continue
-            res = simulate(lower(build_schedule(spec, batch, seq, knobs)), profile)
+            res = simulate(lower(build_schedule(spec, batch, seq, knobs, world=world)), profile)
         except ScheduleError:
             continue
         results.append((knobs, res))

@@ -61,3 +61,17 @@ def test_auto_fits_the_host_too():
     plan = plan_memory(spec, 8, 2048, best.knobs)
     assert plan.host.total_bytes <= 128 * GiB and plan.gpu.peak_bytes <= 40 * GiB
     assert best.knobs.weight_wire == "fp32" and best.knobs.grad_wire == "fp32"
+
+
+def test_train_auto_is_refused_under_torchrun(monkeypatch, tmp_path, capsys):
+    """Each rank would choose (and re-choose) its own schedule; ranks must run one Program: one clear error."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--schedule", "auto", "--steps", "1", "--device", "cpu", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not supported under torchrun (2 ranks)" in err and "--schedule auto --gpus N" in err
+
+
+def test_auto_for_several_gpus_leaves_out_what_data_parallelism_refuses():
+    best = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=0), "h200-measured", 16 * GiB, world=2)
+    k = best.knobs  # data parallel updates on the host only: no resident units, no GPU-updated layers
+    assert not (k.resident_embeddings or k.resident_layers) and OPTIMIZER_PRESETS[k.optimizer][1] == "none"

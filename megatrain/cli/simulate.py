@@ -188,7 +188,7 @@ def _choose(args, spec, profile, out: Path) -> Path:
     budget = gpu_budget_bytes(args.gpu_budget_gib)
     try:
         best = choose_schedule(spec, args.batch, args.seq, resolve_knobs(DEFAULT_SCHEDULE, args.set)[1], profile,
-                               budget)
+                               budget, world=args.gpus)
     except ScheduleError as e:
         raise UserError(str(e)) from None
     table = best.table.head(5).assign(step_ms=lambda d: (1e3 * d.step_s).round(1)).drop(columns="step_s")

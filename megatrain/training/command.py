@@ -94,7 +94,14 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
     printed with the next best, and the AutoChoice that re-checks it after the warm-up (training/autoswitch.py);
     the config's numerics (clipping, dtypes, kernel, micro-batches) are kept. Without run.profile it uses this
     machine's profile, measured quickly first when there is none."""
+    import os
+
     import psutil
+
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
+        raise ConfigError(f"--schedule auto is not supported under torchrun ({ranks} ranks): choose the schedule "
+                          "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
 
     from ..ir.dag import ScheduleError
     from ..tune import choose_schedule
