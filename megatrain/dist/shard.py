@@ -46,19 +46,9 @@ class ShardedHostStore(HostStore):
         lo, _ = self.shard(unit)
         return min(max(self.layouts[unit].decay_numel - lo, 0), self.master(unit).numel())
 
-    @torch.no_grad()
-    def load(self, tiles: Mapping[int, torch.Tensor]) -> None:
-        """Set this rank's slices of the master weights from full per-unit tiles; zero the optimizer state."""
-        for u in self.units:
-            if u not in tiles:
-                raise KeyError(f"no tile for unit {u}; expected units {self.units}")
-            t = tiles[u].reshape(-1)
-            if t.numel() != self.layouts[u].numel:
-                raise ValueError(f"tile of unit {u} has {t.numel()} elements, the layout has {self.layouts[u].numel}")
-            self.load_slice(u, t)
-        for r in (self._m, self._v):
-            r.raw.zero_()
-        self.steps = {u: 0 for u in self.units}
+    def load_unit(self, unit: int, full: torch.Tensor) -> None:
+        """`HostStore.load` per unit: this rank's slice of the full tile."""
+        self.load_slice(unit, full)
 
     def load_slice(self, unit: int, full: torch.Tensor) -> None:
         """Copy this rank's slice of a full (numel,) tile into the master (padding zero) and the streaming copy."""

@@ -266,12 +266,16 @@ class HostStore:
             t = tiles[u].reshape(-1)
             if t.numel() != self.layouts[u].numel:
                 raise ValueError(f"tile of unit {u} has {t.numel()} elements, the layout has {self.layouts[u].numel}")
-            self.master(u).copy_(t[self.opt_lo[u]:])
+            self.load_unit(u, t)
         for r in (self._m, self._v):
             r.raw.zero_()
         self.steps = {u: 0 for u in self.units}
         for u in self.units:
             self.refresh_stream(u)
+
+    def load_unit(self, unit: int, full: torch.Tensor) -> None:
+        """Set the unit's master from its full (numel,) tile (a sharded store takes its slice: dist/shard.py)."""
+        self.master(unit).copy_(full[self.opt_lo[unit]:])
 
     def full_tile(self, unit: int) -> torch.Tensor:
         """A copy of the unit's full fp32 tile (the tied head's lm_head taken from the embedding)."""
