@@ -114,7 +114,11 @@ def test_the_simulator_prices_tasks_with_the_measured_numbers(calibration):
     passes = (prog.placement.weight_wire == "bf16") + (prog.placement.grad_wire == "bf16")
     refresh = passes * u.params / p.cpu_convert_params_per_s
     assert 0 < p.cpu_convert_params_per_s < float("inf")
-    assert dur["U1"] == pytest.approx(p.task_overhead_s["cpu"] + u.params / p.cpu_adam_rate() + refresh, rel=1e-9)
+    alone = u.params / p.cpu_adam_rate() + refresh
+    # nothing else draws on host memory then: the update runs at its own rate, or at the host's memory budget when
+    # the profile's fit (measured on a loaded machine) put the budget below what the update alone would draw
+    bound = p.cpu_update_bytes(u.params, passes) / p.host_memory_Bps
+    assert dur["U1"] == pytest.approx(p.task_overhead_s["cpu"] + max(alone, bound), rel=1e-9)
     assert dur["N"] == pytest.approx(p.task_overhead_s["N"], rel=1e-9)
 
 
