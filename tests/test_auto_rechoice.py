@@ -75,11 +75,12 @@ def test_train_auto_rechecks_after_the_warmup_with_a_wrong_profile(tmp_path, cap
     a second or more whatever schedule auto picks, measured in tens of milliseconds however loaded the machine;
     scaling rates instead left the prediction within 10% when the chosen schedule did not use them): after 2
     warm-up + 2 measured steps the run says how far off it was, recalibrates, prints the candidates again, and says
-    whether it switched."""
+    whether it switched. 8 steps: a switch after step 4 leaves 2 warm-up + 2 measured steps of the new schedule, so
+    the run ends with a calibrated profile whichever way the re-check went."""
     p = load_profile("cpu")
     wrong = p.with_(task_overhead_s={k: 0.02 for k in (*TASK_KINDS, *STREAM_NAMES)}, name="wrong")
     wrong.save(tmp_path / "wrong.json")
-    assert main(["train", "--schedule", "auto", "--steps", "6", "--batch", "2", "--seq", "16", "--device", "cpu",
+    assert main(["train", "--schedule", "auto", "--steps", "8", "--batch", "2", "--seq", "16", "--device", "cpu",
                  "--no-progress", "--out-dir", str(tmp_path / "runs"),
                  "--set", f"run.profile={tmp_path / 'wrong.json'}",
                  "--set", "run.checkpoint_every=0", "--set", "run.eval_every=0"]) == 0
@@ -92,7 +93,7 @@ def test_train_auto_rechecks_after_the_warmup_with_a_wrong_profile(tmp_path, cap
     assert sum("recalibrates and chooses again" in line for line in out) == 1  # once
     run = tmp_path / "runs" / "debug"
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 6 and (run / "profile_calibrated.json").is_file()
+    assert len(losses) == 8 and (run / "profile_calibrated.json").is_file()
 
 
 def test_auto_without_a_profile_of_this_machine_profiles_quickly_first(tmp_path, capsys):
