@@ -149,8 +149,9 @@ def run_once(cfg: Config, timeout_s: float, log_path: Path | None) -> dict:
 
 
 def slug(label: str) -> str:
-    """A file name for a config label: "megatrain arrival:resident_layers=4" -> megatrain_arrival_resident_layers=4."""
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+    """A file name for a config label: "megatrain arrival:resident_layers=4" -> megatrain_arrival_resident_layers_4
+    (letters, digits, `_ . -` only: the GPU machine's tool does not bring back files whose names hold `=`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
 
 
 def rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:

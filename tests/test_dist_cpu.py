@@ -31,11 +31,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0) -> list[subprocess.CompletedProcess]:
-    """Start `world` ranks of tests/dist_worker.py as torchrun would; wait for all (with a timeout)."""
+def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0,
+           worker: str = "dist_worker.py") -> list[subprocess.CompletedProcess]:
+    """Start `world` ranks of tests/`worker` as torchrun would; wait for all (with a timeout)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist_worker.py"), "--out",
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / worker), "--out",
                                str(tmp_path / "out.pt"), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     done = []
@@ -110,6 +111,26 @@ def test_collectives_are_tasks_of_the_program():
     assert "comm" not in one.streams and one.placement.world == 1
     with pytest.raises(ScheduleError, match="updates on the host only"):
         build_schedule(spec, 2, 16, "gpu-adam", world=2)
+
+
+def test_a_stop_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Only rank 0 is asked to stop after step 2 (as if only it got SIGTERM): both ranks stop after step 2 and
+    write the sharded checkpoint of step 2 together, instead of rank 1 running step 3 alone into the wait
+    timeout; one process resumes it."""
+    runs = tmp_path / "runs"
+    common = [f"run.out_dir={runs}", "run.name=dp", "run.steps=4", "run.eval_every=0", "run.checkpoint_every=0",
+              "run.progress=false", "run.simulate=false", "run.wait_timeout_s=60", "data.batch_size=2",
+              "data.seq_len=32", "schedule.compute_dtype=fp32"]
+    done = launch(tmp_path, "--stop-rank0-at", "2", *common, worker="dist_train_worker.py", timeout=180)
+    for rank, r in enumerate(done):
+        assert r.returncode == 0 and f"RESULT rank={rank} steps=2 stopped_early=True" in r.stdout, r.stderr[-3000:]
+    ckpt = runs / "dp" / "checkpoints" / "step_00000002"
+    assert {"rank0.safetensors", "rank1.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    from megatrain.training.config import load_config
+    from megatrain.training.loop import run_training
+
+    resumed = run_training(load_config(None, [*common, "run.grad_accum=2", "run.resume=latest"]), log=lambda _: None)
+    assert resumed.steps == 4 and len(resumed.losses) == 2
 
 
 def _train_cli(tmp_path, name: str, ranks: int, *args) -> tuple[list[float], str]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..exec.backend import Backend
+from ..exec.optim import decayed_in
 from ..exec.store import HostStore
 from ..init import init_unit
 from ..ir.collectives import shard_numel
@@ -44,18 +45,19 @@ class ShardedHostStore(HostStore):
 
     def decay_numel(self, unit: int) -> int:
         lo, _ = self.shard(unit)
-        return min(max(self.layouts[unit].decay_numel - lo, 0), self.master(unit).numel())
+        return decayed_in(self.layouts[unit].decay_numel, lo, self.master(unit).numel())
 
     def load_unit(self, unit: int, full: torch.Tensor) -> None:
-        """`HostStore.load` per unit: this rank's slice of the full tile."""
-        self.load_slice(unit, full)
-
-    def load_slice(self, unit: int, full: torch.Tensor) -> None:
-        """Copy this rank's slice of a full (numel,) tile into the master (padding zero) and the streaming copy."""
+        """`HostStore.load` per unit: this rank's slice of the full tile into the master, padding zero (`load`
+        refreshes the streaming copies once, after every unit)."""
         lo, valid = self.shard(unit)
         master = self.master(unit)
         master[:valid].copy_(full[lo:lo + valid])
         master[valid:].zero_()
+
+    def load_slice(self, unit: int, full: torch.Tensor) -> None:
+        """Copy this rank's slice of a full (numel,) tile into the master (padding zero) and the streaming copy."""
+        self.load_unit(unit, full)
         self.refresh_stream(unit)
 
     def init_slices(self, seed: int, std: float = 0.02) -> None:

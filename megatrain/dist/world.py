@@ -98,7 +98,16 @@ class World:
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` is set on some rank."""
-        return self.sum(1.0 if flag else 0.0) > 0
+        return self.any_each(flag)[0]
+
+    def any_each(self, *flags: bool) -> tuple[bool, ...]:
+        """For each flag, whether it is set on some rank: one exchange, so every rank takes the same decisions
+        (e.g. stop after this step) even when only one of them saw the reason."""
+        if not self.distributed:
+            return tuple(bool(f) for f in flags)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)  # (n_flags,)
+        dist.all_reduce(t, group=self.host_group)
+        return tuple(bool(x > 0) for x in t.tolist())
 
 
 def rank_cores(local_rank: int, local_size: int, cores: list[int]) -> list[int]:

@@ -72,6 +72,12 @@ def global_norm(unit_norms: list[float]) -> float:
     return math.sqrt(math.fsum(n * n for n in unit_norms))
 
 
+def decayed_in(decay_numel: int, lo: int, n: int) -> int:
+    """How many of the `n` elements of a piece starting at element `lo` of a tile are weight-decayed, when the
+    tile's first `decay_numel` elements are (matrices first, norms and biases after: `UnitLayout.decay_numel`)."""
+    return min(max(decay_numel - lo, 0), n)
+
+
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, decay_numel: int, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0,
                  found_inf: torch.Tensor | None = None) -> None:
@@ -120,7 +126,7 @@ def adamw_update_bf16_state(param: torch.Tensor, grad: torch.Tensor, exp_avg: to
         m, v = m32[:hi - lo], v32[:hi - lo]  # (hi - lo,) fp32
         m.copy_(exp_avg[lo:hi])
         v.copy_(exp_avg_sq[lo:hi])
-        adamw_update(param[lo:hi], grad[lo:hi], m, v, step, min(max(decay_numel - lo, 0), hi - lo), lr, cfg,
+        adamw_update(param[lo:hi], grad[lo:hi], m, v, step, decayed_in(decay_numel, lo, hi - lo), lr, cfg,
                      clip_coef)
         exp_avg[lo:hi].copy_(m)
         exp_avg_sq[lo:hi].copy_(v)
@@ -153,7 +159,7 @@ def adamw_undo(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]  # (k,) each
         denom = v.sqrt().div_(bc2_sqrt).add_(cfg.eps)
         p.addcdiv_(m, denom, value=step_size)
-        decayed = min(max(decay_numel - lo, 0), hi - lo)
+        decayed = decayed_in(decay_numel, lo, hi - lo)
         if decayed and cfg.weight_decay:
             p[:decayed].div_(shrink)
         m.sub_(g, alpha=1 - b1).div_(b1)

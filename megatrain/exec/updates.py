@@ -19,7 +19,7 @@ from ..spec import EMBED, HEAD
 from .backend import Backend
 from .buffers import DeviceBuffers
 from .optim import (AdamWConfig, UpdatePlan, adamw_undo, adamw_update, adamw_update_bf16_state, clip_coefficient,
-                    global_norm)
+                    decayed_in, global_norm)
 from .store import HostStore
 
 
@@ -177,7 +177,7 @@ class Updates:
         store.steps[u] += 1
         master, m, v, decay = store.master(u), store.exp_avg(u), store.exp_avg_sq(u), store.decay_numel(u)
         for lo, hi, g in store.optimizer_grad_chunks(u):
-            args = (master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], min(max(decay - lo, 0), hi - lo), plan.lr,
+            args = (master[lo:hi], g, m[lo:hi], v[lo:hi], store.steps[u], decayed_in(decay, lo, hi - lo), plan.lr,
                     self.cfg)
             clip = plan.clip_coef if coef is None else coef
             if store.state_scratch is None:
@@ -233,7 +233,7 @@ class Updates:
     def _redo(self, master, g, m, v, u: int, lo: int, plan: UpdatePlan, coef: float | None) -> None:
         """Undo the unit's unclipped update of this step on a (chunk of a) tile starting at element `lo`, then
         apply it again with `coef` (None: leave it undone)."""
-        step, decay = self.store.steps[u], min(max(self.store.decay_numel(u) - lo, 0), master.numel())
+        step, decay = self.store.steps[u], decayed_in(self.store.decay_numel(u), lo, master.numel())
         adamw_undo(master, g, m, v, step, decay, plan.lr, self.cfg)
         if coef is not None:
             adamw_update(master, g, m, v, step, decay, plan.lr, self.cfg, coef)

@@ -10,6 +10,8 @@ checkpoints and which go to the host, the layer kernel, the wires and the clippi
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..ir.program import Program, ProgramTask
@@ -22,11 +24,15 @@ from .rope import rope_cos_sin
 from .store import HostStore
 from .updates import Updates
 
+if TYPE_CHECKING:  # dist/ builds on exec/: imported for the annotation only
+    from ..dist.world import World
+
 
 class StepWork:
     """Task bodies for one Program over a host store; `begin_step` binds a batch, then the runtime calls it."""
 
-    def __init__(self, program: Program, store: HostStore, backend: Backend, cfg: AdamWConfig, world=None):
+    def __init__(self, program: Program, store: HostStore, backend: Backend, cfg: AdamWConfig,
+                 world: World | None = None):
         self.program, self.store, self.backend = program, store, backend
         self.spec = program.model
         if store.spec != self.spec or store.layout != program.placement.host_layout:

@@ -282,7 +282,7 @@ class _Training:
                     summary.tokens += r.tokens
                     self.tokens_seen += r.tokens
                     summary.steps = step
-                    self._write_metrics(record)
+                    metrics_error = self._write_metrics(record)
                     for track in self.trackers:
                         track(dict(record))
                     if step % run.log_every == 0 or step == run.steps or eval_loss is not None:
@@ -305,7 +305,12 @@ class _Training:
                                      f"checkpoint, {self.ckpt.last}, is kept)")
                         else:
                             self._save(step)
-                    if self._stop_here(step, stop, summary):
+                    # Every rank stops at the same step, whichever saw the reason (a signal, a full disk on rank 0):
+                    # the checkpoint of a data-parallel run is written by all ranks together.
+                    failed, stopping = self.world.any_each(metrics_error is not None, self._stop_wanted(step, stop))
+                    if failed:
+                        raise self._metrics_failed(step, metrics_error)
+                    if stopping and self._stop_here(step, stop, summary):
                         break
         except KeyboardInterrupt:
             self.runlog.close_bar()
@@ -335,28 +340,41 @@ class _Training:
                                                          self.profile_name, timelines, since, self.log)
         return summary
 
-    def _write_metrics(self, record: dict) -> None:
-        """Append the step's record; a failed write (disk full) checkpoints the state in memory and stops."""
+    def _write_metrics(self, record: dict) -> MetricsWriteError | None:
+        """Append the step's record; the error of a failed write (disk full), which stops the run after a checkpoint
+        (`_metrics_failed`, on every rank)."""
         try:
             self.metrics.write(record)
         except MetricsWriteError as e:
-            step = record["step"]
-            if self.ckpt.step != step:
-                self._save(step)  # raises its own TrainingError if this fails too
-            raise TrainingError(f"the run stopped after step {step}: {e}. The state after step {step} was saved to "
-                                f"{self.ckpt.last} (metrics.jsonl lacks that step's record); free space and "
-                                "continue with --resume") from e
+            return e
+        return None
 
-    def _stop_here(self, step: int, stop: StopRequest, summary: RunSummary) -> bool:
-        """stop_at_step or a signal: checkpoint (unless done) and end the session with how to continue."""
+    def _metrics_failed(self, step: int, error: MetricsWriteError | None) -> TrainingError:
+        """Checkpoint the state in memory and say how to continue: the metrics could not be written (here, or on
+        rank 0 when `error` is None)."""
+        if self.ckpt.step != step:
+            self._save(step)  # raises its own TrainingError if this fails too
+        what = error if error is not None else "rank 0 could not write its metrics"
+        return TrainingError(f"the run stopped after step {step}: {what}. The state after step {step} was saved to "
+                             f"{self.ckpt.last} (metrics.jsonl lacks that step's record); free space and continue "
+                             "with --resume")
+
+    def _stop_wanted(self, step: int, stop: StopRequest) -> bool:
+        """Whether this process would stop after `step` before the last one: a signal, or `stop_at_step`."""
         if step >= self.cfg.run.steps:
             return False  # the normal end checkpoints anyway
-        if not (stop.requested or (self.stop_at_step is not None and step >= self.stop_at_step)):
+        return stop.requested or (self.stop_at_step is not None and step >= self.stop_at_step)
+
+    def _stop_here(self, step: int, stop: StopRequest, summary: RunSummary) -> bool:
+        """Stop after `step` (some rank wanted to, `_stop_wanted`): checkpoint (unless done) and end the session with
+        how to continue."""
+        if step >= self.cfg.run.steps:
             return False
         if self.ckpt.step != step:
             self._save(step)
         summary.stopped_early, summary.stop_signal = True, stop.signal_name
-        why = stop.signal_name or "stop_at_step"
+        why = stop.signal_name or ("stop_at_step" if self.stop_at_step is not None and step >= self.stop_at_step
+                                   else "another rank was asked to stop")
         self.log(f"stopped after step {step} ({why}); checkpoint {self.ckpt.last}; continue with "
                  f"`megatrain train --resume --name {self.run_dir.name} --out-dir {self.run_dir.parent}` and the "
                  "same other options")
