@@ -100,3 +100,36 @@ def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 run(s) already in" in out and "round 1 megatrain overlap" not in out
     assert "| megatrain overlap | 2/2 | 20 (10-30) |" in out
+
+
+def test_calibration_transfer_predicts_every_config_with_every_run_s_profile(bench, tmp_path, capsys, monkeypatch):
+    """Real runs on the CPU backend save their live-calibrated profiles (names without `=`, which the GPU machine's
+    tool does not bring back); scripts/calibration_transfer.py rebuilds the Programs that ran (their shipped
+    prediction must equal the recorded one) and predicts each config with each profile: in sample, a profile gives
+    back the live-calibrated prediction its own run recorded (how close that is to the measurement is live
+    calibration's test, tests/test_live_calibration.py)."""
+    import json
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + ":" + __import__("os").environ.get("PYTHONPATH", ""))
+    results, cal = tmp_path / "r.jsonl", tmp_path / "cal"
+    assert bench.main(["--model", "debug", "--batch", "2", "--seq", "16", "--steps", "3", "--rounds", "1", "--device",
+                       "cpu", "--configs", "serial,overlap:buffers=3", "--results", str(results), "--log-dir",
+                       str(tmp_path), "--save-calibrated-dir", str(cal), "--timeout", "120",
+                       "--python", sys.executable]) == 0
+    assert sorted(p.name for p in cal.iterdir()) == ["megatrain_overlap_buffers_3.json", "megatrain_serial.json"]
+    capsys.readouterr()
+    spec = importlib.util.spec_from_file_location("calibration_transfer", ROOT / "scripts" / "calibration_transfer.py")
+    transfer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(transfer)
+    assert transfer.main(["--results", str(results), "--cal-dir", str(cal), "--profile", "cpu"]) == 0
+    out = capsys.readouterr().out
+    recorded = {json.loads(line)["config"].removeprefix("megatrain "): json.loads(line)["calibrated_tokens_per_s"]
+                for line in results.read_text().splitlines()}
+    rows = [line for line in out.splitlines() if line.startswith("| calibrated on ")]
+    assert len(rows) == 2 and "| cpu (uncalibrated) |" in out
+    for row, label in zip(rows, ["serial", "overlap:buffers=3"]):
+        cell = next(c for c in row.split("|") if c.strip().endswith("*"))  # the in-sample cell
+        predicted = float(cell.split("(")[0].replace(",", ""))
+        assert abs(predicted / recorded[label] - 1) < 0.002, (label, predicted, recorded[label])
+    assert "largest error on configs it was not fitted to" in out
