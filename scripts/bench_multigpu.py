@@ -99,7 +99,8 @@ def worker(a) -> None:
 
         predicted = simulate(program, a.profile).step_s
     plan = rank_host_plan(program.placement)
-    result = dict(model=spec.name, schedule=name, gpus=world.size, batch_per_gpu=a.batch, seq=a.seq,
+    result = dict(model=spec.name, schedule=name, schedule_base=a.schedule, knob_sets=a.set, layers=a.layers,
+                  gpus=world.size, batch_per_gpu=a.batch, seq=a.seq,
                   step_s=step_s, tokens_per_s=global_batch * a.seq / step_s, step_times=times, losses=losses,
                   pss_bytes=pss, pss_sum_bytes=sum(pss), planned_host_bytes=world.size * plan.total_bytes,
                   predicted_step_s=predicted, setup_s=setup_s, torch=torch.__version__)
@@ -144,23 +145,63 @@ def throughput(a) -> None:
 
 
 def table(a) -> None:
-    """tok/s median (min-max) per (model, schedule, GPUs), scaling vs 1 GPU, summed PSS vs plan, predicted step."""
+    """tok/s median (min-max) per (model, schedule, GPUs), scaling vs 1 GPU, summed PSS vs plan, predicted step:
+    with the profile, and with it fitted to the 1-GPU median of the same machine start (`fit_update_rate`), the
+    out-of-sample prediction of N GPUs from one."""
     runs: dict[tuple, list[dict]] = {}
     for f in sorted(glob.glob(str(OUT / "tp-*.json"))):
         r = json.loads(Path(f).read_text())
         runs.setdefault((r["model"], r["schedule"], r["gpus"]), []).append(r)
     print(f"{'model':<10} {'schedule':<22} {'GPUs':>4} {'runs':>4} {'tok/s median (min-max)':>28} {'x 1 GPU':>8} "
-          f"{'PSS sum GiB':>11} {'plan GiB':>9} {'step s':>7} {'pred s':>7}")
+          f"{'PSS sum GiB':>11} {'plan GiB':>9} {'step s':>7} {'pred s':>7} {'pred s, fitted on 1 GPU':>24}")
     for (model, sched, g), rs in sorted(runs.items()):
         tps = [r["tokens_per_s"] for r in rs]
         base = runs.get((model, sched, 1))
         ratio = statistics.median(tps) / statistics.median([r["tokens_per_s"] for r in base]) if base else None
         r0 = rs[0]
         pred = r0["predicted_step_s"]
+        step = statistics.median([r["step_s"] for r in rs])
+        try:
+            fitted = _predicted_from_one_gpu(a, r0, base) if base and pred is not None else None
+            fitted_text = "" if fitted is None else f"{fitted:.3f} ({100 * (fitted / step - 1):+.1f}%)"
+        except ValueError:  # the 1-GPU step is not explained by the update rate (fit_update_rate says why)
+            fitted_text = "no fit"
         print(f"{model:<10} {sched:<22} {g:>4} {len(rs):>4} {statistics.median(tps):>12,.0f} "
               f"({min(tps):,.0f}-{max(tps):,.0f}) {'' if ratio is None else f'{ratio:.2f}':>8} "
               f"{max(r['pss_sum_bytes'] for r in rs) / 2**30:>11.1f} {r0['planned_host_bytes'] / 2**30:>9.1f} "
-              f"{statistics.median([r['step_s'] for r in rs]):>7.3f} {'' if pred is None else f'{pred:.3f}':>7}")
+              f"{step:>7.3f} {'' if pred is None else f'{pred:.3f}':>7} {fitted_text:>24}")
+
+
+def _program_of(result: dict, gpus: int):
+    """The Program a result ran, rebuilt (results before `schedule_base` was recorded: parsed from the label
+    `name[k=v,...]`)."""
+    import re
+
+    from megatrain.ir.builders import build_schedule
+    from megatrain.ir.knobs import resolve_knobs
+    from megatrain.ir.program import lower
+    from megatrain.presets import get_model
+
+    if "schedule_base" in result:
+        base, sets = result["schedule_base"], result["knob_sets"]
+    else:
+        m = re.fullmatch(r"([\w.-]+)(?:\[(.*)\])?", result["schedule"])
+        base, sets = m.group(1), [kv for kv in (m.group(2) or "").split(",") if kv]
+    spec = get_model(result["model"])
+    if result.get("layers"):
+        spec = spec.with_layers(result["layers"])
+    knobs = resolve_knobs(base, sets)[1]
+    return lower(build_schedule(spec, result["batch_per_gpu"], result["seq"], knobs, world=gpus))
+
+
+def _predicted_from_one_gpu(a, result: dict, one_gpu: list[dict]) -> float:
+    """N GPUs' step predicted by the profile fitted to the measured 1-GPU median (the CPU update rate only)."""
+    from megatrain.profiling.live import fit_update_rate
+    from megatrain.sim import load_profile, simulate
+
+    measured_one = statistics.median(r["step_s"] for r in one_gpu)
+    fitted = fit_update_rate(_program_of(one_gpu[0], 1), load_profile(a.profile), measured_one)
+    return simulate(_program_of(result, result["gpus"]), fitted).step_s
 
 
 def equality(a) -> None:
@@ -228,7 +269,7 @@ def main() -> None:
         if a.command == "curve":
             a.batch = 4
     if a.schedule == "arrival" and not any(s.startswith("clip") for s in a.set):
-        a.set = [*a.set, "clip=0"]  # arrival cannot clip exactly
+        a.set = [*a.set, "clip=0"]  # the throughput figures compare schedules without clipping
     {"worker": worker, "throughput": throughput, "table": table, "equality": equality, "curve": curve}[a.command](a)
 
 

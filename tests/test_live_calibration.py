@@ -124,3 +124,23 @@ def test_compare_calibrates_too(tmp_path):
     assert "live calibration on 2 measured steps" in c.report()
     paths = c.write(tmp_path, plots=False)
     assert load_profile(str(paths["profile_calibrated"])).name == "cpu-calibrated"
+
+
+def test_a_step_time_alone_fits_the_cpu_update_rate_and_predicts_another_program():
+    """`fit_update_rate`: a hidden machine whose CPU update runs at 0.45x the profile's; one measured step of the
+    `serial` Program (simulated on it) gives back that rate, and the fitted profile then predicts a Program it was
+    not fitted to (`arrival`, two ranks) as the hidden machine runs it. A step no update rate explains is refused."""
+    from megatrain.profiling.live import fit_update_rate
+
+    spec = PRESETS["bench-3b"].with_layers(4)
+    start = load_profile("h200-measured")
+    truth = dataclasses.replace(start, cpu_adam_params_per_s={t: 0.45 * r for t, r in
+                                                              start.cpu_adam_params_per_s.items()})
+    fitted_on = lower(build_schedule(spec, 4, 1024, "serial"))
+    fitted = fit_update_rate(fitted_on, start, simulate(fitted_on, truth).step_s)
+    for t, r in fitted.cpu_adam_params_per_s.items():
+        assert r == pytest.approx(truth.cpu_adam_params_per_s[t], rel=1e-3)
+    other = lower(build_schedule(spec, 4, 1024, knobs_for("arrival", clip=0.0), world=2))
+    assert simulate(other, fitted).step_s == pytest.approx(simulate(other, truth).step_s, rel=1e-3)
+    with pytest.raises(ValueError, match="not the update"):
+        fit_update_rate(fitted_on, start, simulate(fitted_on, truth).step_s / 100)

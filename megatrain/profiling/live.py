@@ -259,3 +259,26 @@ def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult
         log(line)
     log(f"calibrated profile: {path} (use it with --set run.profile={path} or `megatrain simulate --profile`)")
     return cal
+
+
+def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, tol: float = 1e-4) -> HardwareProfile:
+    """`profile` with its CPU update rate scaled so that `program` simulates in `step_s`: a one-number fit for runs
+    that kept only their step times (no timelines to `calibrate_run` on). The CPU update is the rate the H200 runs'
+    calibrations found off (docs/benchmarks.md, run 18), and the only one scaled; raises ValueError when no rate
+    between 1/20 and 20 times the profile's reaches `step_s` (then something else is off)."""
+    def step_at(k: float) -> float:
+        rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
+        return simulate(program, replace(profile, cpu_adam_params_per_s=rates)).step_s
+
+    lo, hi = 0.05, 20.0  # slower update -> longer step: step_at falls as k rises
+    if not step_at(hi) <= step_s <= step_at(lo):
+        raise ValueError(f"no CPU update rate within 1/20-20x of the profile's simulates {step_s:.3f} s "
+                         f"(from {step_at(hi):.3f} to {step_at(lo):.3f} s): the difference is not the update")
+    while hi / lo > 1 + tol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if step_at(mid) > step_s else (lo, mid)
+    k = math.sqrt(lo * hi)
+    rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
+    return replace(profile, cpu_adam_params_per_s=rates, name=f"{profile.name}-update-fitted",
+                   notes=dict(profile.notes, cpu_adam_params_per_s=f"scaled x{k:.3f} so that a measured step of "
+                              f"{step_s:.4f} s simulates (profiling/live.fit_update_rate)"))
