@@ -14,7 +14,8 @@ command fits in 10 minutes; results go to $OUT (or ./bench_multigpu) as JSON and
 
 `worker` is what each process runs (under torchrun for N > 1): random token ids (the same global batch on every
 rank, each keeps its rows), `--warmup` steps, then `--steps` timed steps; rank 0 writes one JSON with the global
-tokens/s (median step), every rank's proportional set size (/proc/self/smaps_rollup) after the timed steps, the
+tokens/s (median step), every rank's last measured timeline (`<result>.rank<r>.timeline.csv`, compare it with
+`megatrain compare`'s columns), every rank's proportional set size (/proc/self/smaps_rollup) after the timed steps, the
 planned host bytes of all ranks (`megatrain plan --gpus N`) and the simulator's step time for the same Program.
 """
 from __future__ import annotations
@@ -77,12 +78,15 @@ def worker(a) -> None:
     global_batch = a.batch * world.size  # --batch is per GPU
     program = tr.program(a.batch, a.seq)
     batches = _batches(a, spec, global_batch)
-    losses, times = [], []
+    losses, times, last = [], [], None
     for i, (ids, targets) in enumerate(batches):
         r = tr.step(ids, targets)
         losses.append(r.loss)
         if i >= a.warmup:
             times.append(r.time_s)
+            last = r.timeline
+    if last is not None and a.result:  # every rank's last measured step, to see where N GPUs lose time
+        last.to_csv(Path(a.result).with_suffix(f".rank{world.rank}.timeline.csv"), index=False)
     pss = [0] * world.size
     mine = pss_bytes()
     if world.distributed:

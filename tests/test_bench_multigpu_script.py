@@ -21,6 +21,7 @@ def test_throughput_on_one_and_two_ranks_then_the_table(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     results = {json.loads(p.read_text())["gpus"]: json.loads(p.read_text()) for p in tmp_path.glob("tp-*.json")}
     assert sorted(results) == [1, 2]
+    assert len(list(tmp_path.glob("tp-*g2*.rank*.timeline.csv"))) == 2  # one per rank
     one, two = results[1], results[2]
     assert two["tokens_per_s"] == 2 * 2 * 32 / two["step_s"]  # global tokens: 2 ranks x batch 2 x seq 32
     assert len(two["pss_bytes"]) == 2 and all(b > 0 for b in two["pss_bytes"])
