@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
@@ -305,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.budget_s and time.perf_counter() - t0 + max(longest, 1.0) > a.budget_s:
             unfinished += 1
             continue
-        res = run_once(c, a.timeout, log_dir / f"r{r}-{slug(c.label)}.log" if log_dir else None)
+        run = c
+        if log_dir and c.kind == "megatrain":  # its last timed step, task by task, beside its log
+            run = replace(c, argv=[*c.argv, "--timeline", str(log_dir / f"r{r}-{slug(c.label)}.timeline.csv")])
+        res = run_once(run, a.timeout, log_dir / f"r{r}-{slug(c.label)}.log" if log_dir else None)
         longest = max(longest, res["wall_s"])
         results[c.label].append(res)
         what = f"{res['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in res else f"FAILED ({res['error'][:200]})"

@@ -118,6 +118,7 @@ def test_calibration_transfer_predicts_every_config_with_every_run_s_profile(ben
                        str(tmp_path), "--save-calibrated-dir", str(cal), "--timeout", "120",
                        "--python", sys.executable]) == 0
     assert sorted(p.name for p in cal.iterdir()) == ["megatrain_overlap_buffers_3.json", "megatrain_serial.json"]
+    assert (tmp_path / "r1-megatrain_serial.timeline.csv").is_file()  # each megatrain run's last timed step
     capsys.readouterr()
     spec = importlib.util.spec_from_file_location("calibration_transfer", ROOT / "scripts" / "calibration_transfer.py")
     transfer = importlib.util.module_from_spec(spec)
