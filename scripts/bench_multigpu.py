@@ -3,6 +3,8 @@
 Run on the GPU machine from the repository root, NVLink multicast off (NCCL_NVLS_ENABLE=0, see KINDS.md). Every
 command fits in 10 minutes; results go to $OUT (or ./bench_multigpu) as JSON and are printed as a table.
 
+    # issue 17 in one command (repeat it until nothing is left; predictions are written before the first run):
+    python scripts/bench_multigpu.py scaling --models bench-3b,llama3-8b --gpus-list 1,2,4,8 --runs 3
     # throughput: N runs, each a separate process (torchrun for N > 1), same per-GPU batch; then the table
     python scripts/bench_multigpu.py throughput --model bench-3b --gpus 1 --runs 3
     python scripts/bench_multigpu.py throughput --model bench-3b --gpus 2 --runs 3
@@ -139,13 +141,68 @@ def _batches(a, spec, global_batch: int):
 def throughput(a) -> None:
     for run in range(a.runs):
         # A unique name per run: repeated commands (one run each, for models whose setup is long) accumulate.
-        result = OUT / f"tp-{a.model}-g{a.gpus}-{a.schedule}-{time.strftime('%H%M%S')}-r{run}.json"
-        rc = launch(a.gpus, ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--schedule",
-                             a.schedule, *sum((["--set", s] for s in a.set), []), "--steps", str(a.steps),
-                             "--result", str(result)], a.timeout)
-        if rc:
-            sys.exit(f"run {run} failed (exit {rc})")
+        _run_once(a, f"tp-{a.model}-g{a.gpus}-{a.schedule}-{time.strftime('%H%M%S')}-r{run}.json")
     table(a)
+
+
+def scaling(a) -> None:
+    """Issue 17 in one command: the simulator's predictions for every (model, GPU count), written before anything
+    runs (kept from the first call), then `--runs` throughput runs of each, interleaved round-robin (round 1 runs
+    every pair once, then round 2...), skipping runs already in $OUT and starting none likely to end after
+    `--budget-s` (run the same command again to continue), then the table with scaling efficiency."""
+    pairs = [(m, g) for m in a.models.split(",") for g in _counts(a.gpus_list)]
+    have = torch.cuda.device_count() if a.device == "cuda" else max(g for _, g in pairs)
+    if max(g for _, g in pairs) > have:
+        sys.exit(f"--gpus-list {a.gpus_list}: this machine has {have} GPUs")
+    before = OUT / "scaling-predictions.json"
+    if not before.is_file():
+        OUT.mkdir(parents=True, exist_ok=True)
+        before.write_text(json.dumps({"made": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                      "profile": a.profile, "steps_s": {f"{m}/{g}": _predict(a, m, g)
+                                                                        for m, g in pairs}}, indent=1))
+    print(f"predictions made {json.loads(before.read_text())['made']} (before the runs): {before}")
+    t0, longest, left = time.perf_counter(), 60.0, 0
+    for rnd in range(1, a.runs + 1):
+        for m, g in pairs:
+            if len(glob.glob(str(OUT / f"tp-{m}-g{g}-{a.schedule}-*.json"))) >= rnd:
+                continue  # done by an earlier call
+            if time.perf_counter() - t0 + longest > a.budget_s:
+                left += 1
+                continue
+            start = time.perf_counter()
+            a.model, a.gpus = m, g
+            _run_once(a, f"tp-{m}-g{g}-{a.schedule}-{time.strftime('%H%M%S')}-r{rnd}.json")
+            longest = max(longest, time.perf_counter() - start)
+    table(a)
+    if left:
+        print(f"{left} run(s) left for the time budget: run the same command again to continue")
+
+
+def _counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _predict(a, model: str, gpus: int) -> float | None:
+    """Simulated step (s) of the Program the throughput run of (model, gpus) will run, with --profile."""
+    if not a.profile:
+        return None
+    from megatrain.ir.builders import build_schedule
+    from megatrain.ir.knobs import resolve_knobs
+    from megatrain.ir.program import lower
+    from megatrain.presets import get_model
+    from megatrain.sim import simulate
+
+    spec = get_model(model).with_layers(a.layers) if a.layers else get_model(model)
+    knobs = resolve_knobs(a.schedule, a.set)[1]
+    return simulate(lower(build_schedule(spec, a.batch, a.seq, knobs, world=gpus)), a.profile).step_s
+
+
+def _run_once(a, name: str) -> None:
+    rc = launch(a.gpus, ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--schedule", a.schedule,
+                         *sum((["--set", s] for s in a.set), []), "--steps", str(a.steps), "--profile", a.profile,
+                         *(["--layers", str(a.layers)] if a.layers else []), "--result", str(OUT / name)], a.timeout)
+    if rc:
+        sys.exit(f"{name}: failed (exit {rc})")
 
 
 def table(a) -> None:
@@ -156,8 +213,11 @@ def table(a) -> None:
     for f in sorted(glob.glob(str(OUT / "tp-*.json"))):
         r = json.loads(Path(f).read_text())
         runs.setdefault((r["model"], r["schedule"], r["gpus"]), []).append(r)
+    made = OUT / "scaling-predictions.json"  # `scaling`: predictions written before its runs
+    before = json.loads(made.read_text())["steps_s"] if made.is_file() else {}
     print(f"{'model':<10} {'schedule':<22} {'GPUs':>4} {'runs':>4} {'tok/s median (min-max)':>28} {'x 1 GPU':>8} "
-          f"{'PSS sum GiB':>11} {'plan GiB':>9} {'step s':>7} {'pred s':>7} {'pred s, fitted on 1 GPU':>24}")
+          f"{'effic.':>6} {'PSS sum GiB':>11} {'plan GiB':>9} {'step s':>7} {'pred s':>7} "
+          f"{'pred s, fitted on 1 GPU':>24} {'pred s before':>13}")
     for (model, sched, g), rs in sorted(runs.items()):
         tps = [r["tokens_per_s"] for r in rs]
         base = runs.get((model, sched, 1))
@@ -170,10 +230,13 @@ def table(a) -> None:
             fitted_text = "" if fitted is None else f"{fitted:.3f} ({100 * (fitted / step - 1):+.1f}%)"
         except ValueError:  # the 1-GPU step is not explained by the update rate (fit_update_rate says why)
             fitted_text = "no fit"
+        early = before.get(f"{model}/{g}")
         print(f"{model:<10} {sched:<22} {g:>4} {len(rs):>4} {statistics.median(tps):>12,.0f} "
               f"({min(tps):,.0f}-{max(tps):,.0f}) {'' if ratio is None else f'{ratio:.2f}':>8} "
+              f"{'' if ratio is None else f'{ratio / g:.2f}':>6} "
               f"{max(r['pss_sum_bytes'] for r in rs) / 2**30:>11.1f} {r0['planned_host_bytes'] / 2**30:>9.1f} "
-              f"{step:>7.3f} {'' if pred is None else f'{pred:.3f}':>7} {fitted_text:>24}")
+              f"{step:>7.3f} {'' if pred is None else f'{pred:.3f}':>7} {fitted_text:>24} "
+              f"{'' if early is None else f'{early:.3f} ({100 * (early / step - 1):+.0f}%)':>13}")
 
 
 def _program_of(result: dict, gpus: int):
@@ -246,7 +309,10 @@ def curve(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("worker", "throughput", "table", "equality", "curve"))
+    p.add_argument("command", choices=("worker", "throughput", "scaling", "table", "equality", "curve"))
+    p.add_argument("--models", default="bench-3b,llama3-8b", help="scaling: the models")
+    p.add_argument("--gpus-list", default="1,2,4,8", help="scaling: the GPU counts")
+    p.add_argument("--budget-s", type=float, default=540.0, help="scaling: start no run likely to end after this")
     p.add_argument("--model", default="bench-3b")
     p.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0: all)")
     p.add_argument("--gpus", type=int, default=1)
@@ -274,7 +340,8 @@ def main() -> None:
             a.batch = 4
     if a.schedule == "arrival" and not any(s.startswith("clip") for s in a.set):
         a.set = [*a.set, "clip=0"]  # the throughput figures compare schedules without clipping
-    {"worker": worker, "throughput": throughput, "table": table, "equality": equality, "curve": curve}[a.command](a)
+    {"worker": worker, "throughput": throughput, "scaling": scaling, "table": table, "equality": equality,
+     "curve": curve}[a.command](a)
 
 
 if __name__ == "__main__":

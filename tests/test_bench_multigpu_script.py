@@ -10,15 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_throughput_on_one_and_two_ranks_then_the_table(tmp_path):
+def test_scaling_runs_one_and_two_ranks_then_the_table_and_continues(tmp_path):
+    """`scaling` (issue 17's one command) on the CPU backend: predictions written before any run, one process and
+    two gloo ranks under torchrun at the same per-rank batch, the table; called again, it starts nothing."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    script = [sys.executable, str(ROOT / "scripts" / "bench_multigpu.py")]
-    common = ["--device", "cpu", "--model", "debug", "--batch", "2", "--seq", "32", "--runs", "1", "--steps", "2",
-              "--profile", "cpu", "--timeout", "120"]
-    for gpus in (1, 2):
-        r = subprocess.run([*script, "throughput", "--gpus", str(gpus), *common], env=env, capture_output=True,
-                           text=True, timeout=300, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_multigpu.py"), "scaling", "--device", "cpu", "--models",
+           "debug", "--gpus-list", "1,2", "--runs", "1", "--batch", "2", "--seq", "32", "--steps", "2", "--profile",
+           "cpu", "--timeout", "120", "--budget-s", "400"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    made = (tmp_path / "scaling-predictions.json").read_text()
     results = {json.loads(p.read_text())["gpus"]: json.loads(p.read_text()) for p in tmp_path.glob("tp-*.json")}
     assert sorted(results) == [1, 2]
     assert len(list(tmp_path.glob("tp-*g2*.rank*.timeline.csv"))) == 2  # one per rank
@@ -26,8 +27,28 @@ def test_throughput_on_one_and_two_ranks_then_the_table(tmp_path):
     assert two["tokens_per_s"] == 2 * 2 * 32 / two["step_s"]  # global tokens: 2 ranks x batch 2 x seq 32
     assert len(two["pss_bytes"]) == 2 and all(b > 0 for b in two["pss_bytes"])
     assert two["planned_host_bytes"] > one["planned_host_bytes"] > 0 and two["predicted_step_s"] > 0
-    r = subprocess.run([*script, "table", *common], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert json.loads(made)["steps_s"]["debug/2"] == two["predicted_step_s"]  # the same Program, predicted before
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("debug")]
-    assert r.returncode == 0 and [row[2] for row in rows] == ["1", "2"], r.stdout + r.stderr
+    assert [row[2] for row in rows] == ["1", "2"], r.stdout
     ratio = two["tokens_per_s"] / one["tokens_per_s"]
-    assert rows[1][6] == f"{ratio:.2f}"  # the x 1 GPU column
+    assert rows[1][6:8] == [f"{ratio:.2f}", f"{ratio / 2:.2f}"]  # x 1 GPU, scaling efficiency
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "$ " not in again.stdout  # every run is there: nothing launched
+    assert (tmp_path / "scaling-predictions.json").read_text() == made
+
+
+def test_host_load_measures_copies_per_gpu_and_the_update_under_them(tmp_path):
+    """scripts/host_load.py (issue 17's host measurement) on the CPU stand-in: a copier per "GPU", alone and all at
+    once, the update alone and under the copies; the JSON holds what the table prints."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_load.py"), "--gpus", "2", "--device", "cpu",
+                        "--seconds", "0.2", "--mib", "8", "--params", "2e5", "--threads", "1"], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    phases = json.loads((tmp_path / "host_load.json").read_text())["phases"]
+    assert [len(p["GBps_by_gpu"]) for p in phases.values()] == [1, 2, 0, 2]
+    assert all(bw > 0 for p in phases.values() for bw in p["GBps_by_gpu"])
+    rates = [p["update_Gparam_s"] for p in phases.values()]
+    assert rates[:2] == [None, None] and rates[2] > 0 and rates[3] > 0
+    both = phases["update while all 2 GPUs copy"]
+    assert f"| {sum(both['GBps_by_gpu']):.1f} | {both['update_Gparam_s']:.2f} |" in r.stdout
