@@ -61,7 +61,7 @@ def test_rank_share_splits_rows_contiguously():
 
 
 def test_layer_major_loss_reads_each_tile_once_and_equals_transformers():
-    """`loss_sums` over rows in chunks of 2 (with -100 targets) equals transformers' LlamaForCausalLM
+    """`loss_sums` over 5 rows in chunks of 2 (with -100 targets) equals transformers' LlamaForCausalLM
     cross-entropy on the same weights, reading each unit's tile once, in unit order."""
     transformers = pytest.importorskip("transformers")
     from megatrain.exec.hf_io import state_dict_from_tiles
@@ -90,4 +90,6 @@ def test_layer_major_loss_reads_each_tile_once_and_equals_transformers():
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     assert count == int((targets != -100).sum()) == 5 * 16 - 7
     assert total == pytest.approx(float(want), rel=1e-5)
+    reads.clear()  # a rank without rows reads (gathers) the same tiles in the same order, and adds nothing
     assert loss_sums(spec, Counting(tiles), ids[:0], targets[:0], 2, torch.device("cpu")) == (0.0, 0)
+    assert reads == list(spec.units())

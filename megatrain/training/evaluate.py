@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..exec.head import IGNORE_INDEX, embed_forward, head_logits
-from ..exec.layers import decoder_layer
+from ..exec.head import IGNORE_INDEX, head_logits
+from ..exec.hf_io import forward_hidden
 from ..exec.layout import unit_layout
-from ..exec.rope import rope_cos_sin
-from ..spec import EMBED, HEAD, ModelSpec
+from ..spec import HEAD, ModelSpec
 from .data import Data
 
 LOGIT_BYTES = 2**28  # rows per chunk keep one chunk's fp32 logits near 256 MiB
@@ -61,26 +60,17 @@ def rank_share(rows: int, rank: int, size: int) -> tuple[int, int]:
 def loss_sums(spec: ModelSpec, tiles: Mapping[int, Tensor], ids: Tensor, targets: Tensor, chunk_rows: int,
               device) -> tuple[float, int]:
     """(sum of token cross-entropies, number of non-ignored targets) of ids / targets (R, T) under `tiles`,
-    layer-major: `tiles[unit]` is read once per unit, in unit order (also when R = 0, so ranks with no rows take
-    part in the same gathers). The activations of all R rows stay on `device`, fp32; each unit runs over them in
-    chunks of `chunk_rows` rows, which bounds its temporaries and the logits."""
-    R, T = ids.shape
-    chunks = [(lo, min(lo + chunk_rows, R)) for lo in range(0, R, chunk_rows)]
-    cos, sin = rope_cos_sin(spec, T, device, torch.float32)  # (T, head_dim) each
-    views = lambda unit: unit_layout(spec, unit).views(tiles[unit].to(device))  # noqa: E731 - one fetch per unit
-    w = views(EMBED)["embed_tokens.weight"]
-    xs = [embed_forward(w, ids[lo:hi].to(device), torch.float32) for lo, hi in chunks]  # [(rows, T, d)]
-    for layer in range(spec.num_layers):
-        del w  # the previous unit's tile goes before the next is gathered: one full tile at a time
-        w = views(layer)
-        for i in range(len(xs)):  # in place in the list: one chunk's output beside the activations
-            xs[i] = decoder_layer(w, xs[i], cos, sin, spec)
-    del w
-    w = views(HEAD)
-    total, count = 0.0, 0
-    for (lo, hi), x in zip(chunks, xs):
-        t = targets[lo:hi].to(device)  # (rows, T)
-        logits = head_logits(w, x, spec)  # (rows, T, V) fp32
+    layer-major (`hf_io.forward_hidden`, then the head): `tiles[unit]` is read once per unit, in unit order, also
+    when R = 0, so ranks with no rows take part in the same gathers. The activations of all R rows stay on
+    `device`, fp32; each unit runs over them in chunks of `chunk_rows` rows, which bounds its temporaries and the
+    logits."""
+    xs = forward_hidden(spec, tiles, ids.to(device), chunk_rows)  # [(rows, T, d)]
+    head = unit_layout(spec, HEAD).views(tiles[HEAD].to(device))
+    total, count, lo = 0.0, 0, 0
+    for x in xs:
+        t = targets[lo:lo + x.shape[0]].to(device)  # (rows, T)
+        lo += x.shape[0]
+        logits = head_logits(head, x, spec)  # (rows, T, V) fp32
         total += float(F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="sum",
                                        ignore_index=IGNORE_INDEX))
         count += int((t != IGNORE_INDEX).sum())
