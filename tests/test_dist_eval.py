@@ -4,7 +4,9 @@ test_training.py), also when there are fewer eval rows than ranks; the layer-maj
 once and gives transformers' loss."""
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,10 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_dist_cpu import LOSS_TOL, _train_cli  # noqa: E402
+from test_dist_cpu import LOSS_TOL, _train_cli
 
-from megatrain.presets import PRESETS  # noqa: E402
-from megatrain.training.evaluate import loss_sums, rank_share  # noqa: E402
+from megatrain.presets import PRESETS
+from megatrain.training.evaluate import loss_sums, rank_share
 
 
 def _eval_losses(run_dir: Path) -> dict[int, float]:
@@ -23,13 +25,13 @@ def _eval_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in records if r["eval_loss"] is not None}
 
 
-def _compare(tmp_path, *args) -> dict[int, float]:
+def _compare(tmp_path, *args, tol: float = LOSS_TOL) -> dict[int, float]:
     _, out = _train_cli(tmp_path, "dp", 2, *args)
     _train_cli(tmp_path, "one", 1, *args, "--set", "run.grad_accum=2")
     dp, one = _eval_losses(tmp_path / "dp"), _eval_losses(tmp_path / "one")
     assert dp.keys() == one.keys() and dp, (dp, one)
     errs = [abs(dp[s] - one[s]) / abs(one[s]) for s in one]
-    assert max(errs) <= LOSS_TOL, (dp, one)
+    assert max(errs) <= tol, (dp, one)
     assert out.count("eval") >= len(one)  # rank 0 logs the evals
     return dp
 
@@ -51,12 +53,22 @@ def test_torchrun_eval_with_fewer_eval_rows_than_ranks(tmp_path):
     assert list(dp) == [1]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_two_gpus_eval_equals_one_gpu_over_the_same_batches(tmp_path):
+    """The same on CUDA: torchrun with NCCL for the steps, the eval's gathers on the host (gloo), the forward on
+    each rank's GPU; one GPU with grad_accum 2 as the reference (tolerance of the CUDA training test)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    dp = _compare(tmp_path, "--device", "cuda", "--set", "run.eval_every=2", "--set", "run.eval_batches=3",
+                  tol=1e-5)
+    assert sorted(dp) == [2, 3]
+
+
 def test_rank_share_splits_rows_contiguously():
-    for rows in range(0, 7):
+    for rows in range(7):
         for size in (1, 2, 3, 4):
             shares = [rank_share(rows, r, size) for r in range(size)]
             assert shares[0][0] == 0 and shares[-1][1] == rows
-            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))
             assert max(h - lo for lo, h in shares) - min(h - lo for lo, h in shares) <= 1
 
 
