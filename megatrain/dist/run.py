@@ -24,9 +24,6 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     if run.export_hf and not run.checkpoint_at_end:
         raise ConfigError(f"run.export_hf with {world.size} ranks exports the final checkpoint (rank 0 reads every "
                           "rank's slices): set run.checkpoint_at_end=true, or export later with `megatrain export`")
-    if run.eval_every:
-        raise ConfigError(f"data parallel runs ({world.size} ranks) do not support run.eval_every yet (evaluation "
-                          "is not built for sharded stores); set run.eval_every=0 and evaluate a checkpoint later")
     if world.rank == 0:
         return cfg
     scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")

@@ -88,11 +88,31 @@ def state_dict_from_tiles(spec: ModelSpec, tiles: Mapping[int, Tensor], dtype: t
 def forward_logits(spec: ModelSpec, tiles: Mapping[int, Tensor], ids: Tensor) -> Tensor:
     """Plain (non-streamed) forward over tiles: ids (B, T) -> logits (B, T, V) fp32, computed on ids.device in the
     tiles' dtype. A reference for tests and small-model inference, not a training path."""
-    dev = ids.device
-    dtype = tiles[EMBED].dtype
-    view = lambda unit: unit_layout(spec, unit).views(tiles[unit].to(dev))  # noqa: E731
-    cos, sin = rope_cos_sin(spec, ids.shape[1], dev, dtype)
-    x = embed_forward(view(EMBED)["embed_tokens.weight"], ids, dtype)  # (B, T, d)
+    (x,) = forward_hidden(spec, tiles, ids)  # (B, T, d)
+    head = unit_layout(spec, HEAD).views(tiles[HEAD].to(ids.device))
+    return head_logits(head, x, spec)  # (B, T, V)
+
+
+@torch.no_grad()
+def forward_hidden(spec: ModelSpec, tiles: Mapping[int, Tensor], ids: Tensor, chunk_rows: int = 0) -> list[Tensor]:
+    """Layer-major plain forward of the embedding and the decoder layers: ids (R, T) -> the final hidden states
+    of its chunks of `chunk_rows` rows (0: one chunk; R = 0: one empty chunk), [(rows, T, d)], on ids.device in
+    the tiles' dtype.
+
+    Each of `tiles[EMBED]`, `tiles[0]`, ... is read once, in that order, the previous one dropped first, so a
+    mapping that assembles tiles on demand (a sharded store's gather) holds one at a time; it is read even when
+    R = 0. Each layer runs over the chunks in turn: its temporaries are one chunk's."""
+    dev, (R, T) = ids.device, ids.shape
+    step = chunk_rows or max(R, 1)
+    w = tiles[EMBED].to(dev)
+    dtype = w.dtype
+    cos, sin = rope_cos_sin(spec, T, dev, dtype)  # (T, head_dim) each
+    emb = unit_layout(spec, EMBED).views(w)["embed_tokens.weight"]
+    xs = [embed_forward(emb, ids[lo:lo + step], dtype) for lo in range(0, max(R, 1), step)]  # [(rows, T, d)]
+    del w, emb
     for layer in range(spec.num_layers):
-        x = decoder_layer(view(layer), x, cos, sin, spec)
-    return head_logits(view(HEAD), x, spec)  # (B, T, V)
+        w = unit_layout(spec, layer).views(tiles[layer].to(dev))
+        for i in range(len(xs)):  # in place in the list: one chunk's output beside the others
+            xs[i] = decoder_layer(w, xs[i], cos, sin, spec)
+        del w
+    return xs
