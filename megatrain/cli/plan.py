@@ -30,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("--gpu-gib", type=float, help="GPU memory to check against (default: this machine's GPU)")
     p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of the host (--batch is "
                                                        "per GPU): per-rank and whole-host memory")
+    p.add_argument("--hosts", type=int, default=1, help="data parallel over this many hosts of --gpus GPUs each: "
+                                                        "the fit is judged per host (--host-gib is one host's memory)")
     p.set_defaults(func=run)
 
 
@@ -41,7 +43,7 @@ def run(args) -> int:
     spec = get_model(args.model)
     name, knobs = resolve_knobs(args.schedule, args.set)
     plan = plan_memory(spec, args.batch, args.seq, knobs)
-    if args.gpus > 1:
+    if args.gpus > 1 or args.hosts > 1:
         return _run_world(args, spec, name, knobs)
     host, gpu = machine_memory()
     host = int(args.host_gib * GiB) if args.host_gib else host
@@ -57,23 +59,26 @@ def run(args) -> int:
 
 
 def _run_world(args, spec, name, knobs) -> int:
-    """`plan --gpus N`: one rank's host and GPU memory, and the host's total over the N ranks."""
+    """`plan --gpus N [--hosts H]`: one rank's host and GPU memory, the host's total over its N ranks (what must
+    fit in one host's memory) and, over H hosts, the whole job's."""
     from ..ir.collectives import for_world, rank_host_plan
     from ..ir.dag import ScheduleError
     from ..ir.memory import GiB, plan_gpu_memory
     from ..ir.resolve import resolve
     from . import UserError
+    from .simulate import check_world
 
     try:
-        p = for_world(resolve(spec, args.batch, args.seq, knobs), args.gpus)
+        p = for_world(resolve(spec, args.batch, args.seq, knobs), check_world(args))
     except ScheduleError as e:
         raise UserError(str(e)) from None
     host_plan, gpu_plan = rank_host_plan(p), plan_gpu_memory(p)
     host, gpu = machine_memory()
     host = int(args.host_gib * GiB) if args.host_gib else host
     gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
-    n = args.gpus
-    print(f"schedule {name}, data parallel over {n} GPUs, batch {args.batch} x seq {args.seq} per GPU")
+    n, hosts = args.gpus, args.hosts
+    where = f"{n} GPUs" + (f" per host x {hosts} hosts ({n * hosts} ranks)" if hosts > 1 else "")
+    print(f"schedule {name}, data parallel over {where}, batch {args.batch} x seq {args.seq} per GPU")
     print(p.describe())
     print()
     print("host, one rank:")
@@ -81,11 +86,18 @@ def _run_world(args, spec, name, knobs) -> int:
         print(f"  {k:<24} {v / GiB:10.3f} GiB")
     print(f"  {'total':<24} {host_plan.total_bytes / GiB:10.3f} GiB (pinned {host_plan.pinned_bytes / GiB:.3f} GiB)")
     total = n * host_plan.total_bytes
-    print(f"host, all {n} ranks: {total / GiB:.3f} GiB (store {n * host_plan.store_bytes / GiB:.3f} GiB, "
-          f"{n * host_plan.store_bytes / spec.num_params:.1f} B/param; pinned {n * host_plan.pinned_bytes / GiB:.3f}"
-          " GiB)")
+    store = n * host_plan.store_bytes
+    if hosts == 1:
+        print(f"host, all {n} ranks: {total / GiB:.3f} GiB (store {store / GiB:.3f} GiB, "
+              f"{store / spec.num_params:.1f} B/param; pinned {n * host_plan.pinned_bytes / GiB:.3f} GiB)")
+    else:  # each host holds its ranks' slices: 1/hosts of the store
+        print(f"host, each of {hosts} ({n} ranks): {total / GiB:.3f} GiB (store {store / GiB:.3f} GiB; pinned "
+              f"{n * host_plan.pinned_bytes / GiB:.3f} GiB)")
+        print(f"job, {hosts} hosts: {hosts * total / GiB:.3f} GiB (store {hosts * store / GiB:.3f} GiB, "
+              f"{hosts * store / spec.num_params:.1f} B/param)")
     print(f"GPU, each: {gpu_plan.peak_bytes / GiB:.3f} GiB")
     ok = (host is None or total <= host) and (gpu is None or gpu_plan.peak_bytes <= gpu)
-    print(f"fits: {'yes' if ok else 'NO'} (host {'?' if host is None else f'{host / GiB:.1f}'} GiB, GPU "
+    print(f"fits: {'yes' if ok else 'NO'} ({'each ' if hosts > 1 else ''}host "
+          f"{'?' if host is None else f'{host / GiB:.1f}'} GiB, GPU "
           f"{'?' if gpu is None else f'{gpu / GiB:.1f}'} GiB)")
     return 0 if ok else 1

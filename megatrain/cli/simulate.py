@@ -38,6 +38,10 @@ def register(sub) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
     p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of one host (--batch is "
                                                        "per GPU; the ranks share host memory bandwidth and CPU)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="data parallel over this many hosts of --gpus GPUs each (world = hosts x gpus): a rank shares "
+                        "its host with --gpus ranks, collectives cross the network (the profile's inter_host_Bps "
+                        "and inter_host_latency_s; defaults are assumptions, docs/multigpu.md)")
     p.add_argument("--clip-activates", action="store_true",
                    help="speculative clipping (clip > 0 with an arrival placement): predict a step whose gradient "
                         "norm exceeds the max, so every update is undone and redone (default: a step that does not "
@@ -200,6 +204,14 @@ def _choose(args, spec, profile, out: Path) -> Path:
     return path
 
 
+def check_world(args) -> int:
+    """The world size of `--gpus` per host x `--hosts` (both at least 1)."""
+    for flag, n in (("--gpus", args.gpus), ("--hosts", args.hosts)):
+        if n < 1:
+            raise UserError(f"{flag} {n}: give at least 1")
+    return args.gpus * args.hosts
+
+
 def run(args) -> int:
     import pandas as pd
 
@@ -211,6 +223,7 @@ def run(args) -> int:
     from ..sim import ProfileError, SimulationError, load_profile, simulate
 
     spec = get_model(args.model)
+    world = check_world(args)
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:
@@ -222,15 +235,18 @@ def run(args) -> int:
     line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
                          f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
     if args.schedule == "auto":
+        if args.hosts > 1:
+            raise UserError("--schedule auto chooses for one host; with --hosts > 1 name a schedule (e.g. "
+                            "--schedule arrival), or choose one with --hosts 1 first")
         args.schedule, args.set = str(_choose(args, spec, profile, out)), []
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
     rows, written, notes = [], set(), set()
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
-            program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=args.gpus))
+            program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=world))
             program.name = name
-            result = simulate(program, profile, clip_activates=args.clip_activates)
+            result = simulate(program, profile, clip_activates=args.clip_activates, hosts=args.hosts)
             notes.update(program.placement.notes)
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:
@@ -244,10 +260,15 @@ def run(args) -> int:
         written.add(slug(v.label))
         rows.append(row_of(v, result))
     stale = remove_stale_variants(out, written)
-    print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs" if args.gpus > 1
+    hosts = f" x {args.hosts} hosts" if args.hosts > 1 else ""
+    print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs{hosts}" if world > 1
                                                                  else "") + f", profile {profile.name}")
     print(table(rows))
-    if args.gpus > 1:
+    if args.hosts > 1:
+        print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; each host trains {args.gpus}x the tokens, the "
+              f"job {world}x; collectives cross hosts at most {args.gpus} x {profile.inter_host_Bps / 1e9:g} GB/s, "
+              f"latency {profile.inter_host_latency_s * 1e6:g} us)")
+    elif args.gpus > 1:
         print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; the host trains {args.gpus}x the tokens)")
     for note in sorted(notes):  # settings the model's shape clamps (Placement.notes)
         print(f"note: {note}")

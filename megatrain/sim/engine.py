@@ -151,16 +151,24 @@ def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
         return []
 
 
-def simulate(program: Program, profile: HardwareProfile | str = "h200", clip_activates: bool = False) -> SimResult:
+def simulate(program: Program, profile: HardwareProfile | str = "h200", clip_activates: bool = False,
+             hosts: int = 1) -> SimResult:
     """Predict one training step of `program` on `profile` (a HardwareProfile, a shipped name or a JSON path).
 
     clip_activates: with speculative clipping (exact clipping, arrival timing), predict a step whose global norm
     exceeds the max, so every update is undone and redone (CLIP_REDO); by default the step that does not clip.
 
+    hosts: a data-parallel Program's ranks (`placement.world`) spread evenly over this many hosts: a rank shares
+    host memory bandwidth and CPU with the ranks of its host only, and its collectives cross the network
+    (sim/collectives.py). 1 (the default) is the one-host model.
+
     Returns SimResult(timeline, summary, program, profile); the Timeline has source="predicted".
     Raises SimulationError when the Program cannot run to the end.
     """
-    profile = rank_share(load_profile(profile), program.placement.world)  # ranks share the host
+    try:
+        profile = rank_share(load_profile(profile), program.placement.world, hosts)  # ranks share their host
+    except ValueError as e:
+        raise SimulationError(str(e)) from None
     check_program(program)
     rows = _Engine(program, profile, clip_activates).run()
     timeline = make_timeline(rows, source="predicted")

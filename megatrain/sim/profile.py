@@ -25,6 +25,12 @@ A profile holds
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
     collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
                          latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
+    inter_host_Bps, inter_host_latency_s  several hosts (`simulate --hosts`): the network bandwidth per GPU (one
+                         direction, as NCCL achieves it: its NIC, or its share of the host's NICs) and the latency of
+                         a collective that crosses hosts. Defaults are ASSUMPTIONS, not measured here: one 400 Gb/s
+                         NDR NIC per GPU as in DGX/HGX H100/H200 hosts, 47 GB/s (NCCL's developers expect 46-48 GB/s
+                         per NDR NIC, NVIDIA/nccl-tests#290), and 50 us (NCCL ring latency over InfiniBand is tens of
+                         us); a profile that keeps the defaults says so in its notes
     nvme_read_Bps, nvme_write_Bps  the NVMe tier of the optimizer state (knob state_tier): sequential read and
                          write bandwidth of the drive(s) a host update reads its state from and writes it back to
                          (defaults: one PCIe 4.0 x4 drive, 6.5 / 5.0 GB/s, an assumption of the shipped profiles)
@@ -56,6 +62,13 @@ ADAM_BYTES_PER_PARAM = 28.0
 # A bf16 <-> fp32 conversion pass: read 4 + write 2 bytes (refresh of the streaming copy) or read 2 + write 4
 # (a bf16 gradient into the fp32 scratch).
 CONVERT_BYTES_PER_PARAM = 6.0
+# Several hosts: ASSUMED network of a DGX/HGX-class host (one 400 Gb/s NDR NIC per GPU, 46-48 GB/s achieved per NIC
+# through NCCL according to its developers, NVIDIA/nccl-tests#290) and the latency of a collective over it.
+INTER_HOST_BPS = 47e9
+INTER_HOST_LATENCY_S = 50e-6
+INTER_HOST_NOTE = ("assumption (not measured): one 400 Gb/s NDR NIC per GPU, 47 GB/s each through NCCL "
+                   "(NVIDIA/nccl-tests#290: 46-48 GB/s per NIC); a collective across hosts pays 50 us "
+                   "(sim/collectives.py)")
 
 
 class ProfileError(ValueError):
@@ -201,6 +214,8 @@ class HardwareProfile:
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     collectives: dict[str, dict] = field(default_factory=dict)
+    inter_host_Bps: float = INTER_HOST_BPS  # per GPU; an assumption (module docstring)
+    inter_host_latency_s: float = INTER_HOST_LATENCY_S
 
     def __post_init__(self):
         object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
@@ -220,9 +235,14 @@ class HardwareProfile:
         if not 0 < self.dma_factor_cpu_optimizer <= 1:
             raise ProfileError(f"profile {self.name}: dma_factor_cpu_optimizer must be in (0, 1]")
         for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s",
-                     "nvme_read_Bps", "nvme_write_Bps"):
+                     "nvme_read_Bps", "nvme_write_Bps", "inter_host_Bps"):
             if not getattr(self, name) > 0:
                 raise ProfileError(f"profile {self.name}: {name} must be > 0")
+        if not self.inter_host_latency_s >= 0:
+            raise ProfileError(f"profile {self.name}: inter_host_latency_s must be >= 0")
+        if (self.inter_host_Bps, self.inter_host_latency_s) == (INTER_HOST_BPS, INTER_HOST_LATENCY_S) \
+                and "inter_host_Bps" not in self.notes:  # the defaults are assumptions: say so
+            object.__setattr__(self, "notes", {**self.notes, "inter_host_Bps": INTER_HOST_NOTE})
         missing = set(UNIT_CLASSES) - set(self.efficiency)
         if missing or any(not 0 < e <= 1 for e in self.efficiency.values()):
             raise ProfileError(f"profile {self.name}: efficiency needs a value in (0, 1] for each of {UNIT_CLASSES}")
