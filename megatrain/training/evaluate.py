@@ -4,8 +4,9 @@ Layer-major means: the embedding for all of this process's eval rows, then each 
 then the head and the loss. Each unit's full fp32 tile is therefore fetched once per evaluation, and only one at a
 time. That matters for data-parallel runs, whose sharded stores hold 1/N of every tile: a full tile is a host
 all-gather (`ShardedHostStore.full_tile`), so it is done once per unit, never for the whole model at once. The
-price is holding this process's eval activations on the device: rows x T x hidden fp32, rows <= ceil(eval_batches x
-batch_size / world) (e.g. 4 x 8 rows x 2048 x 4096 x 4 B = 1 GiB on one GPU, half of it on each of two).
+price is holding the rank's eval activations on the device: rows x T x hidden fp32, rows <= ceil(eval_batches x
+batch_size / world) (e.g. 4 x 8 rows x 2048 x 4096 x 4 B = 1 GiB over two GPUs, half on each). One process has
+nothing to gather and runs the same forward batch by batch, holding one batch's activations, as before.
 
 With N ranks, the eval rows are split into N contiguous shares (some may be empty); every rank gathers every
 unit in the same order and then sums (loss, tokens) over the ranks, so all ranks issue the same host collectives
@@ -90,12 +91,16 @@ def evaluate(trainer, data: Data, num_batches: int, batch_size: int) -> float | 
     batches = list(data.eval_batches(num_batches, batch_size))
     ids = torch.cat([b.inputs for b in batches])  # (R, T), R <= num_batches x batch_size
     targets = torch.cat([b.targets for b in batches])
-    lo, hi = rank_share(ids.shape[0], world.rank, world.size)
     T = ids.shape[1]
     chunk = max(1, min(batch_size, LOGIT_BYTES // (T * spec.vocab_size * 4)))
-    dev = trainer.backend.device
-    total, count = loss_sums(spec, _StoreTiles(trainer.store), ids[lo:hi], targets[lo:hi], chunk, dev)
-    total, count = world.sum(total), world.sum(float(count))
+    dev, tiles = trainer.backend.device, _StoreTiles(trainer.store)
+    if not world.distributed:  # nothing to gather: batch by batch, so only one batch's activations are held
+        sums = [loss_sums(spec, tiles, b.inputs, b.targets, chunk, dev) for b in batches]
+        total, count = sum(s for s, _ in sums), sum(n for _, n in sums)
+    else:
+        lo, hi = rank_share(ids.shape[0], world.rank, world.size)
+        total, count = loss_sums(spec, tiles, ids[lo:hi], targets[lo:hi], chunk, dev)
+        total, count = world.sum(total), world.sum(float(count))
     if dev.type == "cuda":  # give the eval's activations back, so the training step finds the memory it planned
         torch.cuda.empty_cache()
     return total / count if count else None
