@@ -7,10 +7,18 @@ backward times at 1..batch sequences, AdamW rates (host threads, device), the ru
 contention between streams, with the executor's own code. Says up front how long it will take, reports each
 measurement as it finishes, and prints a summary for docs/calibration.md. The JSON loads with `--profile FILE`
 in `megatrain simulate` and `megatrain compare`; every timing goes to `<FILE stem>.measurements.json` beside it.
+
+Under torchrun (several ranks) it also measures the collectives between the ranks (all-gather, reduce-scatter,
+all-reduce by message size: the profile's `collectives` table, profiling/collectives.py); rank 0 measures the rest
+and writes the file. `--collectives-only` measures just those and writes them into the fields of `--base`:
+
+    torchrun --standalone --nproc_per_node=2 -m megatrain profile --collectives-only --device cuda --out FILE
 """
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import UserError
@@ -46,6 +54,11 @@ def register(sub) -> None:
     p.add_argument("--out", help="profile JSON to write (default runs/profile-<model>-<device>.json)")
     p.add_argument("--wait-timeout", dest="wait_timeout", type=float, default=600.0, metavar="SECONDS",
                    help="bound of every wait of a measurement; a hung copy or kernel ends with an error")
+    p.add_argument("--collectives-only", dest="collectives_only", action="store_true",
+                   help="under torchrun: measure only the collectives between the ranks (seconds) and write them "
+                        "into the profile --base")
+    p.add_argument("--base", help="with --collectives-only: the profile (shipped name or JSON) whose other fields the "
+                                  "written profile keeps (default: h200-measured on CUDA, cpu on the CPU backend)")
     p.set_defaults(func=run)
 
 
@@ -88,6 +101,16 @@ def run(args) -> int:
     _, knobs = resolve_knobs(args.schedule, args.set)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.collectives_only:
+        if ranks <= 1:
+            raise UserError("--collectives-only measures collectives between ranks, and this is one process: launch "
+                            "it under torchrun, e.g. `torchrun --standalone --nproc_per_node=2 -m megatrain profile "
+                            "--collectives-only --device cuda --out FILE`")
+        return _collectives_only(args, device, knobs, ranks)
+    if args.base:
+        raise UserError("--base goes with --collectives-only (a full profile measures every field)")
+    _check_rank_device(args, device, ranks)
     out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.
@@ -97,11 +120,59 @@ def run(args) -> int:
     req = ProfileRequest(spec, batch=batch[0], seqs=seqs, device=device, dtypes=dtypes, quick=args.quick,
                          knobs=knobs, cpu_threads=args.cpu_threads, name=args.name, also_models=models[1:])
     t0 = time.perf_counter()
+    rec = None
+    if ranks > 1:  # every rank measures the collectives; then rank 0 alone measures the rest
+        from ..profiling.collectives import measure_launch, report
+
+        rank, rec = measure_launch(device, knobs.weight_wire, args.wait_timeout, args.quick)
+        if rank != 0:
+            return 0
+        print(report(rec))
     cal = measure_profile(req)
+    if rec is not None:
+        from ..profiling.collectives import with_collectives
+
+        cal = replace(cal, profile=with_collectives(cal.profile, rec), measurements=dict(cal.measurements,
+                                                                                           collectives=rec))
     path, raw = cal.save(out)
     print()
     print(calibration_report(cal))
     print()
     print(f"profile written to {path} (every timing in {raw}) after {time.perf_counter() - t0:.1f} s")
     print(f"use it: megatrain simulate --profile {path} ...   megatrain compare --profile {path} ...")
+    return 0
+
+
+def _check_rank_device(args, device: str, ranks: int) -> None:
+    if ranks > 1 and device not in ("cuda", "cpu"):
+        raise UserError(f"--device {args.device} under torchrun: give cuda (each rank measures the GPU of its "
+                        "LOCAL_RANK) or cpu")
+
+
+def _collectives_only(args, device: str, knobs, ranks: int) -> int:
+    """`--collectives-only` (every rank): measure the collectives; rank 0 writes them into `--base`'s fields."""
+    from ..profiling.calibrate import Calibration
+    from ..profiling.collectives import measure_launch, report, with_collectives
+    from ..profiling.machine import this_machine
+    from ..sim.profile import load_profile
+
+    _check_rank_device(args, device, ranks)
+    base_name = args.base or ("h200-measured" if device == "cuda" else "cpu")
+    base = load_profile(base_name)  # before joining: a bad --base fails every rank alike, at once
+    out = Path(args.out or f"runs/profile-collectives-{ranks}x{device}.json")
+    t0 = time.perf_counter()
+    rank, rec = measure_launch(device, knobs.weight_wire, args.wait_timeout, args.quick)
+    if rank != 0:
+        return 0
+    profile = with_collectives(base, rec)
+    notes = dict(profile.notes, measured=f"only the collectives (megatrain profile --collectives-only, {ranks} "
+                 f"ranks); every other field is the profile {base_name}'s")
+    profile = replace(profile, name=args.name or f"{base.name}-collectives-{ranks}", notes=notes)
+    path, raw = Calibration(profile, {"machine": this_machine(device), "collectives": rec}).save(out)
+    print()
+    print(report(rec))
+    print()
+    print(f"profile written to {path} ({base_name} with the measured collectives; every timing in {raw}) after "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(f"use it: megatrain simulate --gpus {ranks} --profile {path} ...")
     return 0

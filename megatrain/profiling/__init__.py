@@ -1,7 +1,7 @@
 """Measuring the machine for the simulator: `megatrain profile` (calibrate.py) and its measurements (copies.py,
 units.py, rates.py, host.py, overhead.py), all timed with the executor's own code, threads and buffers (bench.py);
-the machine a profile measured (machine.py, no torch); and live calibration of a profile to a run's own steps
-(live.py).
+the collectives between the ranks of a torchrun launch (collectives.py); the machine a profile measured
+(machine.py, no torch); and live calibration of a profile to a run's own steps (live.py).
 
 The names below are imported on first use, so that `megatrain.profiling.machine` can be read without torch (the
 `simulate` command imports no torch)."""

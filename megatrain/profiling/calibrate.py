@@ -18,6 +18,8 @@ What is measured, and the profile field it fills:
                  the CPU update alone / beside h2d, d2h, both; copies beside it   host_memory_Bps, cpu_update_bytes_
                                                                                   per_param (fitted), legacy fields
     overhead.py  ready-to-start gaps of real steps of a 2-layer cut of the model           task_overhead_s
+    collectives.py  (under torchrun, every rank, before the rest: cli/profile.py) all-gather,
+                 reduce-scatter, all-reduce by message size                                collectives
 
 and, recorded in the notes and the measurements file but not (yet) used by the simulator: how much a CPU update
 slows a layer's compute and a layer's compute the update (see docs/calibration.md). The profile records the machine
