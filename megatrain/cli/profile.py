@@ -111,6 +111,8 @@ def run(args) -> int:
     if args.base:
         raise UserError("--base goes with --collectives-only (a full profile measures every field)")
     _check_rank_device(args, device, ranks)
+    if ranks > 1 and device == "cuda":  # this rank's GPU, before the memory check looks at one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.

@@ -72,7 +72,7 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
     buf = torch.zeros(big, dtype=torch.uint8, device=device)
     rec = {"world": n, "backend": dist.get_backend(group), "device": str(device), "warmup": warmup, "iters": iters,
            "kinds": {}}
-    for kind in KINDS:
+    for kind, name in KINDS.items():
         dtype = DTYPES[dtypes[kind]]
         item = torch.finfo(dtype).bits // 8
         probe_bytes = item if kind == "A" else n * item  # A: the one-element norm all-reduce of a Z
@@ -85,13 +85,15 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
             times.append(_time(_call(kind, buf, nbytes, n, world.rank, group, nccl, dtype), world, sync,
                                warmup, iters))
         algbw = [s / t for s, t in zip(msgs, times)]
-        rec["kinds"][kind] = {"name": KINDS[kind], "dtype": dtypes[kind], "message_bytes": msgs, "time_s": times,
+        rec["kinds"][kind] = {"name": name, "dtype": dtypes[kind], "message_bytes": msgs, "time_s": times,
                               "probe_bytes": probe_bytes, "probe_s": probe, "algbw_Bps": algbw,
                               "busbw_Bps": [a * bus_factor(kind, n) for a in algbw]}
         if log:
-            log(f"{KINDS[kind]} ({dtypes[kind]}): " + ", ".join(
+            log(f"{name} ({dtypes[kind]}): " + ", ".join(
                 f"{_mb(s)} {t * 1e3:.3f} ms" for s, t in zip(msgs, times)) + f"; latency probe {probe * 1e6:.1f} us")
     del buf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # a full profile measures the rest of this GPU next
     return rec
 
 
@@ -182,8 +184,9 @@ def note(rec: dict) -> str:
     sizes = next(iter(rec["kinds"].values()))["message_bytes"]
     return (f"measured (profiling/collectives.py): {rec['world']} ranks, {rec['backend']}, on {rec['device']}, "
             f"messages {_mb(sizes[0])} .. {_mb(sizes[-1])} (x4), in place as the runtime issues them, mean of "
-            f"{rec['iters']} calls after {rec['warmup']} warm-up, max over the ranks, fastest of {ROUNDS} rounds; {kinds} (nccl-tests' busbw "
-            f"at the sizes; the table's rates are net of the latency and keyed by bus bytes)"
+            f"{rec['iters']} calls after {rec['warmup']} warm-up, max over the ranks, fastest of {ROUNDS} rounds; "
+            f"{kinds} (nccl-tests' busbw at the sizes; the table's rates are net of the latency and keyed by bus "
+            "bytes)"
             + ("; gloo: Z timed as the runtime's all-reduce of the slot" if rec["backend"] == "gloo" else "") + ".")
 
 
