@@ -85,6 +85,8 @@ def test_collectives_only_in_one_process_says_to_use_torchrun(monkeypatch, tmp_p
     err = capsys.readouterr().err
     assert "one process" in err and "torchrun --standalone --nproc_per_node=2" in err and "Traceback" not in err
     assert not (tmp_path / "x.json").exists()
+    assert main(["profile", "--base", "cpu", "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--base goes with --collectives-only" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
