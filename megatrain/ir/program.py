@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from ..spec import ModelSpec
+from .collectives import gathers_before_reductions
 from .dag import Schedule, ScheduleError
 from .memory import GpuMemoryPlan, plan_gpu_memory
 from .placement import Placement
@@ -190,9 +191,15 @@ def lower(schedule: Schedule) -> Program:
     stream = {t: stream_of(schedule, t) for t in topo}
     queues: dict[str, list[str]] = {s: [] for s in STREAMS}
     pos: dict[Task, int] = {}
+    by_stream: dict[str, list[Task]] = {s: [] for s in STREAMS}
     for t in topo:
-        pos[t] = len(queues[stream[t]])
-        queues[stream[t]].append(t.id)
+        by_stream[stream[t]].append(t)
+    if by_stream.get("comm"):  # data parallel: gathers ahead of reductions they do not need (ir/collectives.py)
+        by_stream["comm"] = gathers_before_reductions(g, by_stream)
+    for s, q in by_stream.items():
+        for t in q:
+            pos[t] = len(queues[s])
+            queues[s].append(t.id)
 
     for s in OPTIONAL_STREAMS:
         if not queues[s]:

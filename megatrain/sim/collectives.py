@@ -2,8 +2,9 @@
 
 A collective takes `latency + bytes / bus bandwidth`: a task's `bytes` are already the bus bytes of one rank,
 (N-1)/N of the message for an all-gather or reduce-scatter (megatrain/ir/collectives.py), and the bus bandwidth is
-read from the profile's `collectives` table by message size, or else from DEFAULTS. A reduce-scatter also pays one
-more latency for the 4-byte all-reduce of the unit's squared norm that rides after it.
+read from the profile's `collectives` table by those bus bytes (profiling/collectives.py measures it so), or else
+from DEFAULTS. A reduce-scatter also pays one more latency for the 4-byte all-reduce of the unit's squared norm
+that rides after it.
 
 The simulator runs one rank's Program (the ranks are symmetric: every rank does the same copies and updates at the
 same time). What the ranks of one host share is charged to that rank; with `hosts` > 1 the world is hosts x G ranks,
@@ -34,7 +35,7 @@ from .profile import HardwareProfile
 
 # Measured on nvidia-h200-x2 (NVLink NV18, NCCL_NVLS_ENABLE=0) with one ~198 MB bf16 buffer (issue 15): all-gather
 # 236 GB/s bus bandwidth, reduce-scatter 224, all-reduce 296. The latency is an ASSUMPTION (NCCL's small-message
-# latency on NVLink is ~10-30 us); `megatrain profile` does not measure collectives yet.
+# latency on NVLink is ~10-30 us). `megatrain profile` under torchrun measures a table for the machine at hand.
 DEFAULTS = {
     "G": {"latency_s": 20e-6, "sizes": [198e6], "bus_Bps": [236e9]},
     "Z": {"latency_s": 20e-6, "sizes": [396e6], "bus_Bps": [224e9]},

@@ -24,7 +24,7 @@ A profile holds
                          conversion (grad_wire="bf16")
     task_overhead_s      fixed launch / dispatch cost of every task, by task kind or else by stream
     collectives          data parallel: per collective kind ("G" all-gather, "Z" reduce-scatter, "A" all-reduce) a
-                         latency and bus bandwidth by message size (sim/collectives.py; empty: its defaults)
+                         latency and bus bandwidth by a task's bus bytes (sim/collectives.py; empty: its defaults)
     inter_host_Bps, inter_host_latency_s  several hosts (`simulate --hosts`): the network bandwidth per GPU (one
                          direction, as NCCL achieves it: its NIC, or its share of the host's NICs) and the latency of
                          a collective that crosses hosts. Defaults are ASSUMPTIONS, not measured here: one 400 Gb/s
