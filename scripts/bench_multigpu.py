@@ -97,6 +97,7 @@ def worker(a) -> None:
         pss = [mine]
     tiles = tr.tiles() if a.save_tiles else None
     if world.rank != 0:
+        world.close()
         return
     step_s = statistics.median(times) if times else float("nan")
     predicted = None
@@ -116,6 +117,7 @@ def worker(a) -> None:
     if tiles is not None:
         torch.save(tiles, path.with_suffix(".tiles.pt"))
     print("RESULT", json.dumps({k: v for k, v in result.items() if k not in ("losses", "step_times")}), flush=True)
+    world.close()
 
 
 def _batches(a, spec, global_batch: int):

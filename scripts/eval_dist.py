@@ -91,6 +91,7 @@ def main() -> None:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"eval_dist_{a.model}_{world.size}gpu.txt"), "w") as f:
                 f.write("\n".join(lines) + "\n")
+    world.close()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def main() -> None:
         out[case] = train_case(a, world, schedule, float(clip))
     if world.rank == 0:
         torch.save(out, a.out)
+    world.close()
 
 
 def train_case(a, world: World, schedule: str, clip: float) -> dict:

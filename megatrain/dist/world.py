@@ -57,6 +57,15 @@ class World:
         pin_cores(local_rank, local_size)
         return cls(rank, size, local_rank, local_size, dist.group.WORLD, host)
 
+    def close(self) -> None:
+        """Leave the world at the end of a run: wait for every rank (within the groups' timeout), then tear the
+        process groups down. A process that exits with its groups alive can die in their threads' destructors
+        ("terminate called without an active exception") while a peer still talks to it."""
+        if not self.distributed or not dist.is_initialized():
+            return
+        dist.barrier(group=self.host_group)
+        dist.destroy_process_group()
+
     # ---- host exchanges (main thread, between steps) --------------------------------------------------------------
     def check_same(self, what: str, text: str) -> None:
         """Refuse to go on unless every rank has the same `text` (a Program's JSON): ranks that lowered different

@@ -94,7 +94,9 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     from ..dist.run import join
 
     world, cfg, log, trackers = join(cfg.validate(), _backend_name(cfg.run.device), log, trackers)  # torchrun
-    return _Training(cfg, log, stop_at_step, trackers, auto, world).run()
+    summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
+    world.close()  # after a run that failed, the process exits with the error instead
+    return summary
 
 
 class _Training:
