@@ -188,15 +188,11 @@ def _predict(a, model: str, gpus: int) -> float | None:
     """Simulated step (s) of the Program the throughput run of (model, gpus) will run, with --profile."""
     if not a.profile:
         return None
-    from megatrain.ir.builders import build_schedule
-    from megatrain.ir.knobs import resolve_knobs
-    from megatrain.ir.program import lower
-    from megatrain.presets import get_model
     from megatrain.sim import simulate
 
-    spec = get_model(model).with_layers(a.layers) if a.layers else get_model(model)
-    knobs = resolve_knobs(a.schedule, a.set)[1]
-    return simulate(lower(build_schedule(spec, a.batch, a.seq, knobs, world=gpus)), a.profile).step_s
+    run = dict(model=model, layers=a.layers, schedule_base=a.schedule, knob_sets=a.set, batch_per_gpu=a.batch,
+               seq=a.seq)
+    return simulate(_program_of(run, gpus), a.profile).step_s
 
 
 def _run_once(a, name: str) -> None:
