@@ -80,7 +80,7 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
 
 def build_configs(a) -> list[Config]:
     """The command of each configuration (module docstring)."""
-    from megatrain.presets import get_model
+    from megatrain.model.presets import get_model
 
     spec = get_model(a.model)
     py, bench = a.python, Path(a.bench_dir)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    from megatrain.presets import get_model
+    from megatrain.model.presets import get_model
 
     spec = get_model(a.model)
     configs = build_configs(a)

@@ -30,18 +30,18 @@ import psutil
 import torch
 
 from megatrain.exec.optim import AdamWConfig
-from megatrain.ir.knobs import resolve_knobs
-from megatrain.ir.memory import plan_memory
-from megatrain.presets import get_model
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.compile.knobs import resolve_knobs
+from megatrain.compile.advice import plan_memory
+from megatrain.model.presets import get_model
+from megatrain.engine.trainer import StreamedTrainer
 
 
 def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float:
     """300 s, or three simulated steps when a step is predicted to take longer than 100 s."""
     if not profile:
         return 300.0
-    from megatrain.ir.builders import build_schedule
-    from megatrain.ir.program import lower
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.lower import lower
     from megatrain.sim import load_profile, simulate
 
     step_s = simulate(lower(build_schedule(spec, batch, seq, knobs)), load_profile(profile)).step_s
@@ -105,9 +105,9 @@ def main() -> None:
         spec = spec.with_layers(a.layers)
     auto = None
     if a.schedule == "auto":  # the fastest predicted schedule under --gpu-limit-gib, numerics of --set kept
-        from megatrain.ir.knobs import DEFAULT_SCHEDULE
-        from megatrain.training.autoswitch import AutoChoice, machine_profile
-        from megatrain.tune import choose_schedule
+        from megatrain.compile.knobs import DEFAULT_SCHEDULE
+        from megatrain.train.autoswitch import AutoChoice, machine_profile
+        from megatrain.tune.search import choose_schedule
 
         base = resolve_knobs(DEFAULT_SCHEDULE, a.set)[1]
         if a.profile is None:
@@ -123,7 +123,7 @@ def main() -> None:
     a.profile = ("h200-measured" if a.device == "cuda" else "cpu") if a.profile is None else a.profile
     cuda = a.device == "cuda"
     if a.tune:
-        from megatrain.tune import best_gpu_fraction
+        from megatrain.tune.search import best_gpu_fraction
 
         best = best_gpu_fraction(spec, a.batch, a.seq, knobs, a.profile or "h200",
                                  gpu_bytes=int(a.gpu_limit_gib * 2**30), state_buffers=(2, 3))
@@ -152,7 +152,7 @@ def main() -> None:
         i += 1
     if auto is not None and a.profile:  # re-check the choice on 2 measured steps, as the trainer does
         from megatrain.sim import load_profile
-        from megatrain.training.autoswitch import switch_trainer
+        from megatrain.train.autoswitch import switch_trainer
 
         check = [step(i + k).timeline for k in range(2)]
         i += 2

@@ -61,12 +61,12 @@ def launch(gpus: int, args: list[str], timeout: float) -> int:
 
 # ---- one run (every rank) -----------------------------------------------------------------------------------------
 def worker(a) -> None:
-    from megatrain.dist.world import World
+    from megatrain.parallel.world import World
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.ir.collectives import rank_host_plan
-    from megatrain.ir.knobs import resolve_knobs
-    from megatrain.presets import get_model
-    from megatrain.training.trainer import StreamedTrainer
+    from megatrain.compile.collectives import rank_host_plan
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.model.presets import get_model
+    from megatrain.engine.trainer import StreamedTrainer
 
     world = World.from_env(a.device, timeout_s=a.timeout)
     spec = get_model(a.model)
@@ -242,10 +242,10 @@ def _program_of(result: dict, gpus: int):
     `name[k=v,...]`)."""
     import re
 
-    from megatrain.ir.builders import build_schedule
-    from megatrain.ir.knobs import resolve_knobs
-    from megatrain.ir.program import lower
-    from megatrain.presets import get_model
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.compile.lower import lower
+    from megatrain.model.presets import get_model
 
     if "schedule_base" in result:
         base, sets = result["schedule_base"], result["knob_sets"]

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import kendall_tau, slug  # noqa: E402  (scripts/ is not a package)
 
-from megatrain.ir.builders import build_schedule  # noqa: E402
-from megatrain.ir.knobs import resolve_knobs  # noqa: E402
-from megatrain.ir.program import lower  # noqa: E402
-from megatrain.presets import get_model  # noqa: E402
+from megatrain.compile.builders import build_schedule  # noqa: E402
+from megatrain.compile.knobs import resolve_knobs  # noqa: E402
+from megatrain.compile.lower import lower
+from megatrain.model.presets import get_model  # noqa: E402
 from megatrain.sim import load_profile, simulate  # noqa: E402
 
 PREFIX = "megatrain "

@@ -1,4 +1,4 @@
-"""Cost of the held-out evaluation (megatrain/training/evaluate.py) on one GPU and on the GPUs of one host.
+"""Cost of the held-out evaluation (megatrain/train/evaluate.py) on one GPU and on the GPUs of one host.
 
 Run from the repository root on the GPU machine; N = 1 is the one-GPU baseline (same rows, same weights):
 
@@ -23,11 +23,11 @@ import time
 import numpy as np
 import torch
 
-from megatrain.dist.world import World
-from megatrain.presets import get_model
-from megatrain.training import evaluate as ev
-from megatrain.training.data import Data, TokenStream, Windows
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.parallel.world import World
+from megatrain.model.presets import get_model
+from megatrain.train import evaluate as ev
+from megatrain.data.batches import Data, TokenStream, Windows
+from megatrain.engine.trainer import StreamedTrainer
 
 
 def fetch_seconds(trainer) -> float:

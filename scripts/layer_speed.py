@@ -14,9 +14,9 @@ import time
 import torch
 
 from megatrain.exec.layers import compiled_layer_functions, decoder_layer, layer_backward
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
-from megatrain.presets import get_model
+from megatrain.model.presets import get_model
 
 
 def _time(fn, reps: int) -> float:

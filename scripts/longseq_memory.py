@@ -1,5 +1,5 @@
 """Measured GPU memory of one decoder layer's BACKWARD task and of the fused head + loss at long sequence lengths,
-beside the planner's estimate (megatrain/ir/memory.py: `layer_working_set`, `head_working_set`).
+beside the planner's estimate (megatrain/plan/memory.py: `layer_working_set`, `head_working_set`).
 
 For each sequence length the schedule's placement is resolved (MLP tiles, wires, compute dtype, loss chunk as a
 training run would have them). The layer is bound to a flat slot in the weight wire dtype the way the executor binds
@@ -27,14 +27,14 @@ from torch.utils._pytree import tree_flatten
 
 from megatrain.exec.head import head_loss_backward
 from megatrain.exec.layers import attention, layer_functions
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import TORCH_DTYPES
-from megatrain.ir.knobs import resolve_knobs
-from megatrain.ir.memory import head_working_set, layer_working_set, plan_placement
-from megatrain.ir.resolve import resolve
-from megatrain.presets import get_model
-from megatrain.spec import HEAD
+from megatrain.compile.knobs import resolve_knobs
+from megatrain.plan.memory import head_working_set, layer_working_set, plan_placement
+from megatrain.compile.resolve import resolve
+from megatrain.model.presets import get_model
+from megatrain.model.spec import HEAD
 
 GiB, MiB = 2**30, 2**20
 

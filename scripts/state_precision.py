@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from megatrain.exec.optim import AdamWConfig
-from megatrain.ir.knobs import resolve_knobs
-from megatrain.presets import get_model
-from megatrain.training.data import CORPUS_PATH, TrainLoader, Windows, read_text
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.compile.knobs import resolve_knobs
+from megatrain.model.presets import get_model
+from megatrain.data.batches import CORPUS_PATH, TrainLoader, Windows, read_text
+from megatrain.engine.trainer import StreamedTrainer
 
 
 def loss_table(fp32: list[float], bf16: list[float]) -> tuple[list[float], float, float]:

@@ -4,8 +4,8 @@ the debug model with the given `key=value` overrides; `--stop-rank0-at N` asks o
 import argparse
 import os
 
-from megatrain.training.config import load_config
-from megatrain.training.loop import run_training
+from megatrain.train.config import load_config
+from megatrain.train.loop import run_training
 
 
 def main() -> None:

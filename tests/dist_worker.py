@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from megatrain.dist.world import World
+from megatrain.parallel.world import World
 from megatrain.exec.optim import AdamWConfig
-from megatrain.ir.knobs import knobs_for
-from megatrain.presets import PRESETS
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.compile.knobs import knobs_for
+from megatrain.model.presets import PRESETS
+from megatrain.engine.trainer import StreamedTrainer
 
 SPEC = PRESETS["debug"].with_layers(3)
 GLOBAL_BATCH, SEQ = 4, 16
@@ -80,7 +80,7 @@ def train_case(a, world: World, schedule: str, clip: float) -> dict:
 def run(tr: StreamedTrainer, steps: int, skip: int = 0, load: str | None = None, save: str | None = None,
         seq: int = SEQ) -> list:
     """Train `steps` steps on batches skip.. of the stream, resuming from / saving a sharded checkpoint."""
-    from megatrain.dist.checkpoint import load_sharded, save_sharded
+    from megatrain.io.sharded_checkpoint import load_sharded, save_sharded
 
     if load:
         tr.step_count = load_sharded(load, tr.store, tr.world)

@@ -8,14 +8,14 @@ import torch
 
 from megatrain.cli import main
 from megatrain.exec.optim import AdamWConfig
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import STREAM_NAMES, TASK_KINDS
-from megatrain.training.autoswitch import AutoChoice, switch_trainer
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.train.autoswitch import AutoChoice, switch_trainer
+from megatrain.engine.trainer import StreamedTrainer
 
 GiB = 2**30
 

@@ -5,11 +5,11 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import ScheduleKnobs, resolve_knobs
-from megatrain.ir.memory import plan_memory
-from megatrain.ir.resolve import OPTIMIZER_PRESETS
-from megatrain.presets import PRESETS
-from megatrain.tune import choose_schedule
+from megatrain.compile.knobs import ScheduleKnobs, resolve_knobs
+from megatrain.compile.advice import plan_memory
+from megatrain.compile.resolve import OPTIMIZER_PRESETS
+from megatrain.model.presets import PRESETS
+from megatrain.tune.search import choose_schedule
 
 SPEC = PRESETS["bench-3b"]
 GiB = 2**30

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from megatrain.cli import main
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS, lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile, with_spans
 from megatrain.profiling.copies import MiB, copy_sizes, fit_curve
 from megatrain.profiling.rates import fit_fixed_and_rate, thread_counts

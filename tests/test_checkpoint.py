@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.spec import EMBED, HEAD
-from megatrain.training import safetensors_io as stio
-from megatrain.training.checkpoint import (
+from megatrain.model.spec import EMBED, HEAD
+from megatrain.io import safetensors_io as stio
+from megatrain.io.checkpoint import (
     KINDS,
     CheckpointError,
     CheckpointManager,
@@ -25,8 +25,8 @@ from megatrain.training.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from megatrain.training.config import DataConfig
-from megatrain.training.data import open_data
+from megatrain.train.config import DataConfig
+from megatrain.data.batches import open_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,8 +164,8 @@ def test_truncated_checkpoint_file_is_a_clear_error(tmp_path):
 
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
-    from megatrain.training import safetensors_io as stio
-    from megatrain.training.checkpoint import KINDS, CheckpointManager
+    from megatrain.io import safetensors_io as stio
+    from megatrain.io.checkpoint import KINDS, CheckpointManager
     mgr = CheckpointManager(sys.argv[1], keep_last=1)
     tiles = lambda s: {k: {u: torch.full((50_000,), float(s + i)) for u in range(4)} for i, k in enumerate(KINDS)}
     mgr.save(1, tiles(1), {"step": 1})

@@ -11,10 +11,10 @@ import pytest
 
 from megatrain import __version__
 from megatrain.cli import main
-from megatrain.presets import PRESETS
+from megatrain.model.presets import PRESETS
 from megatrain.profiling import calibrate
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile
-from megatrain.training import fit
+from megatrain.train import fit
 
 
 def test_version(capsys):

@@ -4,11 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from megatrain.ir.knobs import knobs_for
-from megatrain.training.config import load_config
-from megatrain.training.log import RunLog, compile_note
-from megatrain.training.loop import run_training
-from megatrain.training.metrics import METRIC_KEYS
+from megatrain.compile.knobs import knobs_for
+from megatrain.train.config import load_config
+from megatrain.train.log import RunLog, compile_note
+from megatrain.train.loop import run_training
+from megatrain.train.metrics import METRIC_KEYS
 
 
 def test_piped_train_output_has_no_bar_and_a_line_every_n_steps(tmp_path):
@@ -70,7 +70,7 @@ def _records(path):
     """The TFRecord payloads of an event file, each frame's two masked CRCs checked."""
     import struct
 
-    from megatrain.training.tensorboard import masked_crc32c
+    from megatrain.train.tensorboard import masked_crc32c
 
     data, out, i = path.read_bytes(), [], 0
     while i < len(data):
@@ -116,7 +116,7 @@ def _fields(buf):
 
 
 def test_run_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
-    from megatrain.training.tensorboard import crc32c
+    from megatrain.train.tensorboard import crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.steps=2", "run.eval_every=2", "run.eval_batches=1",

@@ -2,8 +2,8 @@
 import pytest
 
 from megatrain.cli import main
-from megatrain.ir.knobs import NAMED_SCHEDULES
-from megatrain.presets import PRESETS
+from megatrain.compile.knobs import NAMED_SCHEDULES
+from megatrain.model.presets import PRESETS
 
 
 def test_plan_prints_table_and_fit(capsys):
@@ -27,10 +27,10 @@ def test_plan_user_errors_are_one_line(capsys):
 def test_gpu_checkpoints_move_checkpoints_from_host_to_gpu_in_the_plan():
     """Keeping the top n offloaded checkpoints on the GPU shrinks the host plan by n checkpoints and grows the GPU
     plan by as many; the DAG loses their X/Y copies."""
-    from megatrain.ir.builders import build_schedule
-    from megatrain.ir.knobs import knobs_for
-    from megatrain.ir.memory import plan_memory
-    from megatrain.presets import PRESETS
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.knobs import knobs_for
+    from megatrain.compile.advice import plan_memory
+    from megatrain.model.presets import PRESETS
 
     spec, batch, seq = PRESETS["debug"], 2, 64
     one = batch * seq * spec.hidden_size * 2  # a bf16 checkpoint
@@ -49,8 +49,8 @@ def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
     (bench-3b at 8 x 2048, every named schedule; resident units, state and kept-gradient buffers included)."""
     import re
 
-    from megatrain.ir.memory import GiB, gpu_rows
-    from megatrain.ir.resolve import resolve
+    from megatrain.plan.memory import GiB, gpu_rows
+    from megatrain.compile.resolve import resolve
 
     spec = PRESETS["bench-3b"]
     extra = {"arrival-resident": ["--set", "resident_layers=4"], "overlap-split": ["--set", "retain_grads=2"]}
@@ -62,11 +62,11 @@ def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
     rows = [float(m) for m in re.findall(r"^  .*?(\d+\.\d\d)$", gpu, flags=re.M)]
     peak = float(re.search(r"peak \(the sum of the rows\)\s+(\d+\.\d\d)", out).group(1))
     assert sum(rows) == pytest.approx(peak, abs=0.01 * len(rows))  # each row is rounded to 0.01 GiB
-    from megatrain.ir.knobs import resolve_knobs
+    from megatrain.compile.knobs import resolve_knobs
 
     plan_knobs = resolve_knobs(name, [a for a in extra.get(name, []) if a != "--set"])[1]
     p = resolve(spec, 8, 2048, plan_knobs)
-    from megatrain.ir.memory import plan_placement
+    from megatrain.plan.memory import plan_placement
 
     plan = plan_placement(p)
     assert sum(b for _, b in gpu_rows(plan)) == plan.gpu.peak_bytes  # exactly, in bytes
@@ -101,7 +101,7 @@ def test_one_set_grammar_for_every_command(tmp_path, capsys):
                  "--out", str(tmp_path / "sim"), *sets]) == 0
     import argparse
 
-    from megatrain.training.command import add_train_arguments, config_from_args
+    from megatrain.train.command import add_train_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 
 from megatrain.cli import main
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile
 from megatrain.profiling.compare import (
     compare,
@@ -21,7 +21,7 @@ from megatrain.profiling.compare import (
 )
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import ComputeTable, model_signature
-from megatrain.spec import EMBED, HEAD
+from megatrain.model.spec import EMBED, HEAD
 
 DEBUG = PRESETS["debug"]
 

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.training.config import ConfigError, RunConfig, load_config
+from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.train.config import ConfigError, RunConfig, load_config
 
 
 def write(tmp_path, text: str):
@@ -120,7 +120,7 @@ def test_schedule_section_maps_onto_schedule_knobs(tmp_path):
     for f in fields(ScheduleKnobs):
         assert getattr(cfg.schedule, f.name) == getattr(knobs_for("serial", buffers=2), f.name)
     # The [schedule] table of a run config is a schedule file: `megatrain simulate --schedule` reads the same file.
-    from megatrain.ir.knobs import resolve_knobs
+    from megatrain.compile.knobs import resolve_knobs
     assert resolve_knobs(str(tmp_path / "run.toml"))[1] == load_config(tmp_path / "run.toml").schedule.knobs()
     with pytest.raises(ConfigError, match=r"schedule\.buffers must be an integer"):
         load_config(write(tmp_path, '[schedule]\nbuffers = "two"\n'))

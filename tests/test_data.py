@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.training.config import DataConfig
-from megatrain.training.data import (
+from megatrain.train.config import DataConfig
+from megatrain.data.batches import (
     CORPUS_PATH,
     ByteTokenizer,
     DataError,
@@ -188,7 +188,7 @@ def test_eval_batches_are_fixed_and_held_out(tmp_path):
 
 
 def test_windows_of_a_loader_match_the_stream():
-    from megatrain.training.data import TokenStream
+    from megatrain.data.batches import TokenStream
 
     s = TokenStream(np.arange(100, dtype=np.uint16), "mem")
     loader = TrainLoader(Windows(s, 9), batch_size=2, seed=5)

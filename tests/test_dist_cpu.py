@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.dist.world import World
-from megatrain.ir.builders import build_schedule
+from megatrain.parallel.world import World
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.program import lower
+from megatrain.compile.lower import lower
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402
@@ -126,8 +126,8 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path):
         assert r.returncode == 0 and f"RESULT rank={rank} steps=2 stopped_early=True" in r.stdout, r.stderr[-3000:]
     ckpt = runs / "dp" / "checkpoints" / "step_00000002"
     assert {"rank0.safetensors", "rank1.safetensors"} <= {p.name for p in ckpt.iterdir()}
-    from megatrain.training.config import load_config
-    from megatrain.training.loop import run_training
+    from megatrain.train.config import load_config
+    from megatrain.train.loop import run_training
 
     resumed = run_training(load_config(None, [*common, "run.grad_accum=2", "run.resume=latest"]), log=lambda _: None)
     assert resumed.steps == 4 and len(resumed.losses) == 2
@@ -162,10 +162,10 @@ def test_torchrun_train_equals_one_process_accumulating_the_same_batches(tmp_pat
 
 def test_the_planner_predicts_each_ranks_host_store():
     """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate."""
-    from megatrain.dist.shard import ShardedHostStore
-    from megatrain.ir.collectives import for_world, rank_host_plan
-    from megatrain.ir.knobs import knobs_for
-    from megatrain.ir.resolve import resolve
+    from megatrain.parallel.shard import ShardedHostStore
+    from megatrain.compile.collectives import for_world, rank_host_plan
+    from megatrain.compile.knobs import knobs_for
+    from megatrain.compile.resolve import resolve
 
     spec, knobs = dist_worker.SPEC, knobs_for("arrival", clip=0.0, grad_wire="bf16")
     p = for_world(resolve(spec, 2, 16, knobs), 2)
@@ -183,7 +183,7 @@ def test_the_simulator_runs_a_ranks_program_with_its_share_of_the_host():
     """One rank's Program: collectives on the comm stream take at least their latency, and a rank's update of
     half a unit at half the node's AdamW rate takes as long as one process's update of the whole unit (the
     measured node rate does not grow with ranks)."""
-    from megatrain.ir.knobs import knobs_for
+    from megatrain.compile.knobs import knobs_for
     from megatrain.sim import simulate
     from megatrain.sim.collectives import DEFAULTS
 
@@ -220,8 +220,8 @@ def test_ranks_that_lowered_different_programs_stop_before_the_first_collective(
 def test_sharded_checkpoints_resume_on_one_or_two_ranks(tmp_path):
     """2 steps, a checkpoint, 2 more steps: saved by 2 ranks and resumed by 1 process, saved by 1 process and
     resumed by 2 ranks, both equal to 4 uninterrupted steps of one process with 2 micro-batches."""
-    from megatrain.dist.checkpoint import CheckpointError, load_sharded
-    from megatrain.training.trainer import StreamedTrainer
+    from megatrain.io.sharded_checkpoint import CheckpointError, load_sharded
+    from megatrain.engine.trainer import StreamedTrainer
 
     schedule, clip = "overlap", 0.5
     ref_losses, ref = reference(schedule, clip, 4)
@@ -302,10 +302,10 @@ def _check_exports(tmp_path, ckpt):
 
     from safetensors.torch import load_file
 
-    from megatrain.dist.checkpoint import load_store
-    from megatrain.spec import ModelSpec
-    from megatrain.training.export import export_weights
-    from megatrain.training.trainer import StreamedTrainer
+    from megatrain.io.sharded_checkpoint import load_store
+    from megatrain.model.spec import ModelSpec
+    from megatrain.train.export import export_weights
+    from megatrain.engine.trainer import StreamedTrainer
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-m", "megatrain", "export", str(ckpt.parent.parent), str(tmp_path / "hf_cli")],

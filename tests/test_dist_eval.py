@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_dist_cpu import LOSS_TOL, _train_cli
 
-from megatrain.presets import PRESETS
-from megatrain.training.evaluate import loss_sums, rank_share
+from megatrain.model.presets import PRESETS
+from megatrain.train.evaluate import loss_sums, rank_share
 
 
 def _eval_losses(run_dir: Path) -> dict[int, float]:
@@ -76,8 +76,8 @@ def test_layer_major_loss_reads_each_tile_once_and_equals_transformers():
     """`loss_sums` over 5 rows in chunks of 2 (with -100 targets) equals transformers' LlamaForCausalLM
     cross-entropy on the same weights, reading each unit's tile once, in unit order."""
     transformers = pytest.importorskip("transformers")
-    from megatrain.exec.hf_io import state_dict_from_tiles
-    from megatrain.init import init_tiles
+    from megatrain.io.hf_io import state_dict_from_tiles
+    from megatrain.model.init import init_tiles
 
     spec = PRESETS["debug"]
     tiles = init_tiles(spec, seed=3, std=0.05)

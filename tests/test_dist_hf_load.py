@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.dist.hf_load import CheckpointError, load_hf_slices
-from megatrain.dist.shard import ShardedHostStore
-from megatrain.dist.world import World
-from megatrain.ir.collectives import for_world
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.resolve import resolve
-from megatrain.training.hf_checkpoint import load_hf_tiles, weight_files
+from megatrain.io.sharded_hf_load import CheckpointError, load_hf_slices
+from megatrain.parallel.shard import ShardedHostStore
+from megatrain.parallel.world import World
+from megatrain.compile.collectives import for_world
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.resolve import resolve
+from megatrain.io.hf_checkpoint import load_hf_tiles, weight_files
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_checkpoint import DEBUG, hf_model

@@ -8,11 +8,12 @@ import torch
 
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
 from megatrain.exec.optim import AdamWConfig
-from megatrain.init import init_tiles
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.memory import NOT_STORE, plan_memory
-from megatrain.presets import PRESETS
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.model.init import init_tiles
+from megatrain.compile.knobs import knobs_for
+from megatrain.plan.memory import NOT_STORE
+from megatrain.compile.advice import plan_memory
+from megatrain.model.presets import PRESETS
+from megatrain.engine.trainer import StreamedTrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -24,16 +24,17 @@ from megatrain.exec.optim import (
 from megatrain.exec.runtime import Runtime
 from megatrain.exec.store import HostStore
 from megatrain.exec.work import StepWork
-from megatrain.init import init_tiles
-from megatrain.ir.builders import build_schedule
+from megatrain.model.init import init_tiles
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import ScheduleKnobs, knobs_for
-from megatrain.ir.memory import NOT_STORE, plan_memory
-from megatrain.ir.program import lower
-from megatrain.ir.resolve import resolve_host_layout
-from megatrain.presets import PRESETS
-from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+from megatrain.plan.memory import NOT_STORE
+from megatrain.compile.advice import plan_memory
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve_host_layout
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.engine.trainer import StreamedTrainer
 
 DEBUG = PRESETS["debug"]
 TIED = ModelSpec(**{**DEBUG.to_dict(), "name": "debug-tied", "tie_word_embeddings": True,

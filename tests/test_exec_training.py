@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.exec import compute as compute_module
-from megatrain.exec.hf_io import state_dict_from_tiles
-from megatrain.exec.layout import unit_layout
+from megatrain.io.hf_io import state_dict_from_tiles
+from megatrain.model.layout import unit_layout
 from megatrain.exec.optim import AdamWConfig
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.presets import PRESETS
-from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.engine.trainer import StreamedTrainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +63,7 @@ def batches(spec: ModelSpec, steps: int = STEPS, seed: int = 1) -> list[tuple[to
 
 
 def initial_tiles(spec: ModelSpec) -> dict[int, torch.Tensor]:
-    """The test's own seeded weights (one generator over the units in order: independent of megatrain.init, so the
+    """The test's own seeded weights (one generator over the units in order: independent of megatrain.model.init, so the
     trajectories these bounds were set on do not move when the library's initialization changes)."""
     gen = torch.Generator().manual_seed(0)
     tiles = {}

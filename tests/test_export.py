@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatrain.cli import main
-from megatrain.presets import PRESETS
-from megatrain.training.checkpoint import CheckpointManager
-from megatrain.training.hf_checkpoint import PROVENANCE_FILE, hf_config_for
+from megatrain.model.presets import PRESETS
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.hf_checkpoint import PROVENANCE_FILE, hf_config_for
 
 DEBUG = PRESETS["debug"]
 
@@ -27,7 +27,7 @@ def toml(tmp_path, **run):
 
 def test_export_any_checkpoint_loads_in_transformers(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from megatrain.exec.hf_io import forward_logits
+    from megatrain.io.hf_io import forward_logits
 
     assert main(["train", "--config", str(toml(tmp_path, keep_last=0))]) == 0
     run = tmp_path / "runs" / "t"

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from megatrain.exec.head import embed_forward, head_logits
-from megatrain.exec.hf_io import state_dict_from_tiles
+from megatrain.io.hf_io import state_dict_from_tiles
 from megatrain.exec.layers import decoder_layer
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.rope import rope_cos_sin
-from megatrain.init import init_tiles
-from megatrain.ir.knobs import knobs_for
-from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.model.init import init_tiles
+from megatrain.compile.knobs import knobs_for
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.engine.trainer import StreamedTrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 transformers = pytest.importorskip("transformers")

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from megatrain.exec import store as store_module
-from megatrain.init import init_tiles
-from megatrain.presets import PRESETS
-from megatrain.spec import SpecError, load_hf_config
-from megatrain.training import metrics as metrics_module
-from megatrain.training import safetensors_io as stio
-from megatrain.training.checkpoint import CheckpointError
-from megatrain.training.config import ConfigError, load_config
-from megatrain.training.errors import TrainingError
-from megatrain.training.hf_checkpoint import export_hf, weight_files
-from megatrain.training.loop import run_training
-from megatrain.training.metrics import read_metrics
+from megatrain.model.init import init_tiles
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import SpecError, load_hf_config
+from megatrain.train import metrics as metrics_module
+from megatrain.io import safetensors_io as stio
+from megatrain.io.checkpoint import CheckpointError
+from megatrain.train.config import ConfigError, load_config
+from megatrain.train.errors import TrainingError
+from megatrain.io.hf_checkpoint import export_hf, weight_files
+from megatrain.train.loop import run_training
+from megatrain.train.metrics import read_metrics
 
 DEBUG = PRESETS["debug"]
 

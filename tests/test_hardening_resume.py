@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.init import init_tiles
-from megatrain.presets import PRESETS
-from megatrain.training.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
-from megatrain.training.config import ConfigError, load_config
-from megatrain.training.hf_checkpoint import export_hf
-from megatrain.training.loop import run_training
-from megatrain.training.metrics import read_metrics
-from megatrain.training.rundir import RunLock
+from megatrain.model.init import init_tiles
+from megatrain.model.presets import PRESETS
+from megatrain.io.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from megatrain.train.config import ConfigError, load_config
+from megatrain.io.hf_checkpoint import export_hf
+from megatrain.train.loop import run_training
+from megatrain.train.metrics import read_metrics
+from megatrain.train.rundir import RunLock
 
 DEBUG = PRESETS["debug"]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from megatrain.cli import main
-from megatrain.training import loop, preflight
-from megatrain.training.config import load_config
-from megatrain.training.loop import run_training
-from megatrain.training.metrics import read_metrics
+from megatrain.train import loop, preflight
+from megatrain.train.config import load_config
+from megatrain.train.loop import run_training
+from megatrain.train.metrics import read_metrics
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):

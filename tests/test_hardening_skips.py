@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatrain.cli import main
-from megatrain.init import init_tiles
-from megatrain.presets import PRESETS
-from megatrain.training.checkpoint import CheckpointError, CheckpointManager
-from megatrain.training.config import load_config
-from megatrain.training.errors import DivergedError
-from megatrain.training.hf_checkpoint import export_hf, load_hf_tiles
-from megatrain.training.loop import run_training
-from megatrain.training.metrics import read_metrics
+from megatrain.model.init import init_tiles
+from megatrain.model.presets import PRESETS
+from megatrain.io.checkpoint import CheckpointError, CheckpointManager
+from megatrain.train.config import load_config
+from megatrain.train.errors import DivergedError
+from megatrain.io.hf_checkpoint import export_hf, load_hf_tiles
+from megatrain.train.loop import run_training
+from megatrain.train.metrics import read_metrics
 
 DEBUG = PRESETS["debug"]
 

@@ -9,9 +9,9 @@ import torch
 
 from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
-from megatrain.presets import PRESETS
-from megatrain.training.command import add_train_arguments, config_from_args
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.model.presets import PRESETS
+from megatrain.train.command import add_train_arguments, config_from_args
+from megatrain.engine.trainer import StreamedTrainer
 
 DEBUG = PRESETS["debug"]
 B, T = 2, 16
@@ -80,7 +80,7 @@ def test_wait_timeout_is_settable_in_the_config_and_on_the_command_line():
     assert cfg.run.wait_timeout_s == 7.5
     cfg = config_from_args(parser.parse_args(["--set", "run.wait_timeout_s=12"]))
     assert cfg.run.wait_timeout_s == 12.0
-    from megatrain.training.config import ConfigError
+    from megatrain.train.config import ConfigError
 
     with pytest.raises(ConfigError, match="run.wait_timeout_s"):
         config_from_args(parser.parse_args(["--set", "run.wait_timeout_s=0"]))
@@ -106,9 +106,9 @@ def test_profiler_waits_are_bounded_and_name_the_measurement(monkeypatch):
 
 def test_a_hung_step_ends_the_run_with_an_error_naming_the_task_and_the_checkpoint(tmp_path, monkeypatch):
     from megatrain.exec import work as work_module
-    from megatrain.training.config import load_config
-    from megatrain.training.errors import TrainingError
-    from megatrain.training.loop import run_training
+    from megatrain.train.config import load_config
+    from megatrain.train.errors import TrainingError
+    from megatrain.train.loop import run_training
 
     real, state = work_module.StepWork.prefetch, {"calls": 0}
 

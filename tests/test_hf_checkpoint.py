@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatrain.exec.hf_io import state_dict_from_tiles, tiles_from_state_dict
-from megatrain.exec.layout import unit_layout
-from megatrain.presets import PRESETS
-from megatrain.spec import HEAD, ModelSpec, load_hf_config
-from megatrain.training.hf_checkpoint import (
+from megatrain.io.hf_io import state_dict_from_tiles, tiles_from_state_dict
+from megatrain.model.layout import unit_layout
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import HEAD, ModelSpec, load_hf_config
+from megatrain.io.hf_checkpoint import (
     CheckpointError,
     export_hf,
     load_hf,
@@ -216,9 +216,9 @@ def test_untied_checkpoint_without_lm_head_and_bad_dtypes(tmp_path):
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys, psutil, torch
     import safetensors, safetensors.torch
-    from megatrain.exec.layout import unit_layout
-    from megatrain.training.hf_checkpoint import load_hf_into
-    from megatrain.spec import load_hf_config
+    from megatrain.model.layout import unit_layout
+    from megatrain.io.hf_checkpoint import load_hf_into
+    from megatrain.model.spec import load_hf_config
     def hwm():
         line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
         return int(line.split()[1]) * 1024

@@ -16,16 +16,17 @@ from test_exec_training import FP32, SPECS, assert_same_training, batches, initi
 from megatrain.cli import main
 from megatrain.exec.optim import AdamWConfig, adamw_update_bf16_state
 from megatrain.exec.store import HostStore
-from megatrain.ir.builders import build_schedule
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import knobs_for, resolve_knobs
-from megatrain.ir.memory import NOT_STORE, GiB, fit_report, format_plan, plan_memory
-from megatrain.ir.program import lower
-from megatrain.ir.resolve import resolve_host_layout
-from megatrain.presets import PRESETS
+from megatrain.compile.knobs import knobs_for, resolve_knobs
+from megatrain.plan.memory import NOT_STORE, GiB, format_plan
+from megatrain.compile.advice import fit_report, plan_memory
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve_host_layout
+from megatrain.model.presets import PRESETS
 from megatrain.sim import load_profile, simulate
-from megatrain.spec import EMBED, HEAD
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.model.spec import EMBED, HEAD
+from megatrain.engine.trainer import StreamedTrainer
 
 LEAN = dict(compute_dtype="fp32")  # "lean" streams the fp32 master already
 
@@ -222,7 +223,7 @@ def test_a_bf16_state_run_resumes_bit_exactly(tmp_path):
     from test_hardening_resume import tiny
     from test_hardening_resume import train as run
 
-    from megatrain.training.metrics import read_metrics
+    from megatrain.train.metrics import read_metrics
 
     lean = ["schedule.name=lean", "schedule.state_dtype=bf16"]
     run(tiny(tmp_path, *lean, name="straight"))

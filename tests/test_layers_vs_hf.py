@@ -18,16 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
-from megatrain.exec.hf_io import (
+from megatrain.io.hf_io import (
     CheckpointError,
     forward_logits,
     state_dict_from_tiles,
     tiles_from_state_dict,
 )
 from megatrain.exec.layers import decoder_layer, layer_backward
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
-from megatrain.spec import EMBED, HEAD, ModelSpec, RopeScaling
+from megatrain.model.spec import EMBED, HEAD, ModelSpec, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,14 +12,14 @@ import math
 
 import pytest
 
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.profiling.live import calibrate_run
 from megatrain.sim import CopyCurve, HardwareProfile, load_profile, simulate
-from megatrain.training.config import load_config
-from megatrain.training.loop import run_training
+from megatrain.train.config import load_config
+from megatrain.train.loop import run_training
 
 
 def truth_and_start():

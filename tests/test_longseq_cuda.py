@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from megatrain.exec.layers import attention, layer_functions
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.memory import head_working_set, layer_working_set
-from megatrain.ir.resolve import resolve
-from megatrain.presets import PRESETS
+from megatrain.compile.knobs import knobs_for
+from megatrain.plan.memory import head_working_set, layer_working_set
+from megatrain.compile.resolve import resolve
+from megatrain.model.presets import PRESETS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

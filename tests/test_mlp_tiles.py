@@ -17,13 +17,13 @@ import torch
 from test_layers_vs_hf import _CreatedShapes, _llama, _qwen2
 
 from megatrain.exec.layers import decoder_layer, layer_backward, layer_functions
-from megatrain.exec.layout import unit_layout
+from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import ScheduleKnobs, knobs_for
+from megatrain.compile.knobs import ScheduleKnobs, knobs_for
 from megatrain.ir.placement import Placement
-from megatrain.ir.resolve import AUTO_MLP_TILE, AUTO_MLP_TILE_ABOVE, resolve
-from megatrain.presets import PRESETS
+from megatrain.compile.resolve import AUTO_MLP_TILE, AUTO_MLP_TILE_ABOVE, resolve
+from megatrain.model.presets import PRESETS
 
 
 def _layer(spec, batch: int, seq: int, seed: int = 0):

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from megatrain.cli import main
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.memory import GiB, plan_memory
-from megatrain.ir.program import lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.plan.memory import GiB
+from megatrain.compile.advice import plan_memory
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.sim import (
     CopyCurve,
     HardwareProfile,
@@ -180,7 +181,7 @@ def test_the_comm_queue_issues_gathers_ahead_of_reductions_they_do_not_need():
     B + Z + G in series per layer)."""
     import networkx as nx
 
-    import megatrain.ir.program as program_module
+    import megatrain.compile.lower as program_module
 
     spec = PRESETS["bench-3b"].with_layers(6)
     schedule = build_schedule(spec, 4, 1024, knobs_for("arrival", clip=0.0), world=2)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.ir.builders import build_schedule
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.ir.placement import BufferKind, GradLanding, Timing, UpdateSite
-from megatrain.ir.program import lower
-from megatrain.ir.resolve import DEFAULT_GPU_FRACTION, OPTIMIZER_PRESETS, resolve
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import DEFAULT_GPU_FRACTION, OPTIMIZER_PRESETS, resolve
 from megatrain.ir.tasks import Task
-from megatrain.presets import PRESETS
+from megatrain.model.presets import PRESETS
 
 DEBUG = PRESETS["debug"]  # 4 layers
 GOLDEN = Path(__file__).parent / "golden"
@@ -238,7 +238,7 @@ def test_an_edited_schedule_lowers_simulates_runs_and_round_trips(tmp_path):
     import torch
 
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.ir.edit import (
+    from megatrain.compile.edit import (
         add_dependency,
         load_schedule,
         move_to_stream,
@@ -246,7 +246,7 @@ def test_an_edited_schedule_lowers_simulates_runs_and_round_trips(tmp_path):
         with_ring_buffers,
     )
     from megatrain.sim import simulate
-    from megatrain.training.trainer import StreamedTrainer
+    from megatrain.engine.trainer import StreamedTrainer
 
     knobs = knobs_for("long-context", compute_dtype="fp32", weight_wire="fp32")
     sched = build_schedule(DEBUG, 4, 32, knobs)

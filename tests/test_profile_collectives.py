@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatrain.cli import main
-from megatrain.ir.collectives import _collective_attrs
+from megatrain.compile.collectives import _collective_attrs
 from megatrain.sim.collectives import collective_s
 from megatrain.sim.profile import load_profile
 

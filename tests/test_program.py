@@ -1,13 +1,15 @@
 """Lowering a schedule to a Program: streams, per-stream order, waits, slots, memory, JSON, determinism."""
 import pytest
 
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.ir.memory import GiB, fit_report, plan_memory
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.plan.memory import GiB
+from megatrain.compile.advice import fit_report, plan_memory
 from megatrain.ir.placement import GRAD_SCRATCH_ELEMENTS
-from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS, Program, lower
-from megatrain.ir.resolve import resolve
-from megatrain.presets import PRESETS
+from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS, Program
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve
+from megatrain.model.presets import PRESETS
 
 DEBUG = PRESETS["debug"]
 

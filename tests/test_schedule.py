@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.ir.builders import build_schedule
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
-from megatrain.ir.resolve import resolve
+from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
+from megatrain.compile.resolve import resolve
 from megatrain.ir.tasks import NORM, B, F, O, P, S, Task, TaskKind, U, V, W
-from megatrain.presets import PRESETS
-from megatrain.spec import EMBED, HEAD
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import EMBED, HEAD
 
 GOLDEN = Path(__file__).parent / "golden"
 DEBUG = PRESETS["debug"]  # 4 layers

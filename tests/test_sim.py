@@ -5,10 +5,11 @@ import math
 import pandas as pd
 import pytest
 
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import Program, ProgramTask, lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.sim import CopyCurve, HardwareProfile, SimulationError, simulate
 
 DEBUG = PRESETS["debug"]
@@ -209,8 +210,8 @@ def test_overlap_split_takes_its_layers_updates_off_the_host_threads():
 
 
 def test_best_gpu_fraction_follows_the_slower_of_host_threads_and_pcie():
-    from megatrain.ir.memory import plan_memory
-    from megatrain.tune import best_gpu_fraction
+    from megatrain.compile.advice import plan_memory
+    from megatrain.tune.search import best_gpu_fraction
 
     start = knobs_for("overlap")
     # Host AdamW free, PCIe slow: every GPU update only adds copies, so none.

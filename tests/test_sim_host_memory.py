@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from test_sim import copy_program, ends, make_profile, program
 
-from megatrain.ir.knobs import knobs_for
+from megatrain.compile.knobs import knobs_for
 from megatrain.sim import CostModel, HardwareProfile, load_profile, simulate
 from megatrain.sim.hostmem import share_rates
 from megatrain.sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM

@@ -12,10 +12,11 @@ from megatrain.analysis.summary import (
 )
 from megatrain.analysis.viz import chrome_trace, gantt, write_chrome_trace
 from megatrain.cli import main
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import STREAMS, lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.ir.program import STREAMS
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.sim import simulate
 
 DEBUG = PRESETS["debug"]

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from megatrain.ir.builders import build_schedule
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import lower
-from megatrain.presets import PRESETS
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
+from megatrain.model.presets import PRESETS
 from megatrain.sim import (
     ComputeTable,
     CopyCurve,

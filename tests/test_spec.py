@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from megatrain.presets import PRESETS, get_model
-from megatrain.spec import EMBED, HEAD, SpecError, load_hf_config, spec_from_hf_config
+from megatrain.model.presets import PRESETS, get_model
+from megatrain.model.spec import EMBED, HEAD, SpecError, load_hf_config, spec_from_hf_config
 
 LLAMA3_V4 = {  # transformers 4.x shape: rope_theta top level, rope_scaling, torch_dtype
     "model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 344,

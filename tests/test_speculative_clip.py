@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from megatrain.exec.optim import AdamWConfig, adamw_undo, adamw_update
-from megatrain.ir.builders import build_schedule
+from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError, validate
-from megatrain.ir.knobs import knobs_for
-from megatrain.ir.program import lower
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
 from megatrain.ir.tasks import Task
-from megatrain.presets import PRESETS
+from megatrain.model.presets import PRESETS
 from megatrain.sim import simulate
-from megatrain.training.trainer import StreamedTrainer
+from megatrain.engine.trainer import StreamedTrainer
 
 from test_exec_training import FP32, LR, MAX_NORM, SPECS, WD, batches, initial_tiles
 

@@ -1,13 +1,13 @@
-"""Which tokenizer a run's data gets (megatrain/training/tokenization.py): never a silent mismatch."""
+"""Which tokenizer a run's data gets (megatrain/data/tokenization.py): never a silent mismatch."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from megatrain.training.config import DataConfig, ModelConfig, load_config
-from megatrain.training.data import DataError, open_data
-from megatrain.training.tokenization import resolve_tokenizer
+from megatrain.train.config import DataConfig, ModelConfig, load_config
+from megatrain.data.batches import DataError, open_data
+from megatrain.data.tokenization import resolve_tokenizer
 
 WORDS = ["<unk>", "the", "layer", "streams", "weights", "host", "memory", "</s>"]
 

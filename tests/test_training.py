@@ -1,4 +1,4 @@
-"""The training loop (megatrain.training.loop) end to end on the CPU backend with the debug model and the bundled corpus:
+"""The training loop (megatrain.train.loop) end to end on the CPU backend with the debug model and the bundled corpus:
 run directory outputs, learning-rate schedule, per-unit seeded init, gradient accumulation, eval against HF
 transformers, bit-exact resume (also after a crash past the last checkpoint), the memory check, and bad input
 that must fail with one clear error before anything is lost."""
@@ -16,29 +16,29 @@ import pytest
 import torch
 
 from megatrain.analysis.timeline import TIMELINE_COLUMNS
-from megatrain.init import init_into, init_tiles, unit_seed
-from megatrain.presets import PRESETS
-from megatrain.spec import EMBED, HEAD, ModelSpec
-from megatrain.training import fit
-from megatrain.training import loop as training
-from megatrain.training import safetensors_io as stio
-from megatrain.training.checkpoint import CheckpointError, CheckpointManager
-from megatrain.training.command import (
+from megatrain.model.init import init_into, init_tiles, unit_seed
+from megatrain.model.presets import PRESETS
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.train import fit
+from megatrain.train import loop as training
+from megatrain.io import safetensors_io as stio
+from megatrain.io.checkpoint import CheckpointError, CheckpointManager
+from megatrain.train.command import (
     add_train_arguments,
     config_from_args,
     run_from_args,
 )
-from megatrain.training.config import ConfigError, OptimizerConfig, load_config
-from megatrain.training.data import DataError
-from megatrain.training.errors import TrainingError
-from megatrain.training.loop import (
+from megatrain.train.config import ConfigError, OptimizerConfig, load_config
+from megatrain.data.batches import DataError
+from megatrain.train.errors import TrainingError
+from megatrain.train.loop import (
     MemoryFitError,
     RunSummary,
     check_memory,
     lr_schedule,
     run_training,
 )
-from megatrain.training.metrics import (
+from megatrain.train.metrics import (
     METRIC_KEYS,
     MetricsLogger,
     format_step_line,
@@ -92,7 +92,7 @@ def test_init_is_per_unit_seeded_and_matches_hf_statistics():
     cut = init_tiles(spec.with_layers(2), seed=3, std=0.02)
     assert all(torch.equal(cut[u], full[u]) for u in (EMBED, 0, 1, HEAD))
     assert not torch.equal(init_tiles(spec, seed=4)[0], full[0]) and unit_seed(3, 0) != unit_seed(3, 1)
-    from megatrain.exec.layout import unit_layout
+    from megatrain.model.layout import unit_layout
 
     views = unit_layout(spec, 0).views(full[0])
     assert views["self_attn.q_proj.weight"].std().item() == pytest.approx(0.02, rel=0.05)
@@ -218,8 +218,8 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 def test_eval_loss_matches_transformers_on_the_trained_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.training.data import open_data
-    from megatrain.training.trainer import StreamedTrainer
+    from megatrain.data.batches import open_data
+    from megatrain.engine.trainer import StreamedTrainer
 
     cfg = tiny(tmp_path)
     data = open_data(cfg.data, DEBUG.vocab_size)
@@ -246,7 +246,7 @@ def test_export_at_end_and_training_from_a_hf_directory(tmp_path):
     s, lines = train(tiny(tmp_path, "run.steps=2", f"run.export_hf={export}"))
     assert s.export_dir == export and (export / "config.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32).eval()
-    from megatrain.exec.hf_io import forward_logits
+    from megatrain.io.hf_io import forward_logits
 
     tiles = {u: t for u, t in master_tiles(s.checkpoint)["master"].items()}
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -273,7 +273,7 @@ def test_run_that_does_not_fit_stops_before_allocating(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # nothing created
     # GPU side (planned for the cuda backend, no GPU needed): the knobs that shrink the working set.
     big = PRESETS["llama3-8b"]
-    from megatrain.ir.knobs import knobs_for
+    from megatrain.compile.knobs import knobs_for
 
     with pytest.raises(MemoryFitError, match=r"GPU: DOES NOT FIT.*\n.*micro_batches=2") as e:
         check_memory(big, 8, 4096, knobs_for("overlap"), "cuda", host_bytes=2**40, gpu_bytes=8 * 2**30)

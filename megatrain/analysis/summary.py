@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from ..ir.program import STREAMS, Program
+from megatrain.ir.program import STREAMS, Program
 
 CAUSE_OF_KIND = {"P": "weights", "Y": "weights", "X": "weights", "U": "optimizer", "N": "optimizer",
                  "O": "gradients", "S": "gradients", "W": "gradients"}

@@ -14,8 +14,8 @@ from typing import Mapping, Sequence, Union
 
 import pandas as pd
 
-from ..ir.program import STREAMS, Program
-from .summary import gpu_memory_curve
+from megatrain.ir.program import STREAMS, Program
+from megatrain.analysis.summary import gpu_memory_curve
 
 Timelines = Union[pd.DataFrame, Sequence[pd.DataFrame], Mapping[str, pd.DataFrame]]
 

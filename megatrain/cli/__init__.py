@@ -18,7 +18,7 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from megatrain import __version__
 
     parser = argparse.ArgumentParser(
         prog="megatrain",
@@ -34,15 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _is_user_error(e: Exception) -> bool:
     """Whether `e` is a user mistake (one line, exit 2). The error types are imported only once one was raised, the
     torch-free ones first: `plan` and `simulate` never need torch, not even to report a mistake."""
-    from ..ir.dag import ScheduleError
-    from ..spec import SpecError
-    from ..training.config_values import ConfigError
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.model.spec import SpecError
+    from megatrain.train.config_values import ConfigError
 
     if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
         return True
-    from ..training.checkpoint import CheckpointError
-    from ..training.data import DataError
-    from ..training.safetensors_io import SafetensorsFormatError
+    from megatrain.io.checkpoint import CheckpointError
+    from megatrain.data.batches import DataError
+    from megatrain.io.safetensors_io import SafetensorsFormatError
 
     return isinstance(e, (DataError, CheckpointError, SafetensorsFormatError))
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_user_error(e):
             print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
             return 2
-        from ..training.errors import TrainingError
+        from megatrain.train.errors import TrainingError
 
         if isinstance(e, TrainingError):  # the run started and stopped on its own: what happened, how to go on
             print(f"megatrain {args.command}: stopped: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..ir.knobs import DEFAULT_SCHEDULE
+from megatrain.compile.knobs import DEFAULT_SCHEDULE
 
 __all__ = ["DEFAULT_SCHEDULE", "add_run_arguments"]
 
@@ -20,7 +20,7 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
 
 def gpu_budget_bytes(gib: float | None) -> int:
     """The GPU memory `--schedule auto` may plan for: `--gpu-budget-gib`, or this GPU's free memory less 10%."""
-    from . import UserError
+    from megatrain.cli import UserError
 
     if gib is not None:
         return int(gib * 2**30)
@@ -35,23 +35,10 @@ def gpu_budget_bytes(gib: float | None) -> int:
 
 def write_schedule_file(path: Path, knobs) -> Path:
     """A schedule file (`[schedule]` table: name plus every knob) that reproduces `knobs`."""
-    from ..settings import toml_value
+    from megatrain.settings import toml_value
 
     lines = ["[schedule]", 'name = "overlap"  # the base; every knob is set below']
     lines += [f"{key} = {toml_value(value)}" for key, value in knobs.to_dict().items() if value is not None]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def check_fits(spec, batch: int, seq: int, knobs, device: str, what: str, advice: str,
-               reserve_host_bytes: int = 0) -> None:
-    """The planner's memory for `what` against this machine, before anything is allocated (as `train` does):
-    MemoryFitError (one message with the numbers and `advice`) when it does not fit. `reserve_host_bytes`: host
-    memory the command holds besides the run (compare's shared initial weights, profile's copy buffers)."""
-    from ..training.fit import check_memory, machine_capacity
-
-    backend = "cuda" if device.startswith("cuda") else "cpu"
-    host, _ = machine_capacity(backend)
-    check_memory(spec, batch, seq, knobs, backend, host_bytes=max(0, host - reserve_host_bytes), what=what,
-                 advice=advice)

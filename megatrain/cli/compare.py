@@ -15,9 +15,10 @@ import gc
 import json
 from pathlib import Path
 
-from . import UserError
-from .common import add_run_arguments, check_fits
-from .simulate import parse_sweeps, slug, variants
+from megatrain.cli import UserError
+from megatrain.cli.common import add_run_arguments
+from megatrain.train.fit import check_fits
+from megatrain.cli.simulate import parse_sweeps, slug, variants
 
 ADVICE = ("lower --batch / --seq, compare a smaller model (a preset such as debug, or fewer layers in a copy of "
           "the HF config), or set a knob that the planner lists with --set knob=value; `megatrain plan` shows the "
@@ -45,8 +46,8 @@ def register(sub) -> None:
 
 
 def _profile_for(args, spec, device: str, first_knobs, out: Path):
-    from ..profiling import ProfileRequest, measure_profile
-    from ..sim import ProfileError, load_profile
+    from megatrain.profiling import ProfileRequest, measure_profile
+    from megatrain.sim import ProfileError, load_profile
 
     if args.measure_profile:
         req = ProfileRequest(spec, batch=args.batch, seqs=[args.seq], device=device,
@@ -65,11 +66,11 @@ def run(args) -> int:
     import pandas as pd
     import torch
 
-    from ..init import init_tiles
-    from ..ir.dag import ScheduleError
-    from ..ir.knobs import resolve_knobs
-    from ..presets import get_model
-    from ..profiling.compare import compare, kendall_tau, measure_steps, ranking
+    from megatrain.model.init import init_tiles
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.model.presets import get_model
+    from megatrain.profiling.compare import compare, kendall_tau, measure_steps, ranking
 
     if args.steps < 2:
         raise UserError(f"--steps {args.steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -94,7 +95,7 @@ def run(args) -> int:
     for v, _, knobs in resolved:
         check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
     if args.measure_profile:
-        from ..profiling.calibrate import profile_host_reserve
+        from megatrain.profiling.calibrate import profile_host_reserve
 
         check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, resolved[0][2], device,
                    "measuring the profile", ADVICE, profile_host_reserve(spec, device, args.quick))

@@ -1,4 +1,4 @@
-"""`megatrain export`: any checkpoint as a Hugging Face model directory (megatrain/training/export.py).
+"""`megatrain export`: any checkpoint as a Hugging Face model directory (megatrain/train/export.py).
 
     megatrain export runs/ft-1 out/ft-1-hf                                   # the run's latest checkpoint
     megatrain export runs/ft-1/checkpoints/step_00000500 out/ft-500 --dtype fp32
@@ -20,8 +20,8 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from ..training.checkpoint import CheckpointError
-    from ..training.export import export_checkpoint
+    from megatrain.io.checkpoint import CheckpointError
+    from megatrain.train.export import export_checkpoint
 
     if Path(args.out).exists() and not args.overwrite:
         raise CheckpointError(f"{args.out} already exists; choose another directory or pass --overwrite")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_run_arguments
+from megatrain.cli.common import add_run_arguments
 
 
 def machine_memory() -> tuple[int | None, int | None]:
@@ -36,9 +36,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..ir.knobs import resolve_knobs
-    from ..ir.memory import GiB, fit_report, format_plan, plan_memory
-    from ..presets import get_model
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.plan.memory import GiB, format_plan
+    from megatrain.compile.advice import fit_report, plan_memory
+    from megatrain.model.presets import get_model
 
     spec = get_model(args.model)
     name, knobs = resolve_knobs(args.schedule, args.set)
@@ -61,12 +62,12 @@ def run(args) -> int:
 def _run_world(args, spec, name, knobs) -> int:
     """`plan --gpus N [--hosts H]`: one rank's host and GPU memory, the host's total over its N ranks (what must
     fit in one host's memory) and, over H hosts, the whole job's."""
-    from ..ir.collectives import for_world, rank_host_plan
-    from ..ir.dag import ScheduleError
-    from ..ir.memory import GiB, plan_gpu_memory
-    from ..ir.resolve import resolve
-    from . import UserError
-    from .simulate import check_world
+    from megatrain.compile.collectives import for_world, rank_host_plan
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.plan.memory import GiB, plan_gpu_memory
+    from megatrain.compile.resolve import resolve
+    from megatrain.cli import UserError
+    from megatrain.cli.simulate import check_world
 
     try:
         p = for_world(resolve(spec, args.batch, args.seq, knobs), check_world(args))

@@ -21,8 +21,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import UserError
-from .common import DEFAULT_SCHEDULE, check_fits
+from megatrain.cli import UserError
+from megatrain.cli.common import DEFAULT_SCHEDULE
+from megatrain.train.fit import check_fits
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -69,11 +70,11 @@ ADVICE = ("lower --batch / --seq, or profile on a machine with more memory; `meg
 def run(args) -> int:
     import torch
 
-    from ..ir.knobs import resolve_knobs
-    from ..presets import get_model
-    from ..profiling import ProfileRequest, measure_profile
-    from ..profiling.calibrate import profile_host_reserve
-    from ..profiling.report import calibration_report
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.model.presets import get_model
+    from megatrain.profiling import ProfileRequest, measure_profile
+    from megatrain.profiling.calibrate import profile_host_reserve
+    from megatrain.profiling.report import calibration_report
 
     models = [get_model(m.strip()) for m in args.model.split(",") if m.strip()]
     if not models:
@@ -95,7 +96,7 @@ def run(args) -> int:
         raise UserError("--cpu-threads must be at least 1")
     if not args.wait_timeout > 0:
         raise UserError("--wait-timeout must be a positive number of seconds")
-    from ..profiling import bench
+    from megatrain.profiling import bench
 
     bench.WAIT_TIMEOUT_S = args.wait_timeout  # read by every bounded wait of the measurement
     _, knobs = resolve_knobs(args.schedule, args.set)
@@ -124,7 +125,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rec = None
     if ranks > 1:  # every rank measures the collectives; then rank 0 alone measures the rest
-        from ..profiling.collectives import measure_launch, report
+        from megatrain.profiling.collectives import measure_launch, report
 
         rank, rec = measure_launch(device, knobs.weight_wire, args.wait_timeout, args.quick)
         if rank != 0:
@@ -132,7 +133,7 @@ def run(args) -> int:
         print(report(rec))
     cal = measure_profile(req)
     if rec is not None:
-        from ..profiling.collectives import with_collectives
+        from megatrain.profiling.collectives import with_collectives
 
         cal = replace(cal, profile=with_collectives(cal.profile, rec), measurements=dict(cal.measurements,
                                                                                            collectives=rec))
@@ -153,10 +154,10 @@ def _check_rank_device(args, device: str, ranks: int) -> None:
 
 def _collectives_only(args, device: str, knobs, ranks: int) -> int:
     """`--collectives-only` (every rank): measure the collectives; rank 0 writes them into `--base`'s fields."""
-    from ..profiling.calibrate import Calibration
-    from ..profiling.collectives import measure_launch, report, with_collectives
-    from ..profiling.machine import this_machine
-    from ..sim.profile import load_profile
+    from megatrain.profiling.calibrate import Calibration
+    from megatrain.profiling.collectives import measure_launch, report, with_collectives
+    from megatrain.profiling.machine import this_machine
+    from megatrain.sim.profile import load_profile
 
     _check_rank_device(args, device, ranks)
     base_name = args.base or ("h200-measured" if device == "cuda" else "cpu")

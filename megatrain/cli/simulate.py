@@ -22,8 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import UserError
-from .common import add_run_arguments
+from megatrain.cli import UserError
+from megatrain.cli.common import add_run_arguments
 
 
 def register(sub) -> None:
@@ -87,7 +87,7 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
         key, values = (s.strip() for s in item.split("=", 1))
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if key != "schedule":
-            from ..ir.knobs import parse_knob_value
+            from megatrain.compile.knobs import parse_knob_value
 
             for v in vals:
                 parse_knob_value(key, v)  # raises ScheduleError naming the knob and the expected type
@@ -148,7 +148,7 @@ def row_of(v: Variant, result) -> dict:
 
 def write_artefacts(directory: Path, result, config: dict, plots: bool = True) -> None:
     """timeline_sim.csv / .json, trace.json, gantt.png, summary.json, config.json of one variant."""
-    from ..analysis.viz import gantt, write_chrome_trace
+    from megatrain.analysis.viz import gantt, write_chrome_trace
 
     directory.mkdir(parents=True, exist_ok=True)
     tl = result.timeline
@@ -183,11 +183,11 @@ def remove_stale_variants(out: Path, keep: set[str]) -> list[Path]:
 
 def _choose(args, spec, profile, out: Path) -> Path:
     """`--schedule auto`: the fastest predicted schedule that fits the GPU budget and keeps the numerics of the
-    --set knobs (megatrain/tune.py); printed with the next best, and written as a schedule file."""
-    from ..ir.dag import ScheduleError
-    from ..ir.knobs import DEFAULT_SCHEDULE, resolve_knobs
-    from ..tune import choose_schedule
-    from .common import gpu_budget_bytes, write_schedule_file
+    --set knobs (megatrain/tune/search.py); printed with the next best, and written as a schedule file."""
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
+    from megatrain.tune.search import choose_schedule
+    from megatrain.cli.common import gpu_budget_bytes, write_schedule_file
 
     budget = gpu_budget_bytes(args.gpu_budget_gib)
     try:
@@ -215,12 +215,12 @@ def check_world(args) -> int:
 def run(args) -> int:
     import pandas as pd
 
-    from ..ir.builders import build_schedule
-    from ..ir.dag import ScheduleError
-    from ..ir.knobs import resolve_knobs
-    from ..ir.program import lower
-    from ..presets import get_model
-    from ..sim import ProfileError, SimulationError, load_profile, simulate
+    from megatrain.compile.builders import build_schedule
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.compile.lower import lower
+    from megatrain.model.presets import get_model
+    from megatrain.sim import ProfileError, SimulationError, load_profile, simulate
 
     spec = get_model(args.model)
     world = check_world(args)
@@ -229,7 +229,7 @@ def run(args) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
-    from ..profiling.machine import mismatch_line
+    from megatrain.profiling.machine import mismatch_line
 
     mine = f"runs/profile-{spec.name}.json"
     line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "

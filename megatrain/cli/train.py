@@ -1,4 +1,4 @@
-"""`megatrain train`: the training CLI (megatrain/training/command.py, megatrain/training/loop.py).
+"""`megatrain train`: the training CLI (megatrain/train/command.py, megatrain/train/loop.py).
 
     megatrain train                                   # the embedded default: debug model, bundled corpus
     megatrain train --config examples/demo.toml --set optimizer.lr=3e-4 --resume
@@ -18,7 +18,7 @@ A run writes runs/<name>/: config.toml (every key), train.log, metrics.jsonl, ch
 
 
 def register(sub) -> None:
-    from ..training.command import add_train_arguments, run_from_args
+    from megatrain.train.command import add_train_arguments, run_from_args
 
     p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.program import Program, ProgramTask
-from .backend import Backend, ExecError
-from .store import TORCH_DTYPES, HostRegion
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.exec.backend import Backend, ExecError
+from megatrain.exec.store import TORCH_DTYPES, HostRegion
 
 
 class Activations:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.placement import Buffer, BufferKind
-from ..ir.program import Program, ProgramTask
-from .backend import Backend, ExecError
-from .store import TORCH_DTYPES, HostStore
+from megatrain.ir.placement import Buffer, BufferKind
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.exec.backend import Backend, ExecError
+from megatrain.exec.store import TORCH_DTYPES, HostStore
 
 
 class DeviceBuffer:

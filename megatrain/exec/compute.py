@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.program import Program, ProgramTask
-from ..spec import EMBED, HEAD
-from .activations import Activations
-from .buffers import DeviceBuffers
-from .head import embed_backward, embed_forward, head_loss_backward
-from .layers import layer_functions
-from .store import TORCH_DTYPES, HostStore
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.model.spec import EMBED, HEAD
+from megatrain.exec.activations import Activations
+from megatrain.exec.buffers import DeviceBuffers
+from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
+from megatrain.exec.layers import layer_functions
+from megatrain.exec.store import TORCH_DTYPES, HostStore
 
 
 @dataclass

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..spec import ModelSpec
-from .layers import rms_norm
+from megatrain.model.spec import ModelSpec
+from megatrain.exec.layers import rms_norm
 
 IGNORE_INDEX = -100  # HF / torch convention for target positions that carry no loss
 

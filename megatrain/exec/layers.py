@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..spec import ModelSpec
-from .rope import apply_rope
+from megatrain.model.spec import ModelSpec
+from megatrain.exec.rope import apply_rope
 
 # SDPA grew `enable_gqa` in torch 2.5: K/V heads are shared by query groups inside the kernel instead of being
 # materialized n_rep times (HF does the same when no mask is passed).

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..spec import ModelSpec
+from megatrain.model.spec import ModelSpec
 
 
 def rope_inv_freq(spec: ModelSpec) -> Tensor:

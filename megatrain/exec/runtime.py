@@ -31,9 +31,9 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
-from ..analysis.timeline import make_timeline
-from ..ir.program import STREAMS, Program, ProgramTask
-from .backend import Backend, ExecError, HostEvent
+from megatrain.analysis.timeline import make_timeline
+from megatrain.ir.program import STREAMS, Program, ProgramTask
+from megatrain.exec.backend import Backend, ExecError, HostEvent
 
 POLL_S = 0.02  # how often a waiting thread checks for an abort
 ABORT_GRACE_S = 5.0  # after an abort, how long the other streams get to notice it and stop (capped by the timeout)

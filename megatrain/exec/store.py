@@ -30,11 +30,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..ir.dag import ScheduleError
-from ..ir.placement import HostLayout
-from ..spec import EMBED, HEAD, ModelSpec
-from .backend import PAGE, Backend, CpuBackend
-from .layout import UnitLayout, unit_layout
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.placement import HostLayout
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.exec.backend import PAGE, Backend, CpuBackend
+from megatrain.model.layout import UnitLayout, unit_layout
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -157,7 +157,7 @@ class HostStore:
 
     def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Elements per unit of the optimizer's tiles (master, moments) and of the full tiles (streaming copy,
-        gradients); a data-parallel rank's store holds slices (megatrain/dist/shard.py)."""
+        gradients); a data-parallel rank's store holds slices (megatrain/parallel/shard.py)."""
         own = {u: self.layouts[u].numel - self.opt_lo[u] for u in self.units}
         return own, {u: self.layouts[u].numel for u in self.units}
 
@@ -289,7 +289,7 @@ class HostStore:
 
     # ---- accounting ----------------------------------------------------------------------------------------------
     def _regions(self) -> dict[str, HostRegion | None]:
-        from ..ir.placement import host_component_names
+        from megatrain.ir.placement import host_component_names
 
         names = host_component_names(self.layout)
         return {

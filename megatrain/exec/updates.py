@@ -13,14 +13,14 @@ import math
 
 import torch
 
-from ..ir.placement import UpdateSite
-from ..ir.program import Program, ProgramTask
-from ..spec import EMBED, HEAD
-from .backend import Backend
-from .buffers import DeviceBuffers
-from .optim import (AdamWConfig, UpdatePlan, adamw_undo, adamw_update, adamw_update_bf16_state, clip_coefficient,
+from megatrain.ir.placement import UpdateSite
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.model.spec import EMBED, HEAD
+from megatrain.exec.backend import Backend
+from megatrain.exec.buffers import DeviceBuffers
+from megatrain.exec.optim import (AdamWConfig, UpdatePlan, adamw_undo, adamw_update, adamw_update_bf16_state, clip_coefficient,
                     decayed_in, global_norm)
-from .store import HostStore
+from megatrain.exec.store import HostStore
 
 
 class Updates:

@@ -10,29 +10,35 @@ checkpoints and which go to the host, the layer kernel, the wires and the clippi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from ..ir.program import Program, ProgramTask
-from .activations import Activations
-from .backend import Backend
-from .buffers import DeviceBuffers
-from .compute import LayerCompute, StepBatch
-from .optim import AdamWConfig, UpdatePlan
-from .rope import rope_cos_sin
-from .store import HostStore
-from .updates import Updates
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.exec.activations import Activations
+from megatrain.exec.backend import Backend
+from megatrain.exec.buffers import DeviceBuffers
+from megatrain.exec.compute import LayerCompute, StepBatch
+from megatrain.exec.optim import AdamWConfig, UpdatePlan
+from megatrain.exec.rope import rope_cos_sin
+from megatrain.exec.store import HostStore
+from megatrain.exec.updates import Updates
 
-if TYPE_CHECKING:  # dist/ builds on exec/: imported for the annotation only
-    from ..dist.world import World
+# A parallel strategy (megatrain/parallel/) builds on exec/ and registers the bodies it replaces here: exec never
+# imports it. factory(step_work, world) -> {task kind: body}; `world` is the strategy's own process-group object.
+PARALLEL_HANDLERS: dict[str, Callable[..., dict[str, Callable[[ProgramTask], None]]]] = {}
+
+
+def register_parallel_handlers(strategy: str, factory: Callable[..., dict[str, Callable[[ProgramTask], None]]]):
+    """Register the task bodies a data-parallel strategy substitutes (called by the strategy's module)."""
+    PARALLEL_HANDLERS[strategy] = factory
 
 
 class StepWork:
     """Task bodies for one Program over a host store; `begin_step` binds a batch, then the runtime calls it."""
 
     def __init__(self, program: Program, store: HostStore, backend: Backend, cfg: AdamWConfig,
-                 world: World | None = None):
+                 world=None):
         self.program, self.store, self.backend = program, store, backend
         self.spec = program.model
         if store.spec != self.spec or store.layout != program.placement.host_layout:
@@ -47,14 +53,15 @@ class StepWork:
         self.handlers = {"P": self.prefetch, "F": c.forward, "R": c.recompute, "B": c.backward, "O": u.offload,
                          "N": u.clip_norm, "U": u.update, "V": u.clip_redo, "S": u.state_prefetch, "W": u.state_offload,
                          "X": a.act_offload, "Y": a.act_prefetch}
-        if program.placement.world > 1:  # data parallel: slices, collectives (megatrain/dist/work.py)
-            from ..dist.work import ShardedCopies
-
+        if program.placement.world > 1:  # data parallel: the strategy's bodies (registered by megatrain/parallel/)
+            strategy = "sharded"
+            if strategy not in PARALLEL_HANDLERS:
+                raise ValueError(f"the Program runs data parallel ({strategy!r} over {program.placement.world} "
+                                 "ranks) and no such strategy is registered: import megatrain.parallel")
             if world is None or world.size != program.placement.world:
                 raise ValueError(f"the Program runs data parallel over {program.placement.world} ranks; pass the "
-                                 "World of this process (megatrain.dist.world.World.from_env)")
-            d = ShardedCopies(world, store, self.buffers, self.updates, backend)
-            self.handlers.update({"P": d.prefetch, "G": d.gather, "Z": d.reduce_scatter, "O": d.offload})
+                                 "World of this process (megatrain.parallel.world.World.from_env)")
+            self.handlers.update(PARALLEL_HANDLERS[strategy](self, world))
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_valid = 0
 

@@ -25,8 +25,8 @@ from typing import Iterable
 
 import networkx as nx
 
-from ..spec import ModelSpec
-from .tasks import COMPUTE_KINDS, Task, TaskKind
+from megatrain.model.spec import ModelSpec
+from megatrain.ir.tasks import COMPUTE_KINDS, Task, TaskKind
 
 
 class ScheduleError(ValueError):

@@ -1,6 +1,6 @@
 """Placement: what the schedule knobs mean, resolved once for a model, a batch and a sequence length.
 
-Knobs are the user's words (megatrain/ir/knobs.py); a `Placement` is what they mean, typed and immutable:
+Knobs are the user's words (megatrain/compile/knobs.py); a `Placement` is what they mean, typed and immutable:
 
 - per unit (embedding `E`, layers, head `H`): where its weights live (streamed through a GPU buffer, or resident on
   the GPU for the run), where its AdamW update runs (host threads, the GPU on streamed state, the GPU on resident
@@ -10,7 +10,7 @@ Knobs are the user's words (megatrain/ir/knobs.py); a `Placement` is what they m
 - the GPU buffers, as a typed table (`Buffer`: kind, occupant, elements, bytes);
 - wires and compute dtype, the layer kernel (compiled or eager), clipping.
 
-`resolve()` (megatrain/ir/resolve.py) is the only code that makes one from the knobs. Lowering copies the placement
+`resolve()` (megatrain/compile/resolve.py) is the only code that makes one from the knobs. Lowering copies the placement
 into the Program, and the simulator, the executor and the memory planner read it from there.
 """
 from __future__ import annotations
@@ -18,8 +18,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
-from .knobs import WIRE_DTYPES
+from megatrain.model.spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+
+WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # a wire knob's word -> the torch dtype it moves
+SHARD_ALIGN = 1024  # elements: one 4 KiB page of fp32; a rank's slice of a unit is whole pages
+
+
+def shard_numel(n: int, world: int) -> int:
+    """Elements of each rank's slice of an n-element unit: n / world rounded up to whole pages (world 1: n)."""
+    if world <= 1:
+        return n
+    return -(-n // (world * SHARD_ALIGN)) * SHARD_ALIGN
+
+
+def padded_numel(n: int, world: int) -> int:
+    """Elements of a GPU slot holding all ranks' slices of an n-element unit (world 1: n)."""
+    return n if world <= 1 else world * shard_numel(n, world)
+
 
 
 class Timing(str, Enum):
@@ -147,7 +162,7 @@ class Placement:
     loss_chunk_tokens: int  # tokens per chunk of the fused head + loss
     mlp_tile_tokens: int = 0  # tokens per tile of the layers' norm + MLP half; 0 = untiled
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
-    world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/ir/collectives.py)
+    world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/compile/collectives.py)
     grad_ring: int = 0  # gradient ring tiles in use (0: a landing tile per unit)
     ring_tiles: tuple[tuple[int, int], ...] = ()  # (unit, ring tile) in landing order
     state_dtype: str = "fp32"  # Adam m and v on the host
@@ -179,7 +194,7 @@ class Placement:
     def landing_readers(self, unit: int) -> list:
         """The tasks that read `unit`'s gradients from its host landing tile: its host update, or the state copy S
         of a GPU update; a tied head's tile is read by the embedding's update too (it adds the lm_head gradient)."""
-        from .tasks import S, U
+        from megatrain.ir.tasks import S, U
 
         readers = [S(unit) if self.unit(unit).update is UpdateSite.GPU_STREAMED else U(unit)]
         if unit == HEAD and self.model.tie_word_embeddings:
@@ -231,7 +246,7 @@ class Placement:
 
     def describe(self) -> str:
         """A few lines saying what lives where: the placement as `megatrain plan` / `simulate` print it."""
-        from ..ir.tasks import unit_text
+        from megatrain.ir.tasks import unit_text
 
         def units_of(pred) -> str:
             chosen = [u.unit for u in self.units if pred(u)]
@@ -303,8 +318,6 @@ class Placement:
 def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
     """The GPU buffer table: the weight ring, the embedding's and head's buffers (or their resident buffers),
     state buffers, kept-gradient buffers and resident layers' buffers, with their sizes."""
-    from .collectives import padded_numel  # world > 1: slots hold every rank's whole slice
-
     spec, w = p.model, p.wire_bytes("weight_wire")
     layer = padded_numel(spec.layer_params, p.world) if spec.num_layers else 0
     out = [Buffer(f"w{i}", BufferKind.WEIGHTS, None, layer, layer * (w + 4)) for i in range(p.ring_buffers)]

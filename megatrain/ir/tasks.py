@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from ..spec import EMBED, HEAD
+from megatrain.model.spec import EMBED, HEAD
 
 
 class TaskKind(str, Enum):

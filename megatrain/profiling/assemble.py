@@ -5,13 +5,13 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from ..sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCurve, HardwareProfile, model_signature
-from ..spec import ModelSpec
-from . import host, units
-from .bench import median
+from megatrain.sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCurve, HardwareProfile, model_signature
+from megatrain.model.spec import ModelSpec
+from megatrain.profiling import host, units
+from megatrain.profiling.bench import median
 
 if TYPE_CHECKING:
-    from .calibrate import ProfileRequest
+    from megatrain.profiling.calibrate import ProfileRequest
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
 

@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from ..exec.backend import Backend, ExecError, HostEvent
+from megatrain.exec.backend import Backend, ExecError, HostEvent
 
 WAIT_TIMEOUT_S = 600.0  # bound of every wait of a measurement (`megatrain profile --wait-timeout`)
 

@@ -33,17 +33,17 @@ from pathlib import Path
 
 import torch
 
-from ..exec.backend import get_backend
-from ..exec.layout import unit_layout
-from ..ir.knobs import ScheduleKnobs, knobs_for
-from ..sim.profile import HardwareProfile
-from ..spec import EMBED, HEAD, ModelSpec
-from ..training.trainer import set_update_threads
-from . import copies, host, rates, units
-from .assemble import build_profile
-from .bench import Progress, Worker, _fmt_s, median
-from .machine import this_machine
-from .overhead import cpu_update_samples, measure_runtime_gaps
+from megatrain.exec.backend import get_backend
+from megatrain.model.layout import unit_layout
+from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+from megatrain.sim.profile import HardwareProfile
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.engine.trainer import set_update_threads
+from megatrain.profiling import copies, host, rates, units
+from megatrain.profiling.assemble import build_profile
+from megatrain.profiling.bench import Progress, Worker, _fmt_s, median
+from megatrain.profiling.machine import this_machine
+from megatrain.profiling.overhead import cpu_update_samples, measure_runtime_gaps
 
 STREAMS = ("h2d", "compute", "d2h", "cpu")
 LONG_PROFILE_S = 600.0  # an estimate above this suggests --quick

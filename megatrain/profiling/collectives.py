@@ -2,7 +2,7 @@
 
 Run by every rank of a torchrun launch (`megatrain profile --collectives-only`, or a full profile under torchrun)
 on the world's device group (NCCL on CUDA, gloo on the CPU backend), with the calls the runtime issues
-(megatrain/dist/work.py), in place:
+(megatrain/parallel/work.py), in place:
 
     G  all-gather        all_gather_into_tensor(slot, slot[my slice])   (gloo: all_gather into the slot's slices)
     Z  reduce-scatter    reduce_scatter_tensor(slot[my slice], slot)     (gloo: all_reduce of the slot, as the
@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..sim.profile import HardwareProfile
+from megatrain.sim.profile import HardwareProfile
 
 KiB, MiB = 2**10, 2**20
 KINDS = {"G": "all-gather", "Z": "reduce-scatter", "A": "all-reduce"}
@@ -104,7 +104,7 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
     that rank 0 measures the rest of a profile on all the cores, as one process would."""
     import os
 
-    from ..dist.world import World
+    from megatrain.parallel.world import World
 
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     world = World.from_env("cuda" if device == "cuda" else "cpu", timeout_s)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..analysis.summary import StepSummary, summarize
-from ..ir.knobs import ScheduleKnobs
-from ..ir.program import Program
-from ..sim import HardwareProfile, load_profile, simulate
-from ..spec import EMBED, HEAD, ModelSpec
-from .overhead import with_spans
+from megatrain.analysis.summary import StepSummary, summarize
+from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.ir.program import Program
+from megatrain.sim import HardwareProfile, load_profile, simulate
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.profiling.overhead import with_spans
 
 
 def task_group(kind: str, unit) -> str:
@@ -46,9 +46,9 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
                   name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
-    from ..exec.optim import AdamWConfig
-    from ..training.data import synthetic_batches
-    from ..training.trainer import StreamedTrainer
+    from megatrain.exec.optim import AdamWConfig
+    from megatrain.data.batches import synthetic_batches
+    from megatrain.engine.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -75,10 +75,10 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
-    from ..exec.optim import AdamWConfig
-    from ..init import init_tiles
-    from ..training.data import synthetic_batches
-    from ..training.trainer import StreamedTrainer
+    from megatrain.exec.optim import AdamWConfig
+    from megatrain.model.init import init_tiles
+    from megatrain.data.batches import synthetic_batches
+    from megatrain.engine.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -184,7 +184,7 @@ class Comparison:
     def write(self, directory: str | Path, plots: bool = True) -> dict[str, Path]:
         """timeline_sim.csv, timeline_measured.csv (every step), tasks.csv, by_group.csv, compare.json,
         trace.json (predicted and measured stacked, one process each) and gantt.png (side by side)."""
-        from ..analysis.viz import gantt, write_chrome_trace
+        from megatrain.analysis.viz import gantt, write_chrome_trace
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -283,7 +283,7 @@ def compare(program: Program, measured_steps: list[pd.DataFrame], profile) -> Co
     order = sorted(range(len(steps)), key=lambda i: times[i])
     rep = steps[order[(len(order) - 1) // 2]]  # the median step (lower median)
     tasks = task_table(program, sim.timeline, steps)
-    from .live import calibrate_run  # live.py builds on this module's task table
+    from megatrain.profiling.live import calibrate_run  # live.py builds on this module's task table
 
     extra = {"all_measured": pd.concat(measured_steps), "calibration": calibrate_run(program, profile, measured_steps)}
     return Comparison(program=program, profile=profile, predicted=sim.timeline, measured=rep, measured_steps_s=times,

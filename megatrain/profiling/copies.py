@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..exec.backend import Backend
-from ..sim.profile import CopyCurve
-from .bench import Background, Worker, median
+from megatrain.exec.backend import Backend
+from megatrain.sim.profile import CopyCurve
+from megatrain.profiling.bench import Background, Worker, median
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

@@ -29,8 +29,8 @@ import math
 
 import torch
 
-from ..sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM
-from .bench import Background, Worker, median
+from megatrain.sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM
+from megatrain.profiling.bench import Background, Worker, median
 
 MIXES = ("h2d", "d2h", "both")  # the copies that run beside the update
 SLOWED = 0.97  # an update rate below this fraction of the alone rate counts as slowed

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..ir.program import COPY_DIRECTION, Program
-from ..ir.tasks import TaskKind
-from ..sim import (
+from megatrain.ir.program import COPY_DIRECTION, Program
+from megatrain.ir.tasks import TaskKind
+from megatrain.sim import (
     ComputeTable,
     CopyCurve,
     HardwareProfile,
@@ -39,10 +39,10 @@ from ..sim import (
     model_signature,
     simulate,
 )
-from ..sim.costs import COPY_STREAMS
-from ..sim.profile import COMPUTE_KINDS, unit_class
-from .compare import step_time_s, task_table
-from .overhead import with_spans
+from megatrain.sim.costs import COPY_STREAMS
+from megatrain.sim.profile import COMPUTE_KINDS, unit_class
+from megatrain.profiling.compare import step_time_s, task_table
+from megatrain.profiling.overhead import with_spans
 
 FIT_ITERATIONS = 4
 _GROUP_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "FH": "head (forward + loss + backward)",

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..exec.backend import Backend
-from ..ir.knobs import ScheduleKnobs
-from ..ir.program import Program
-from ..spec import ModelSpec
+from megatrain.exec.backend import Backend
+from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.ir.program import Program
+from megatrain.model.spec import ModelSpec
 
 
 def ready_times(step: pd.DataFrame, program: Program) -> dict[str, float]:
@@ -62,9 +62,9 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
                          steps: int, cpu_threads: int | None = None) -> dict:
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
-    from ..exec.optim import AdamWConfig
-    from ..training.data import synthetic_batches
-    from ..training.trainer import StreamedTrainer
+    from megatrain.exec.optim import AdamWConfig
+    from megatrain.data.batches import synthetic_batches
+    from megatrain.engine.trainer import StreamedTrainer
 
     cut = spec.with_layers(min(spec.num_layers, 2))
     optim = AdamWConfig(lr=1e-5)

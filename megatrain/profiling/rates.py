@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..exec.backend import Backend, ExecError
-from ..exec.optim import AdamWConfig, adamw_update, clip_coefficient, global_norm
-from . import bench
-from .bench import Background, Worker, median
+from megatrain.exec.backend import Backend, ExecError
+from megatrain.exec.optim import AdamWConfig, adamw_update, clip_coefficient, global_norm
+from megatrain.profiling import bench
+from megatrain.profiling.bench import Background, Worker, median
 
 _CFG = AdamWConfig(lr=1e-4, weight_decay=0.1)
 

@@ -2,9 +2,9 @@
 laid out to be pasted into docs/calibration.md."""
 from __future__ import annotations
 
-from .assemble import not_simulated
-from .calibrate import Calibration
-from .machine import describe
+from megatrain.profiling.assemble import not_simulated
+from megatrain.profiling.calibrate import Calibration
+from megatrain.profiling.machine import describe
 
 
 def _size(n: int) -> str:

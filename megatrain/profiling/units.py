@@ -16,16 +16,16 @@ from collections.abc import Callable
 
 import torch
 
-from ..exec.backend import Backend
-from ..exec.head import embed_backward, embed_forward, head_loss_backward
-from ..exec.layers import layer_functions
-from ..exec.layout import unit_layout
-from ..exec.rope import rope_cos_sin
-from ..exec.store import TORCH_DTYPES
-from ..ir.knobs import ScheduleKnobs
-from ..sim.profile import ComputeTable, model_signature
-from ..spec import EMBED, HEAD, ModelSpec
-from .bench import Worker, median
+from megatrain.exec.backend import Backend
+from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
+from megatrain.exec.layers import layer_functions
+from megatrain.model.layout import unit_layout
+from megatrain.exec.rope import rope_cos_sin
+from megatrain.exec.store import TORCH_DTYPES
+from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.sim.profile import ComputeTable, model_signature
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.profiling.bench import Worker, median
 
 KINDS_OF_CLASS = {"layer": ("F", "R", "B"), "embed": ("F", "B"), "head": ("F",)}
 UNIT_OF_CLASS = {"layer": 0, "embed": EMBED, "head": HEAD}

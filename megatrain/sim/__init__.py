@@ -6,9 +6,9 @@
 
 See docs/simulator.md.
 """
-from .costs import CostModel
-from .engine import SimResult, SimulationError, simulate
-from .profile import (
+from megatrain.sim.costs import CostModel
+from megatrain.sim.engine import SimResult, SimulationError, simulate
+from megatrain.sim.profile import (
                       ComputeTable,
                       CopyCurve,
                       HardwareProfile,

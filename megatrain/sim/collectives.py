@@ -1,7 +1,7 @@
 """Data-parallel costs: collectives on the `comm` stream, and one rank's share of the host it shares.
 
 A collective takes `latency + bytes / bus bandwidth`: a task's `bytes` are already the bus bytes of one rank,
-(N-1)/N of the message for an all-gather or reduce-scatter (megatrain/ir/collectives.py), and the bus bandwidth is
+(N-1)/N of the message for an all-gather or reduce-scatter (megatrain/compile/collectives.py), and the bus bandwidth is
 read from the profile's `collectives` table by those bus bytes (profiling/collectives.py measures it so), or else
 from DEFAULTS. A reduce-scatter also pays one more latency for the 4-byte all-reduce of the unit's squared norm
 that rides after it.
@@ -31,7 +31,7 @@ import bisect
 import math
 from dataclasses import replace
 
-from .profile import HardwareProfile
+from megatrain.sim.profile import HardwareProfile
 
 # Measured on nvidia-h200-x2 (NVLink NV18, NCCL_NVLS_ENABLE=0) with one ~198 MB bf16 buffer (issue 15): all-gather
 # 236 GB/s bus bandwidth, reduce-scatter 224, all-reduce 296. The latency is an ASSUMPTION (NCCL's small-message

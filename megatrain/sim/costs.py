@@ -12,10 +12,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..ir.program import COPY_DIRECTION, Program, ProgramTask
-from ..ir.tasks import TaskKind
-from .collectives import collective_s
-from .profile import HardwareProfile, ProfileError, model_signature, unit_class
+from megatrain.ir.program import COPY_DIRECTION, Program, ProgramTask
+from megatrain.ir.tasks import TaskKind
+from megatrain.sim.collectives import collective_s
+from megatrain.sim.profile import HardwareProfile, ProfileError, model_signature, unit_class
 
 COPY_STREAMS = ("h2d", "d2h")
 _WARNED_EAGER_FALLBACK: set[tuple[str, str]] = set()

@@ -23,13 +23,13 @@ import networkx as nx
 import pandas as pd
 import simpy
 
-from ..analysis.summary import StepSummary, summarize
-from ..analysis.timeline import make_timeline
-from ..ir.program import STREAMS, Program
-from .collectives import rank_share
-from .costs import CostModel
-from .hostmem import HostMemory
-from .profile import HardwareProfile, load_profile
+from megatrain.analysis.summary import StepSummary, summarize
+from megatrain.analysis.timeline import make_timeline
+from megatrain.ir.program import STREAMS, Program
+from megatrain.sim.collectives import rank_share
+from megatrain.sim.costs import CostModel
+from megatrain.sim.hostmem import HostMemory
+from megatrain.sim.profile import HardwareProfile, load_profile
 
 
 class SimulationError(RuntimeError):

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from ..spec import EMBED, HEAD, ModelSpec
+from megatrain.model.spec import EMBED, HEAD, ModelSpec
 
 FORMAT = "megatrain.profile/1"
 UNIT_CLASSES = ("layer", "embed", "head")

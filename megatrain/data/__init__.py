@@ -1,0 +1,1 @@
+"""Training data: tokenizers and batch streams (token files, JSONL, synthetic)."""

@@ -1,0 +1,202 @@
+"""The streamed trainer: a host store, a Program for the batch shape, and the runtime that runs it, step by step.
+
+    trainer = StreamedTrainer(PRESETS["debug"], "overlap", optim=AdamWConfig(lr=1e-3), backend="cpu")
+    result = trainer.step(ids, targets)      # (B, T) int64 each; targets already shifted, -100 = no loss
+    trainer.flush()                          # "overlap": apply the last step's update (runs in the next step)
+    state = trainer.state_dict()             # HF names, fp32
+
+Every schedule gives the same numbers as a plain PyTorch loop (AdamW, decay on matrices only, global-norm
+clipping); the schedule changes speed, never results. With "overlap", the update of step n's gradients runs at the
+start of step n+1, each layer's update just before its prefetch, so the parameters after N steps are those of a
+plain loop once `flush()` has applied the last one (`tiles()` and `state_dict()` flush first).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from megatrain.exec.backend import Backend, get_backend
+from megatrain.io.hf_io import state_dict_from_tiles
+from megatrain.exec.optim import AdamWConfig, UpdatePlan
+from megatrain.exec.runtime import Runtime
+from megatrain.exec.store import HostStore
+from megatrain.exec.work import StepWork
+from megatrain.parallel.world import World
+from megatrain.model.init import init_into
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+from megatrain.ir.program import Program
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve_host_layout
+from megatrain.model.spec import ModelSpec
+
+
+@dataclass
+class StepResult:
+    """What one training step did. `update` is the plan of this step's gradients: with "overlap" it is applied
+    during the next step (or `flush()`), so its `applied_units` fill in then."""
+
+    step: int
+    loss: float
+    tokens: int  # valid target tokens
+    grad_norm: float | None  # global norm before clipping (None with clip=0)
+    skipped: bool  # non-finite gradients: this step's update is not applied
+    time_s: float
+    timeline: pd.DataFrame
+    update: UpdatePlan
+
+
+def set_update_threads(backend: Backend, threads: int | None = None) -> int:
+    """Threads of torch's intra-op pool, which runs the CPU AdamW updates.
+
+    On CUDA the default leaves three cores free: the h2d, compute and d2h streams are driven by host threads that
+    launch kernels and copies, and when the update's OpenMP threads occupy every core those launches starve (measured
+    on the H200 host: a 7 ms layer forward took 66 ms while an update ran). On the CPU backend the stream threads
+    are the parallelism and each runs its work with one intra-op thread: an OpenMP team per stream thread
+    oversubscribes the cores (a debug-model layer forward took 1.9 ms in a stream thread with 2 intra-op threads on
+    a 2-core machine, 0.49 ms with 1).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is None:
+        threads = max(1, cores - 3) if backend.name == "cuda" else 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+class StreamedTrainer:
+    """Train `spec` from host memory with a schedule (a name from NAMED_SCHEDULES or ScheduleKnobs)."""
+
+    def __init__(self, spec: ModelSpec, schedule: str | ScheduleKnobs = "overlap",
+                 tiles: dict[int, torch.Tensor] | None = None, *, optim: AdamWConfig | None = None,
+                 backend: str | Backend = "auto", timeout_s: float = 300.0, seed: int = 0,
+                 cpu_threads: int | None = None, init: bool = True, world: World | None = None):
+        self.spec = spec
+        # Data parallel (world.size > 1): this rank trains on its rows of each global batch, holds its slices of
+        # the host store, and its Programs gather weights and reduce-scatter gradients (megatrain/dist).
+        self.world = world or World()
+        self.schedule_name = schedule if isinstance(schedule, str) else "custom"
+        self.knobs = knobs_for(schedule) if isinstance(schedule, str) else schedule
+        self.optim = optim or AdamWConfig()
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.cpu_threads = set_update_threads(self.backend, cpu_threads)
+        self.timeout_s = timeout_s
+        layout = resolve_host_layout(spec, self.knobs)
+        if self.world.distributed:
+            from megatrain.parallel.shard import ShardedHostStore
+
+            self.store = ShardedHostStore(spec, layout, self.world, self.backend, tiles)
+        else:
+            self.store = HostStore(spec, layout, self.backend, tiles)
+        # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,
+        # with init=False, zeros for the caller to fill (`store.master(unit)`, then `store.refresh_stream(unit)`).
+        if tiles is None and init and self.world.distributed:  # one unit at a time, keeping this rank's slice
+            self.store.init_slices(seed)
+        elif tiles is None and init:
+            init_into(spec, self.store.master, seed)
+            for unit in spec.units():
+                self.store.refresh_stream(unit)
+        self.step_count = 0
+        self._shape: tuple[int, int] | None = None
+        self._program: Program | None = None
+        self._work: StepWork | None = None
+        self._runtime: Runtime | None = None
+        self._pending: UpdatePlan | None = None
+
+    # ---- programs ------------------------------------------------------------------------------------------------
+    def program(self, batch: int, seq: int) -> Program:
+        """The Program for a batch shape (built once per shape; a new shape replaces the GPU buffers)."""
+        if self._shape != (batch, seq):
+            sched = build_schedule(self.spec, batch, seq, self.knobs, world=self.world.size)
+            sched.name = self.schedule_name
+            self.use_program(lower(sched))
+        return self._program
+
+    def use_program(self, program: Program) -> None:
+        """Run `program` for its batch shape from now on: a Program lowered from a schedule you built and edited
+        yourself (megatrain/compile/edit.py). Its placement must keep this trainer's host layout (wires, GPU-updated
+        units), which the host store was built for."""
+        if program.model != self.spec:
+            raise ValueError(f"the Program trains {program.model.name}, this trainer {self.spec.name}")
+        if self._work is not None:
+            self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
+        self._work = None  # free the old buffers before allocating new ones
+        self.world.check_same("Program", program.to_json())  # before the first collective
+        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
+        if self._runtime is not None:
+            self._runtime.close()  # its stream threads belong to the old Program
+        self._program = program
+        self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
+        # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.
+        self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
+        self._shape = (program.batch, program.seq)
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on a batch: ids and targets (B, T) int64 (targets[b, t] = ids[b, t+1], -100 = none)."""
+        if ids.dim() != 2 or ids.shape != targets.shape:
+            raise ValueError(f"ids and targets must both be (batch, seq); got {tuple(ids.shape)} and "
+                             f"{tuple(targets.shape)}")
+        n_valid = None
+        if self.world.distributed:  # this rank's rows; the loss is normalised by the global batch's tokens
+            ids, targets, n_valid = self._rank_rows(ids, targets)
+        self.program(*ids.shape)
+        index = self.step_count
+        current = UpdatePlan(step=index, lr=self.optim.lr_at(index))
+        self._work.begin_step(ids, targets, current, self._pending, n_valid)
+        t0 = time.perf_counter()
+        timeline = self._runtime.run(step=index)
+        dt = time.perf_counter() - t0
+        self._work.settle_device_skips(current)
+        self._pending = current if self._defers_update else None
+        self.step_count += 1
+        self.last_timeline = timeline
+        return StepResult(step=index, loss=self.world.sum(self._work.loss()), tokens=self._work.n_valid,
+                          grad_norm=current.grad_norm, skipped=current.skip, time_s=dt, timeline=timeline,
+                          update=current)
+
+    def _rank_rows(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's contiguous rows of a global batch and the global batch's valid target tokens."""
+        n, r = self.world.size, self.world.rank
+        if ids.shape[0] % n:
+            raise ValueError(f"a global batch of {ids.shape[0]} rows does not split over {n} ranks; use a batch "
+                             f"size that is a multiple of {n}")
+        rows = ids.shape[0] // n
+        n_valid = int((targets != -100).sum())
+        return ids[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows], n_valid
+
+    def flush(self) -> UpdatePlan | None:
+        """Bring the host store up to date: apply a pending update (placement "overlap": the last step's), and
+        copy the units that live on the GPU (resident_embeddings / resident_layers) back to the host. Returns the
+        plan applied, or None."""
+        plan, self._pending = self._pending, None
+        if plan is not None:
+            self._work.flush_update(plan)
+        if self._work is not None:
+            self._work.sync_resident_to_host()
+        return plan
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    def tiles(self) -> dict[int, torch.Tensor]:
+        """Copies of the fp32 master tiles ({unit: (numel,)}), after applying any pending update."""
+        self.flush()
+        return self.store.tiles()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 tensors of the current weights (tied: no lm_head.weight), after any pending update."""
+        return state_dict_from_tiles(self.spec, self.tiles())
+
+    def host_bytes_by_component(self) -> dict[str, int]:
+        """Host bytes of the store by component (planner names), plus offloaded checkpoints when the schedule has
+        them (known once a batch shape is set)."""
+        out = self.store.bytes_by_component()
+        if self._work is not None and self._work.act_host_bytes():
+            out["offloaded checkpoints"] = self._work.act_host_bytes()
+        return out
+
+    def gpu_buffer_bytes(self) -> int:
+        """Bytes of the GPU slot buffers of the current Program (0 before the first step)."""
+        return self._work.gpu_bytes() if self._work is not None else 0

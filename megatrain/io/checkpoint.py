@@ -1,0 +1,385 @@
+"""Training checkpoints: fp32 master weights, AdamW moments and trainer state, written atomically.
+
+A checkpoint is a directory `step_00000100/` under the run's `checkpoints/`:
+
+    master.safetensors     {unit key: flat fp32 tile}   unit keys: "embed", "layers.0", ..., "head"
+    adam_m.safetensors     the same units, AdamW first moments
+    adam_v.safetensors     second moments
+    trainer_state.json     step, unit list, SHA-256 of every tensor file, RNG states, data cursor, config, whatever
+                           else the trainer passes; its own "checksum" is the SHA-256 of the rest of it
+
+Atomic: everything is written into a hidden `.tmp-step_...` directory, each file fsynced, then the directory is
+renamed to its final name (one atomic rename on POSIX file systems) and the parent fsynced. A kill or a full disk
+at any moment before the rename leaves the previous checkpoints exactly as they were; a leftover temporary
+directory is ignored by `latest()` and removed by the next save. After a successful save only the newest
+`keep_last` checkpoints are kept.
+
+Checksums: each tensor file's SHA-256 is computed as it is written (no second read) and stored in the state file,
+which carries a checksum of its own content (the unit list included). `verify_checkpoint` checks them all, and
+`load` refuses non-finite values, naming the tensor: flipped bytes, a truncated or edited file, a shortened unit
+list are a clear CheckpointError at resume, never a silent start from damaged weights. (Version-1 checkpoints,
+written before checksums, load without them.)
+
+Pruning renames a doomed checkpoint to a hidden temporary name before deleting it, so a kill mid-delete leaves
+nothing `latest()` could take for a checkpoint; such leftovers (and `step_*` directories without a state file)
+are removed by the next save.
+
+Tiles are written straight from the buffers they live in (no second copy of the store in memory) and read back
+straight into the destination buffers (`load(..., dest=store_tile)`), so saving and resuming a model that
+fills host memory needs no extra host memory.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatrain.io.hf_io import CheckpointError
+from megatrain.model.spec import EMBED, HEAD
+from megatrain.io import safetensors_io as stio
+from megatrain.io.rng import (  # re-exported: a checkpoint's trainer state holds them
+    rng_state,
+    set_rng_state,
+)
+
+KINDS = ("master", "adam_m", "adam_v")
+STATE_FILE = "trainer_state.json"
+FORMAT = "megatrain-checkpoint"
+VERSION = 2  # 2: checksums of every file and of the state (1 is still read)
+_TMP_PREFIX = ".tmp-"
+
+__all__ = ["CheckpointError", "CheckpointManager", "LoadedCheckpoint", "KINDS", "unit_key", "key_unit",
+           "rng_state", "set_rng_state", "check_writable", "verify_checkpoint", "read_state"]
+
+
+def unit_key(unit: int) -> str:
+    """Tensor name of a unit in checkpoint files: "embed", "layers.3", "head"."""
+    return {EMBED: "embed", HEAD: "head"}.get(unit, f"layers.{unit}")
+
+
+def key_unit(key: str) -> int:
+    if key == "embed":
+        return EMBED
+    if key == "head":
+        return HEAD
+    return int(key.removeprefix("layers."))
+
+
+def _step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ---- writability -----------------------------------------------------------------------------------------------
+def _explain(e: OSError, path: Path, what: str) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full while {what} {path}"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no permission to write {path} while {what} it ({e.strerror})"
+    return f"could not write {path} while {what} it ({e})"
+
+
+def check_writable(directory: str | Path) -> Path:
+    """Create `directory` if needed and prove a file can be written, fsynced and removed in it.
+
+    Call it before training starts, so that a run does not find out at its first checkpoint, hours in.
+    """
+    directory = Path(directory)
+    probe = directory / f"{_TMP_PREFIX}probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"megatrain")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {_explain(e, directory, 'probing')}; "
+                              "choose another run.out_dir or fix its permissions") from None
+    return directory
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- save / load -----------------------------------------------------------------------------------------------
+@dataclass
+class LoadedCheckpoint:
+    """What `load` returns: the step, the trainer state, and the tensors (None when loaded into `dest`)."""
+
+    path: Path
+    step: int
+    state: dict
+    tensors: dict[str, dict[int, torch.Tensor]] | None
+
+
+TileSource = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
+
+
+class CheckpointManager:
+    """Saves, lists, loads and prunes the checkpoints in one directory."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 3):
+        if keep_last < 0:
+            raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps all)")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    # -- listing --
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints, oldest first: [(step, path)]."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            if p.name.startswith("step_") and (p / STATE_FILE).is_file():
+                try:
+                    found.append((int(p.name.removeprefix("step_")), p))
+                except ValueError:
+                    continue
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        ckpts = self.checkpoints()
+        return ckpts[-1][1] if ckpts else None
+
+    def resolve(self, resume: str) -> Path:
+        """The checkpoint a `run.resume` value names: "latest" (of this directory) or a checkpoint path."""
+        if resume == "latest":
+            path = self.latest()
+            if path is None:
+                raise CheckpointError(f"run.resume='latest' but {self.directory} holds no complete checkpoint; "
+                                      "start without resume, or give a checkpoint directory")
+            return path
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(f"run.resume={resume!r} is not a checkpoint directory (no {STATE_FILE} in it)")
+        return path
+
+    # -- save --
+    def save(self, step: int, tiles: Mapping[str, TileSource], state: dict, units: list[int] | None = None) -> Path:
+        """Write checkpoint `step` atomically and prune old ones; returns its directory.
+
+        tiles: {kind: {unit: flat tile}} (or {kind: fn(unit) -> flat tile}) for each of KINDS. Tiles are written
+        from their own memory. state: JSON-serializable trainer state (step, RNG states, data cursor, config...).
+        On any failure the partial checkpoint is removed, every earlier checkpoint is left intact, and a
+        CheckpointError says what happened.
+        """
+        missing = [k for k in KINDS if k not in tiles]
+        if missing:
+            raise ValueError(f"save() needs tiles for {list(KINDS)}; missing {missing}")
+        getters = {k: (src.__getitem__ if isinstance(src, Mapping) else src) for k, src in tiles.items()}
+        if units is None:
+            src = tiles["master"]
+            if not isinstance(src, Mapping):
+                raise ValueError("pass units= when tiles are given as functions")
+            units = list(src)
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"trainer state is not JSON-serializable: {e}") from None
+
+        final = self.directory / _step_dir_name(step)
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        check_writable(self.directory)
+        self._remove_stale_tmp()
+        needed = sum(getters[k](u).numel() * getters[k](u).element_size() for k in KINDS for u in units)
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise CheckpointError(
+                f"checkpoint step {step} needs {needed / 2**30:.2f} GiB but {self.directory} has only "
+                f"{free / 2**30:.2f} GiB free; nothing was written and the earlier checkpoints are intact. Free "
+                "space, lower run.keep_last, or point run.out_dir at a larger disk"
+            )
+        what = "writing"
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            files = {}
+            for kind in KINDS:
+                get = getters[kind]
+                entries = [stio.Entry(unit_key(u), (get(u).numel(),), get(u).dtype,
+                                      (lambda g=get, u=u: g(u).reshape(-1))) for u in units]
+                digest = hashlib.sha256()
+                stio.write_safetensors(tmp / f"{kind}.safetensors", entries, {"kind": kind, "step": str(step)},
+                                       digest=digest)
+                files[f"{kind}.safetensors"] = digest.hexdigest()
+            state_text = _state_text({"format": FORMAT, "version": VERSION, "step": step, "units": units,
+                                      "files": files, "state": state})
+            # The state file is written last: a directory with it is complete.
+            with open(tmp / STATE_FILE, "w") as f:
+                stio._write(f, state_text)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            what = "publishing"
+            old = None
+            if final.exists():  # re-saving a step: move the old one aside, then swap
+                old = self.directory / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+                final.rename(old)
+            tmp.rename(final)
+            _fsync_dir(self.directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            prev = self.latest()
+            kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"checkpoint step {step} was not saved: {_explain(e, tmp, what)}. {kept[0].upper()}{kept[1:]}"
+            ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.prune()
+        return final
+
+    def step_path(self, step: int) -> Path:
+        """The directory checkpoint `step` is published as."""
+        return self.directory / _step_dir_name(step)
+
+    def prune(self, keep_last: int | None = None) -> list[Path]:
+        """Delete all but the newest `keep_last` (default: the manager's; 0 keeps all) checkpoints; returns what
+        was deleted. Each is first renamed to a hidden name, so a kill mid-delete leaves no half checkpoint."""
+        keep = self.keep_last if keep_last is None else keep_last
+        if keep == 0:
+            return []
+        doomed = [p for _, p in self.checkpoints()[:-keep]]
+        for p in doomed:
+            gone = self.directory / f"{_TMP_PREFIX}deleting-{p.name}"
+            p.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        return doomed
+
+    def _remove_stale_tmp(self) -> None:
+        """Leftovers of killed saves and prunes: hidden temporaries, and step directories without a state file
+        (which no save creates: a save publishes complete directories only)."""
+        for p in self.directory.glob(f"{_TMP_PREFIX}*"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.directory.glob("step_*"):
+            if p.is_dir() and not (p / STATE_FILE).exists():
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- load --
+    def load(self, path: str | Path | None = None, dest: Callable[[str, int], torch.Tensor] | None = None,
+             verify: bool = True) -> LoadedCheckpoint:
+        """Read a checkpoint (default: the latest).
+
+        With `dest(kind, unit) -> tensor`, each tile is read straight into the tensor dest returns (e.g. the
+        host store's own tiles; sizes must match) and `tensors` is None; otherwise new tensors are returned.
+        """
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        return load_checkpoint(path, dest, verify)
+
+
+def _state_text(meta: dict) -> str:
+    """The state file's text: `meta` plus "checksum", the SHA-256 of `meta` in canonical JSON."""
+    body = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+    return json.dumps({**meta, "checksum": hashlib.sha256(body.encode()).hexdigest()}, indent=1)
+
+
+def read_state(path: str | Path) -> dict:
+    """The checked content of a checkpoint's state file (its own checksum verified; CheckpointError if not)."""
+    path = Path(path)
+    state_path = path / STATE_FILE
+    try:
+        meta = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{state_path} is corrupt ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
+        raise CheckpointError(f"{state_path} is not a {FORMAT} checkpoint (format {got[0]!r}, version {got[1]!r})")
+    if meta["version"] >= 2:
+        claimed = meta.pop("checksum", None)
+        actual = hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        if claimed != actual:
+            raise CheckpointError(f"{state_path} does not match its checksum: the file was damaged or edited; "
+                                  "resume from another checkpoint")
+    try:
+        meta["step"], meta["units"] = int(meta["step"]), [int(u) for u in meta["units"]]
+        if not isinstance(meta["state"], dict):
+            raise TypeError("'state' is not an object")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{state_path} is damaged ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check a checkpoint without allocating: the state file, and every tensor file present, complete (header
+    against size) and matching its SHA-256. Returns the state file's content; CheckpointError naming the file."""
+    path = Path(path)
+    meta = read_state(path)
+    # Version 2 lists its tensor files (an ordinary checkpoint's three kinds, a sharded one's rank files).
+    names = list(meta.get("files", {})) if meta["version"] >= 2 else [f"{kind}.safetensors" for kind in KINDS]
+    for name in names:
+        file = path / name
+        try:
+            stio.read_header(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} has no {file.name}") from None
+        except stio.SafetensorsFormatError as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+        expected = meta.get("files", {}).get(file.name) if meta["version"] >= 2 else None
+        if meta["version"] >= 2 and stio.file_sha256(file) != expected:
+            raise CheckpointError(f"{file} does not match the checksum in {STATE_FILE}: the file was damaged "
+                                  "(flipped or missing bytes); resume from another checkpoint")
+    return meta
+
+
+def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] | None = None,
+                    verify: bool = True) -> LoadedCheckpoint:
+    """Read one checkpoint directory (see `CheckpointManager.load`); `verify=False` skips the checksums (a
+    caller that ran `verify_checkpoint` already). Non-finite values are refused, naming the tensor."""
+    path = Path(path)
+    meta = verify_checkpoint(path) if verify else read_state(path)
+    units = meta["units"]
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for kind in KINDS:
+        file = path / f"{kind}.safetensors"
+        try:
+            infos, _ = stio.read_header(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} has no {file.name}") from None
+        except stio.SafetensorsFormatError as e:
+            raise CheckpointError(str(e)) from None
+        out[kind] = {}
+        for u in units:
+            info = infos.get(unit_key(u))
+            if info is None:
+                raise CheckpointError(f"{file} has no tensor {unit_key(u)!r}")
+            target = dest(kind, u) if dest is not None else torch.empty(info.shape, dtype=info.dtype)
+            if not target.is_contiguous() or target.device.type != "cpu":
+                raise CheckpointError(f"the destination of {kind} {unit_key(u)!r} must be a contiguous CPU tensor")
+            if target.numel() * target.element_size() != info.end - info.begin or target.dtype != info.dtype:
+                raise CheckpointError(
+                    f"{file}: tile {unit_key(u)!r} is {info.shape} {info.dtype}, the destination is "
+                    f"{tuple(target.shape)} {target.dtype}; was the checkpoint written for another model or "
+                    "schedule? Resume with the same model config")
+            try:
+                stio.read_into(file, info, target)
+            except stio.SafetensorsFormatError as e:
+                raise CheckpointError(str(e)) from None
+            if not stio.all_finite(target):
+                raise CheckpointError(f"{file}: tensor {unit_key(u)!r} holds non-finite values (NaN or inf); the "
+                                      "run had diverged when it was saved, or the file is damaged. Resume from an "
+                                      "earlier checkpoint")
+            if dest is None:
+                out[kind][u] = target
+    return LoadedCheckpoint(path, int(meta["step"]), meta["state"], None if dest is not None else out)

@@ -1,0 +1,259 @@
+"""Memory planner: host and GPU bytes of a run, whether they fit, and which knob helps when they do not.
+
+It reads a Placement (the one a Program carries), never the knobs: what lives where is the resolver's to say.
+
+Host bytes per parameter (unique parameters; a tied lm_head counts once):
+
+    fp32 master 4 + Adam m 4 + Adam v 4                      = 12  (m and v 2 + 2 with state_dtype="bf16")
+    + bf16 streaming copy 2        (weight_wire = "bf16"; with "fp32" the master itself is streamed)
+    + gradient landing space 4 | 2 (grad_wire "fp32" | "bf16"); with a gradient ring (grad_ring = K) instead
+      K tiles of the largest unit, a bounded amount (arrival timing without clipping)
+
+With the NVMe tier (state_tier) m and v (or master, m and v) are on the drive, and the host keeps a staging area
+of two units' state (one being read, one being written back); the NVMe bytes are reported beside the host's.
+
+The streaming copy and the gradient landing space exist for every *streamed* parameter, so a tied model pays
+them twice for the shared matrix (the head streams its own copy). Pinned: what DMA touches — the streaming copy
+(or the master for fp32 wire), the gradients, the offloaded checkpoints, and the master and moments of units the
+GPU updates on streamed state.
+
+GPU bytes: the placement's buffer table (weight ring, embedding and head, state, kept-gradient and resident
+buffers), the activation checkpoints, the RoPE tables, and the larger of one layer's working set (its recompute +
+backward, what autograd and the kernels hold at the peak) and the fused head + loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatrain.model.spec import ModelSpec
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.program import GpuMemoryPlan
+from megatrain.ir.placement import BufferKind, Placement, host_component_names
+
+GiB = 2**30
+
+# Components that are the host store itself (the rest of the host plan is outside it).
+NOT_STORE = ("offloaded checkpoints", "runtime overhead")
+
+
+# RSS of the process beyond the store: the torch/CUDA runtime, Python, the libraries. Measured on the GPU machine
+# (docs/benchmarks.md): a CUDA process with torch imported and a context created.
+RUNTIME_OVERHEAD_BYTES = {"cuda": int(1.5 * GiB), "cpu": int(0.5 * GiB)}
+
+
+def layer_working_set(p: Placement) -> dict[str, int]:
+    """GPU bytes of one layer's BACKWARD task (recompute from its checkpoint + local backward), at the moments that
+    can be the peak, beyond the buffers, the checkpoints and the RoPE tables. Per micro-batch of n tokens, a = bytes
+    of the compute dtype, what the recompute saves for the backward (eager layer, `exec.layers`):
+
+    - each RMSNorm: an fp32 copy of its input (4d per token; none in fp32, where the input itself is kept), the
+      normalized value and the scaled output (a*d each);
+    - SDPA (flash on CUDA): the rotated q and k, v and its output (a*(2q + 2kv)), fp32 logsumexp (4 per head);
+      RoPE's products save only the tables, not q and k;
+    - the MLP untiled: gate, silu(gate), up and their product (4a*ffn); tiled: only its input h (a*d);
+    - around the call: the layer's output (alive until autograd.grad returns) and the incoming gradient (a*d each).
+
+    Moments: "mlp" = the MLP's backward (untiled: at the product's backward, the gradients of the product, silu and
+    up exist while the product is released: 6a*ffn; tiled: the full-length gradient of h plus one tile recomputed
+    and differentiated); "attention" = the flash backward after the MLP's saved tensors are released: the
+    accumulated gradient of h and of the attention output (a*d, a*q), the kernel's fp32 dq accumulator (4q) and
+    softmax sums (4 per head), dq, dk, dv, and with grouped KV heads dk and dv expanded to every query head
+    (2a*q). Each adds the layer's weights cast to the compute dtype (when the weight wire differs) and the weight
+    gradients autograd returns (a per parameter), and the tiled MLP its fp32 weight-gradient sums.
+    """
+    spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, f, q, kv, nh = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim, spec.num_heads
+    upcast = 4 * d if a < 4 else 0
+    norm = upcast + 2 * a * d  # per token, saved by one RMSNorm and the projections after it
+    attn = a * (2 * q + 2 * kv) + 4 * nh
+    around = 2 * a * d  # the layer output and the gradient coming in
+    weights = spec.layer_params * (a + (a if p.weight_wire != p.compute_dtype else 0))
+    if p.mlp_tile_tokens:
+        t = p.mlp_tile_tokens
+        tile = t * (norm + 2 * a * d + 6 * a * f)  # the tile's norm, output and gradient, MLP at its product's backward
+        mlp = n * (norm + attn + around + 2 * a * d) + tile + 4 * (3 * d * f + d)  # + h, its gradient; fp32 sums
+    else:
+        mlp = n * (2 * norm + attn + around + 6 * a * f)
+    gqa_expand = 2 * a * q if spec.num_kv_heads != spec.num_heads else 0
+    flash = 4 * q + 4 * nh + gqa_expand + a * (q + 2 * kv)
+    attention = n * (norm + attn + around + a * d + a * q + flash)
+    return {"mlp": mlp + weights, "attention": attention + weights}
+
+
+def head_working_set(p: Placement) -> int:
+    """GPU bytes of the fused head + loss (`exec.head.head_loss_backward`) beyond the buffers and checkpoints: the
+    final hidden states and their gradient (n x d each), lm_head cast to the compute dtype (when the wire differs),
+    and per chunk of c tokens what the final norm saves for its backward (as a layer's norm) plus the larger of
+    fp32 logits with logsumexp's fp32 temporary (8cV) and, later, the softmax gradient with its compute-dtype copy
+    (4cV + a*cV) and the (V, d) lm_head gradient product when it is added into the fp32 area from another dtype."""
+    spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, V = spec.hidden_size, spec.vocab_size
+    c = min(p.loss_chunk_tokens, n)
+    lm_cast = V * d * a if p.weight_wire != p.compute_dtype else 0
+    product = V * d * a if a != 4 else 0
+    norm = c * ((4 * d if a < 4 else 0) + 2 * a * d)
+    chunk = norm + max(8 * c * V, (4 + a) * c * V + product)
+    return 2 * n * d * a + lm_cast + chunk
+
+
+def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
+    """GPU bytes of a step: the buffers, the checkpointed activations, the RoPE tables, and the larger of a layer's
+    working set and the head's.
+
+    - checkpoints: the input of every r-th layer for every micro-batch, in the compute dtype; of the offloaded
+      ones only two blocks' worth are on the GPU at a time (one coming back, one being consumed);
+    - layer working set (`layer_working_set`): the larger of its moments, plus the inner inputs of a recompute
+      block rebuilt by RECOMPUTE ((r - 1) per micro-batch) and the activation gradients of the other micro-batches;
+    - head (`head_working_set`), plus the other micro-batches' hidden states.
+    The measured peak is the check (scripts/longseq_memory.py, docs/benchmarks.md).
+    """
+    spec, act, tokens_mb = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
+    d, M = spec.hidden_size, p.micro_batches
+    offloaded = len(p.offloaded_checkpoints)
+    n_checkpoints = len(p.checkpoint_layers) - offloaded + min(offloaded, 2)
+    checkpoint = n_checkpoints * M * tokens_mb * d * act
+    activation = tokens_mb * d * act  # one (tokens, d) activation of a micro-batch
+    working = max(layer_working_set(p).values()) + ((p.recompute_block - 1) * M + M - 1) * activation
+    head = head_working_set(p) + (M - 1) * activation
+    rope = 2 * p.seq * spec.head_dim * act
+    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope)
+
+
+@dataclass(frozen=True)
+class HostMemoryPlan:
+    """Host bytes by component."""
+
+    components: dict[str, int]
+    pinned_bytes: int
+    num_params: int
+    nvme: dict[str, int] = None  # bytes on the NVMe tier by component ({} without it)
+
+    @property
+    def store_bytes(self) -> int:
+        return sum(v for k, v in self.components.items() if k not in NOT_STORE)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.store_bytes / self.num_params
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    placement: Placement
+    host: HostMemoryPlan
+    gpu: GpuMemoryPlan
+    knobs: object | None = None  # ScheduleKnobs (compile/), the words the placement came from (the fit report varies them)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.placement.model
+
+    @property
+    def batch(self) -> int:
+        return self.placement.batch
+
+    @property
+    def seq(self) -> int:
+        return self.placement.seq
+
+
+def plan_host_memory(p: Placement, backend: str = "cuda") -> HostMemoryPlan:
+    """Host bytes of the store (what `exec.store.HostStore` allocates), offloaded checkpoints, runtime; and the
+    NVMe tier's bytes when the optimizer state is planned there."""
+    spec, layout = p.model, p.host_layout
+    names = host_component_names(layout)
+    n = spec.num_params
+    streamed = sum(spec.unit_params(u) for u in spec.units())  # the head streams its own copy when tied
+    state = 2 if p.state_dtype == "bf16" else 4
+    grads = (layout.grad_ring * layout.ring_tile_elements if layout.grad_ring else streamed)
+    components = {
+        names["master"]: 4 * n,
+        names["m"]: state * n,
+        names["v"]: state * n,
+        names["stream"]: 2 * streamed if p.weight_wire == "bf16" else 0,
+        names["grads"]: p.wire_bytes("grad_wire") * grads,
+    }
+    if layout.grad_scratch_elements:
+        components[names["grad_scratch"]] = 4 * layout.grad_scratch_elements
+    if layout.state_scratch_elements:
+        components[names["state_scratch"]] = 2 * 4 * layout.state_scratch_elements
+    nvme = {}
+    if p.state_tier != "host":  # on the drive; the host stages two units' state (one read, one written back)
+        on_drive = [names["m"], names["v"]] + ([names["master"]] if p.state_tier == "nvme-all" else [])
+        nvme = {k: components.pop(k) for k in on_drive}
+        per_param = sum(nvme.values()) / n
+        components["NVMe staging (2 units of state)"] = int(2 * per_param * max(spec.unit_params(u)
+                                                                                 for u in spec.units()))
+    if p.offloaded_checkpoints:
+        components["offloaded checkpoints"] = (len(p.offloaded_checkpoints) * p.batch * p.seq * spec.hidden_size
+                                               * p.wire_bytes("compute_dtype"))
+    components["runtime overhead"] = RUNTIME_OVERHEAD_BYTES[backend]
+
+    pinned = components[names["stream"]] + components[names["grads"]]
+    pinned += components.get("offloaded checkpoints", 0)
+    if p.weight_wire == "fp32":
+        pinned += components[names["master"]]
+    gpu_params = sum(spec.unit_params(u) for u in p.gpu_streamed_layers)
+    if gpu_params:  # master (already pinned with an fp32 wire) and moments of the GPU-updated layers
+        pinned += (0 if p.weight_wire == "fp32" else 4 * gpu_params) + 8 * gpu_params
+    if backend == "cpu":
+        pinned = 0
+    return HostMemoryPlan(components, pinned, n, nvme)
+
+
+def plan_placement(p: Placement, backend: str = "cuda", knobs=None) -> MemoryPlan:
+    """Host and GPU memory of a placement (`program.placement`)."""
+    return MemoryPlan(p, plan_host_memory(p, backend), plan_gpu_memory(p), knobs)
+
+
+def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
+    """(label, bytes) of every GPU component: one row per buffer kind, the checkpoints, and the working set; the
+    rows add up to `plan.gpu.peak_bytes`."""
+    p, g = plan.placement, plan.gpu
+    rows = []
+    labels = {BufferKind.WEIGHTS: "weights + grads", BufferKind.STATE: "master+m+v+grad",
+              BufferKind.KEPT_GRADS: "fp32 grads", BufferKind.RESIDENT: "master+m+v+grad"}
+    ring = [b for b in p.buffers if b.kind is BufferKind.WEIGHTS and b.unit is None]
+    if ring:
+        rows.append((f"layer ring ({len(ring)} x {labels[BufferKind.WEIGHTS]})", sum(b.nbytes for b in ring)))
+    for b in p.buffers:
+        if b.kind is BufferKind.WEIGHTS and b.unit is not None:
+            rows.append((f"{b.name} buffer ({labels[b.kind]})", b.nbytes))
+    for kind, what in ((BufferKind.STATE, "state buffers"), (BufferKind.KEPT_GRADS, "kept-gradient buffers"),
+                       (BufferKind.RESIDENT, "resident buffers")):
+        group = [b for b in p.buffers if b.kind is kind]
+        if group:
+            rows.append((f"{what} ({len(group)} x {labels[kind]})", sum(b.nbytes for b in group)))
+    rows.append(("activation checkpoints", g.checkpoint_bytes))
+    rows.append(("RoPE tables (cos, sin)", g.rope_bytes))
+    tiles = f", MLP tiles of {p.mlp_tile_tokens}" if p.mlp_tile_tokens else ""
+    which = f"layer{tiles}" if g.working_bytes >= g.logits_bytes else "head + loss chunk"
+    rows.append((f"working set (the larger: {which})", max(g.working_bytes, g.logits_bytes)))
+    return rows
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable table of host and GPU memory by component; each table's rows add up to its total."""
+    s, h, g = plan.spec, plan.host, plan.gpu
+    out = [f"model {s.name}: {s.num_params / 1e9:.3f} B parameters, {s.num_layers} layers; "
+           f"batch {plan.batch} x seq {plan.seq}",
+           "", f"{'host memory':<56}{'GiB':>10}{'B/param':>10}"]
+    for name, b in h.components.items():
+        out.append(f"  {name:<54}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
+    out.append(f"  {'total':<54}{h.total_bytes / GiB:>10.2f}{h.total_bytes / h.num_params:>10.2f}")
+    out.append(f"  {'of which pinned':<54}{h.pinned_bytes / GiB:>10.2f}{h.pinned_bytes / h.num_params:>10.2f}")
+    if h.nvme:
+        out += ["", f"{'NVMe tier (state_tier, planned only)':<56}{'GiB':>10}{'B/param':>10}"]
+        for name, b in h.nvme.items():
+            out.append(f"  {name:<54}{b / GiB:>10.2f}{b / h.num_params:>10.2f}")
+    out += ["", f"{'GPU memory':<56}{'GiB':>10}"]
+    for label, b in gpu_rows(plan):
+        out.append(f"  {label:<54}{b / GiB:>10.2f}")
+    out.append(f"  {'peak (the sum of the rows)':<54}{g.peak_bytes / GiB:>10.2f}")
+    out.append(f"  {'  (layer working set / head + loss)':<54}{g.working_bytes / GiB:>5.2f} / "
+               f"{g.logits_bytes / GiB:.2f}")
+    return "\n".join(out)

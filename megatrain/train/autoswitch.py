@@ -1,0 +1,190 @@
+"""`--schedule auto` after the warm-up: check the choice against the run's own steps, and choose again once.
+
+    auto = AutoChoice(spec, batch, seq, knobs, gpu_bytes, host_bytes, label)   # what auto chose before the run
+    decision = auto.recheck(program, profile, timelines, log)                 # after WARMUP + MIN_STEPS steps
+    if decision.knobs is not None: switch the trainer to them (`StreamedTrainer.use_program`)
+
+The choice was made with a profile (shared/DESIGN.md section 4: one machine on one day). When the measured step
+time is more than `TOLERANCE` from the prediction, the profile is refitted to the measured steps (live
+calibration, profiling/live.py) and every candidate is simulated again with the calibrated profile. The run
+switches when another candidate is now predicted at least `SWITCH_GAIN` faster than the running schedule (whose
+calibrated prediction is compared, not its stale one; a smaller gain is within what the fit can tell apart and
+does not pay for new GPU buffers and a second warm-up). It happens at most once per run.
+
+Only candidates with the running schedule's host layout are considered (weight and gradient wires, GPU-updated
+units: `ir.resolve.resolve_host_layout`): the host store was built for that layout and holds the only copy of the
+master weights and AdamW moments. Switching to another layout would mean a second store of the same size (a
+7 B model's ~112 GiB twice) or converting it in place; a Program on the same store is what `use_program` supports
+and costs nothing but new GPU buffers. The candidates keep the run's numerics (`tune.auto_candidates`: clipping,
+dtypes, kernel, loss chunk, micro-batches), so a switch changes speed, never the numbers computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.model.spec import ModelSpec
+
+TOLERANCE = 0.10  # |measured / predicted - 1| above this recalibrates and chooses again
+SWITCH_GAIN = 0.03  # a switch (new GPU buffers, warm-up again) needs a candidate predicted at least this much faster
+
+
+@dataclass
+class Decision:
+    """What the re-check found: the knobs to switch to (None: keep) and the calibration it used."""
+
+    knobs: ScheduleKnobs | None
+    label: str | None
+    calibration: object | None  # profiling.live.LiveCalibration, None when within tolerance
+
+
+@dataclass
+class AutoChoice:
+    """What `--schedule auto` chose before the run, and what it needs to choose again."""
+
+    spec: ModelSpec
+    batch: int
+    seq: int
+    knobs: ScheduleKnobs  # the chosen knobs as the trainer runs them (step knobs)
+    gpu_bytes: int
+    host_bytes: int | None
+    label: str
+    done: bool = False
+
+    def recheck(self, program, profile, timelines: list, log) -> Decision:
+        """Compare the measured steps (`timelines`, after the warm-up) with the prediction of `profile`; beyond
+        TOLERANCE, calibrate, choose again among candidates with this host layout, and log why and what changed."""
+        import statistics
+
+        from megatrain.ir.dag import ScheduleError
+        from megatrain.profiling.compare import step_time_s
+        from megatrain.profiling.live import calibrate_run
+        from megatrain.sim import simulate
+        from megatrain.tune.search import choose_schedule
+
+        self.done = True
+        measured = statistics.median(step_time_s(t.reset_index(drop=True)) for t in timelines)
+        predicted = simulate(program, profile).step_s
+        err = predicted / measured - 1.0
+        head = (f"auto: {self.label} measured {measured:.3f} s/step over {len(timelines)} steps after the warm-up, "
+                f"predicted {predicted:.3f} s ({profile.name} profile, {100 * err:+.0f}%)")
+        if abs(err) <= TOLERANCE:
+            log(f"{head}: within {100 * TOLERANCE:.0f}%, the choice stands")
+            return Decision(None, None, None)
+        cal = calibrate_run(program, profile, timelines, warmup=0)
+        log(f"{head}: more than {100 * TOLERANCE:.0f}% off, so auto recalibrates and chooses again (once); "
+            f"{cal.reason()}")
+        try:
+            best = choose_schedule(self.spec, self.batch, self.seq, self.knobs, cal.profile, self.gpu_bytes,
+                                   self.host_bytes, same_host_layout=True)
+        except ScheduleError as e:
+            log(f"auto: no candidate to choose again from ({e}); keeping {self.label}")
+            return Decision(None, None, cal)
+        now = cal.after.step_s
+        log(f"auto: with the calibrated profile {self.label} predicts {now:.3f} s/step; the fastest of "
+            f"{len(best.table)} candidates with this host layout:")
+        for row in best.table.head(3).itertuples():
+            log(f"  {row.schedule}: {row.step_s:.3f} s/step predicted")
+        label = best.table.schedule[0]
+        if best.knobs == self.knobs or best.result.step_s > now * (1 - SWITCH_GAIN):
+            log(f"auto: {self.label} stays (no candidate is predicted more than {100 * SWITCH_GAIN:.0f}% faster after "
+                "calibration)")
+            return Decision(None, None, cal)
+        log(f"auto: switching {self.label} -> {label} ({now:.3f} -> {best.result.step_s:.3f} s/step predicted, "
+            f"{100 * (best.result.step_s / now - 1):+.0f}%); same host store, same numerics")
+        return Decision(best.knobs, label, cal)
+
+
+def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
+                    log=print) -> str:
+    """The path of a profile of this machine for (spec, batch, seq): one `auto` measured before under `out_dir`
+    /profiles when its recorded machine is this one, else a `megatrain profile --quick` measured now (and said
+    so; it is kept there for the next run)."""
+    import time
+    from pathlib import Path
+
+    from megatrain.profiling.machine import differences, key, this_machine
+    from megatrain.sim import load_profile
+
+    here = this_machine(backend)
+    path = Path(out_dir) / "profiles" / key(here) / f"{spec.name}-b{batch}-s{seq}-{backend}.json"
+    if path.is_file() and not differences(load_profile(path).machine, here):
+        log(f"--schedule auto: using this machine's profile {path}")
+        return str(path)
+    from megatrain.train.fit import check_fits
+    from megatrain.profiling import ProfileRequest, measure_profile
+    from megatrain.profiling.calibrate import profile_host_reserve
+
+    cmd = (f"megatrain profile --quick --model {spec.name} --batch {batch} --seq {seq} --device {backend} "
+           f"--out {path}")
+    log(f"--schedule auto: no profile of this machine ({path} is missing), so it is profiled quickly first (as "
+        f"`{cmd}`)")
+    check_fits(spec.with_layers(min(2, spec.num_layers)), batch, seq, knobs, backend, f"profiling {spec.name}",
+               "lower --batch / --seq, or give --set run.profile=FILE", profile_host_reserve(spec, backend, True))
+    t0 = time.perf_counter()
+    cal = measure_profile(ProfileRequest(spec, batch=batch, seqs=[seq], device=backend,
+                                         dtypes=[knobs.compute_dtype], quick=True, knobs=knobs),
+                          log=lambda _line: None)
+    cal.save(path)
+    del cal
+    if backend == "cuda":  # the profile's buffers are gone; give their cached blocks back before the run
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path}")
+    return str(path)
+
+
+def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: str):
+    """Run `knobs` on `trainer` from the next step: the pending update (overlap timing) is applied first with the
+    old Program, as a checkpoint does, then the new Program takes the same host store (`use_program`). Returns the
+    new Program and the update plan the flush applied (None if none was pending)."""
+    from dataclasses import replace
+
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.lower import lower
+    from megatrain.compile.resolve import resolve_host_layout
+
+    if resolve_host_layout(trainer.spec, knobs) != resolve_host_layout(trainer.spec, trainer.knobs):
+        raise ValueError("auto switches only between schedules with the same host layout")  # see the docstring
+    applied = trainer.flush()
+    sched = build_schedule(trainer.spec, batch, seq, knobs)
+    sched.name = name
+    program = lower(sched)
+    trainer.use_program(program)
+    trainer.knobs, trainer.schedule_name = replace(knobs), name
+    return program, applied
+
+
+def schedule_overrides(knobs, micro_batches: int) -> list[str]:
+    """Config overrides that set every schedule knob of `knobs` (step knobs: micro-batches as configured)."""
+    from dataclasses import replace
+
+    knobs = replace(knobs, micro_batches=micro_batches)  # the loop multiplies it by grad_accum
+    return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
+
+
+def switch_after_warmup(run, step: int, start: int, timelines: list) -> bool:
+    """`--schedule auto` after the warm-up: re-check the choice of `run` (a training/loop._Training) once, and
+    switch its trainer to another schedule when the calibrated profile predicts one faster (its Program,
+    prediction, knobs and saved config follow). True when it switched."""
+    from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS
+
+    if run.auto is None or run.auto.done or run.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
+        return False
+    warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
+    decision = run.auto.recheck(run.program, run.predicted.profile, warm, run.log)
+    if decision.knobs is None:
+        return False
+    run.program, applied = switch_trainer(run.trainer, run.batch, run.seq, decision.knobs, decision.label)
+    run._log_skips(run.skips.settle(applied))
+    run.knobs = decision.knobs
+    from megatrain.sim import simulate
+
+    run.predicted = simulate(run.program, run.predicted.profile)
+    run.cfg = run.cfg.with_overrides(schedule_overrides(decision.knobs, run.cfg.schedule.micro_batches))
+    run.cfg.save(run.run_dir)  # the run directory records the schedule that runs from here on
+    return True

@@ -1,0 +1,159 @@
+"""`megatrain train` arguments -> RunConfig -> `run_training`.
+
+    parser = argparse.ArgumentParser(); add_train_arguments(parser)
+    sys.exit(run_from_args(parser.parse_args()))
+
+A TOML config (`--config`), then shortcuts for the common keys (`--model`, `--steps`, `--schedule`, ...), then
+`--set section.key=value` overrides (an explicit --set wins), and `--resume [CHECKPOINT]`. Every mistake is a
+ConfigError naming the key (megatrain.cli prints it as one line).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatrain.train.config import ConfigError, RunConfig
+
+_SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
+              "seq": "data.seq_len", "lr": "optimizer.lr", "device": "run.device", "name": "run.name",
+              "out_dir": "run.out_dir", "data": "data.path", "wait_timeout": "run.wait_timeout_s"}
+
+
+def add_train_arguments(parser) -> None:
+    """The `megatrain train` options: a TOML config, `--set` overrides, `--resume`, and shortcuts for the
+    common keys (each shortcut is a `--set` of the key in brackets; an explicit --set wins)."""
+    parser.add_argument("--config", metavar="TOML", help="run config file (defaults: debug model, bundled corpus)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                        help="override a config key, e.g. --set optimizer.lr=3e-4 (a bare schedule knob such as "
+                             "buffers=2 means schedule.buffers=2); repeatable")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                        help="continue the run from its latest checkpoint, or from the checkpoint directory given")
+    parser.add_argument("--model", help="[model.name] preset or Hugging Face model directory")
+    parser.add_argument("--data", help="[data.path] token file (.bin), nanoGPT dir, .jsonl or .txt")
+    parser.add_argument("--steps", type=int, help="[run.steps]")
+    parser.add_argument("--schedule", help="[schedule.name] a named schedule, a TOML file of schedule knobs, or "
+                                           "'auto': the fastest predicted one that fits --gpu-budget-gib and keeps "
+                                           "the numerics of the config (clipping, dtypes, kernel)")
+    parser.add_argument("--gpu-budget-gib", dest="gpu_budget_gib", type=float,
+                        help="--schedule auto: GPU memory the schedule may plan for (default: the GPU's free memory "
+                             "less 10%%; on the CPU backend half the available host memory)")
+    parser.add_argument("--batch", type=int, help="[data.batch_size]")
+    parser.add_argument("--seq", type=int, help="[data.seq_len]")
+    parser.add_argument("--lr", type=float, help="[optimizer.lr]")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="[run.device]")
+    parser.add_argument("--name", help="[run.name] run directory name under run.out_dir")
+    parser.add_argument("--out-dir", dest="out_dir", help="[run.out_dir]")
+    parser.add_argument("--wait-timeout", dest="wait_timeout", type=float, metavar="SECONDS",
+                        help="[run.wait_timeout_s] bound of every executor wait; a hung task stops the step with an "
+                             "error naming it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    parser.add_argument("--timeline", metavar="CSV", help="also write the last step's measured timeline here "
+                                                          "(the run directory has the last steps' anyway)")
+
+
+def config_from_args(args) -> RunConfig:
+    """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
+    from megatrain.compile.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+
+    overrides = []
+    for attr, key in _SHORTCUTS.items():
+        value = getattr(args, attr, None)
+        if value is None or (attr == "schedule" and value == "auto"):
+            continue
+        if attr == "schedule" and value not in NAMED_SCHEDULES:  # a schedule file: the same [schedule] table
+            from megatrain.ir.dag import ScheduleError
+            from megatrain.tomlfile import read_toml
+
+            try:
+                resolve_knobs(value)  # a named schedule or a schedule file, checked here against the file
+                data = read_toml(value, ScheduleError, "schedule file")
+                table = data.get("schedule", data)
+            except ScheduleError as e:
+                raise ConfigError(f"--schedule {value}: {e}") from None
+            overrides += [f"schedule.name={table.get('name', DEFAULT_SCHEDULE)}"]
+            overrides += [f"schedule.{k}={v}" for k, v in table.items() if k != "name"]
+            continue
+        overrides.append(f"{key}={value}")
+    for item in getattr(args, "overrides", []) or []:
+        key = item.split("=", 1)[0].strip()
+        overrides.append(item if "." in key or "=" not in item else f"schedule.{item.strip()}")
+    if getattr(args, "resume", None):
+        overrides.append(f"run.resume={args.resume}")
+    if getattr(args, "no_progress", False):
+        overrides.append("run.progress=false")
+    from megatrain.train.config import load_config
+
+    cfg = load_config(getattr(args, "config", None), overrides)
+    if getattr(args, "schedule", None) == "auto":
+        overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None))
+        cfg = cfg.with_overrides(overrides)
+    return cfg
+
+
+def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
+    """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/search.py),
+    printed with the next best, and the AutoChoice that re-checks it after the warm-up (training/autoswitch.py);
+    the config's numerics (clipping, dtypes, kernel, micro-batches) are kept. Without run.profile it uses this
+    machine's profile, measured quickly first when there is none."""
+    import os
+
+    import psutil
+
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
+        raise ConfigError(f"--schedule auto is not supported under torchrun ({ranks} ranks): choose the schedule "
+                          "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
+
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.tune.search import choose_schedule
+    from megatrain.train.autoswitch import AutoChoice, machine_profile, schedule_overrides
+    from megatrain.train.fit import machine_capacity
+
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and Path("/proc/driver/nvidia").exists()
+                                        and machine_capacity("cuda")[1] is not None)
+    if budget_gib is not None:
+        budget = int(budget_gib * 2**30)
+    else:
+        budget = int(machine_capacity("cuda")[1] * 0.9) if cuda else psutil.virtual_memory().available // 2
+    spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
+    extra = []
+    profile = cfg.run.profile
+    if not profile:
+        profile = machine_profile(cfg.run.out_dir, spec, batch, seq, base, "cuda" if cuda else "cpu")
+        extra = [f"run.profile={profile}"]
+    host = machine_capacity("cuda" if cuda else "cpu")[0]
+    try:
+        best = choose_schedule(spec, batch, seq, base, profile, budget, host_bytes=host)
+    except ScheduleError as e:
+        raise ConfigError(f"--schedule auto: {e}") from None
+    print(f"--schedule auto ({budget / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
+          f"{len(best.table)} that fit:")
+    for row in best.table.head(3).itertuples():
+        print(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
+    choice = AutoChoice(spec, batch, seq, best.knobs, budget, host, best.table.schedule[0])
+    return schedule_overrides(best.knobs, cfg.schedule.micro_batches) + extra, choice
+
+
+def run_from_args(args) -> int:
+    """`megatrain train`: build the config from the arguments and train; exit status 0, 128 + the signal number
+    when SIGTERM / SIGINT stopped it at a step boundary (with a checkpoint), 130 if interrupted at once.
+    User mistakes raise ConfigError / DataError / CheckpointError, a run that stops on its own TrainingError
+    (megatrain.cli prints them as one line)."""
+    import signal
+
+    from megatrain.train.loop import run_training
+
+    cfg = config_from_args(args)
+    try:
+        summary = run_training(cfg, auto=getattr(args, "auto_choice", None))
+    except KeyboardInterrupt:
+        return 130
+    if summary.stop_signal is not None:
+        return 128 + int(signal.Signals[summary.stop_signal])
+    measured = summary.run_dir / "timeline_measured.csv"
+    if getattr(args, "timeline", None) and measured.is_file():
+        import pandas as pd
+
+        from megatrain.analysis.summary import one_step
+
+        one_step(pd.read_csv(measured)).to_csv(args.timeline, index=False)
+    return 0

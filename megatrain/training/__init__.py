@@ -1,1 +1,0 @@
-"""megatrain.training"""

@@ -1,0 +1,1 @@
+"""Schedule search: choose knobs by simulation (`--schedule auto` and the advice of `plan`)."""
