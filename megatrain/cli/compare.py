@@ -17,7 +17,6 @@ from pathlib import Path
 
 from megatrain.cli import UserError
 from megatrain.cli.common import add_run_arguments
-from megatrain.train.fit import check_fits
 from megatrain.cli.simulate import parse_sweeps, slug, variants
 
 ADVICE = ("lower --batch / --seq, compare a smaller model (a preset such as debug, or fewer layers in a copy of "
@@ -92,6 +91,7 @@ def run(args) -> int:
     # Memory first, as `train` does: every variant's host store, buffers and activations against this machine
     # (with several variants, one fp32 copy of the initial weights is shared by all of them and held throughout).
     shared = 4 * spec.num_params if len(resolved) > 1 else 0
+    from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
     for v, _, knobs in resolved:
         check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
     if args.measure_profile:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from megatrain.cli import UserError
 from megatrain.cli.common import DEFAULT_SCHEDULE
-from megatrain.train.fit import check_fits
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -117,6 +116,7 @@ def run(args) -> int:
     out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.
+    from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
     for shape in models:
         check_fits(shape.with_layers(min(2, shape.num_layers)), batch[0], max(seqs), knobs, device,
                    f"profiling {shape.name}", ADVICE, profile_host_reserve(spec, device, args.quick))
