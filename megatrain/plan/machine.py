@@ -136,6 +136,11 @@ def host_memory(held_bytes: int = 0) -> MemoryLimit:
     return MemoryLimit(int(usable), bound_by, int(limit))
 
 
+def process_rss_bytes() -> int:
+    """This process's resident set: the `held_bytes` a run in this process counts as its own."""
+    return psutil.Process().memory_info().rss
+
+
 def gpu_memory(device: int | None = None) -> tuple[int, int] | None:
     """(free, total) bytes of a CUDA device (the current one by default); None on a machine without a usable GPU.
 
