@@ -21,6 +21,19 @@ def machine_memory(host_gib: float | None = None, gpu_gib: float | None = None) 
     return host, gpu
 
 
+def knob_lines(knobs) -> list[str]:
+    """The knobs by group (placement, step shape, numerics: megatrain/compile/knobs.py), one line each, wrapped."""
+    import textwrap
+
+    from megatrain.compile.knobs import knobs_by_group
+
+    lines = ["knobs:"]
+    for group, values in knobs_by_group(knobs).items():
+        text = ", ".join(f"{k}={'unset' if v is None else v}" for k, v in values.items())
+        lines += textwrap.wrap(text, 116, initial_indent=f"  {group + ':':<12}", subsequent_indent=" " * 14)
+    return lines
+
+
 def register(sub) -> None:
     p = sub.add_parser("plan", help="memory plan of a run: host and GPU bytes, fit, knobs that help")
     add_run_arguments(p, model="debug", batch=8, seq=2048)
@@ -46,6 +59,7 @@ def run(args) -> int:
         return _run_world(args, spec, name, knobs)
     host, gpu = machine_memory(args.host_gib, args.gpu_gib)
     print(f"schedule {name}")
+    print("\n".join(knob_lines(knobs)))
     print(plan.placement.describe())
     print()
     print(format_plan(plan))
@@ -74,6 +88,7 @@ def _run_world(args, spec, name, knobs) -> int:
     n, hosts = args.gpus, args.hosts
     where = f"{n} GPUs" + (f" per host x {hosts} hosts ({n * hosts} ranks)" if hosts > 1 else "")
     print(f"schedule {name}, data parallel over {where}, batch {args.batch} x seq {args.seq} per GPU")
+    print("\n".join(knob_lines(knobs)))
     print(p.describe())
     print()
     print("host, one rank:")

@@ -2,10 +2,8 @@
 anything is allocated, with the knobs that help when it does not."""
 from __future__ import annotations
 
-import torch
-
 from megatrain.compile.knobs import ScheduleKnobs
-from megatrain.plan.machine import host_memory, process_rss_bytes
+from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.plan.memory import GiB, MemoryPlan
 from megatrain.compile.advice import alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory
 from megatrain.model.spec import ModelSpec
@@ -23,7 +21,7 @@ def machine_capacity(backend: str) -> tuple[int, int | None]:
     memory (megatrain/plan/machine.py: MemAvailable, the container's cgroup limit and the ulimits, the tightest)
     plus what this process already holds (the planner counts the runtime's own footprint)."""
     host = host_memory(held_bytes=process_rss_bytes()).usable_bytes
-    gpu = torch.cuda.mem_get_info()[0] if backend == "cuda" else None
+    gpu = (gpu_memory() or (None, None))[0] if backend == "cuda" else None
     return host, gpu
 
 
