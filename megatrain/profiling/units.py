@@ -55,7 +55,8 @@ class UnitSlot:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """As `LayerCompute.weights` (exec/compute.py): views of the slot, cast once when the wire dtype is not the
-        compute dtype (the embedding casts only the rows it gathers, the head casts lm_head itself and its norm here)."""
+        compute dtype (the embedding casts only the rows it gathers, the head casts lm_head itself and its norm
+        here)."""
         flat = self.w
         if flat.dtype == self.compute or self.unit == EMBED:
             return self.layout.views(flat)
