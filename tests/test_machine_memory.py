@@ -72,3 +72,26 @@ def test_a_ulimit_smaller_than_both_wins(big_machine, tmp_path, monkeypatch):
 def test_this_machine_gives_a_positive_figure():
     m = machine.host_memory()
     assert m.usable_bytes > 0 and m.bound_by in ("available", "container", "ulimit -v", "ulimit -d")
+
+
+def test_the_memory_check_says_which_limit_bound_the_host(monkeypatch):
+    from megatrain.compile.knobs import knobs_for
+    from megatrain.model.presets import PRESETS
+    from megatrain.train import fit
+
+    monkeypatch.setattr(fit, "host_memory", lambda held_bytes=0: machine.MemoryLimit(2**20, "container", 3 * GiB))
+    with pytest.raises(fit.MemoryFitError, match=r"(?s)host: DOES NOT FIT.*bound by the container's limit of 3.0 GiB"):
+        fit.check_memory(PRESETS["debug"], 2, 16, knobs_for("overlap"), "cpu")
+
+
+def test_one_budget_rule_for_auto(monkeypatch):
+    from megatrain.tune import auto
+
+    monkeypatch.setattr(auto, "host_memory", lambda held_bytes=0: machine.MemoryLimit(10 * GiB, "container", 12 * GiB))
+    monkeypatch.setattr(auto, "gpu_memory", lambda: (20 * GiB, 80 * GiB))
+    assert auto.auto_budget("cuda") == auto.AutoBudget(18 * GiB, 10 * GiB, "GPU free")  # free less 10%
+    assert auto.auto_budget("cpu") == auto.AutoBudget(5 * GiB, 10 * GiB, "CPU backend")  # half the usable host
+    assert auto.auto_budget("cuda", 16, with_host=False) == auto.AutoBudget(16 * GiB, None, "given")
+    monkeypatch.setattr(auto, "gpu_memory", lambda: None)
+    with pytest.raises(auto.BudgetError, match="--gpu-budget-gib"):
+        auto.auto_budget("cuda")
