@@ -7,18 +7,21 @@ run's timed steps (live calibration, profiling/live.py: `calibrated_*`, in-sampl
 on another run (`--calibrated-profile FILE`: `transfer_*`, out of sample). `--save-calibrated FILE` writes this
 run's calibrated profile for that.
 
-`--schedule auto` chooses as `megatrain train --schedule auto` does (with `--profile` if given, else this
+`--schedule auto` chooses as `megatrain train --schedule auto` does, through the same code
+(train/autoswitch.py `choose_before_run`: the budget rule of megatrain/tune/auto.py, `--profile` if given, else this
 machine's profile under runs/profiles, measured quickly first when there is none), and re-checks the choice after
-the warm-up as the trainer does (training/autoswitch.py): 2 more steps are measured, and after a switch 2 more
-warm-up steps run before the timed ones.
+the warm-up as the trainer does (`AutoChoice.recheck`, `switch_trainer`): 2 more steps are measured, and after a
+switch 2 more warm-up steps run before the timed ones.
 
     PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --set retain_grads=10 --set state_buffers=3
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --tune --profile my_profile.json
-    PYTHONPATH=. python scripts/bench_megatrain.py --schedule auto --set clip=0 --gpu-limit-gib 16
+    PYTHONPATH=. python scripts/bench_megatrain.py --schedule auto --set clip=0 --gpu-budget-gib 16
 
 `--tune` picks gpu_optimizer_fraction, retain_grads and state_buffers (2 or 3) by simulation with `--profile`, under
-`--gpu-limit-gib` of planned GPU peak (a GPU-share placement, or "overlap", which is tuned as "overlap-split").
+the same GPU budget (a GPU-share placement, or "overlap", which is tuned as "overlap-split"). The budget is
+`--gpu-budget-gib` (alias `--gpu-limit-gib`), else the rule of megatrain/tune/auto.py: the GPU's free memory less
+10%, half the usable host memory on the CPU backend.
 """
 from __future__ import annotations
 
@@ -29,11 +32,15 @@ import time
 import psutil
 import torch
 
-from megatrain.exec.optim import AdamWConfig
-from megatrain.compile.knobs import resolve_knobs
 from megatrain.compile.advice import plan_memory
-from megatrain.model.presets import get_model
+from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
 from megatrain.engine.trainer import StreamedTrainer
+from megatrain.exec.optim import AdamWConfig
+from megatrain.model.presets import get_model
+from megatrain.sim import load_profile
+from megatrain.train.autoswitch import choose_before_run, switch_trainer
+from megatrain.tune.auto import auto_budget
+from megatrain.tune.search import best_gpu_fraction
 
 
 def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float:
@@ -93,8 +100,9 @@ def main() -> None:
                    help="cpu: the CPU backend (CI runs scripts/bench.py on it with the debug model)")
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
-    p.add_argument("--gpu-limit-gib", type=float, default=16.0,
-                   help="planned GPU peak limit for --tune and --schedule auto")
+    p.add_argument("--gpu-budget-gib", "--gpu-limit-gib", dest="gpu_budget_gib", type=float,
+                   help="planned GPU peak limit for --tune and --schedule auto (default: megatrain/tune/auto.py's "
+                        "rule, the GPU's free memory less 10%%)")
     p.add_argument("--timeout-s", type=float,
                    help="the runtime's wait timeout (default: 300 s, or 3x the simulated step when that is longer: "
                         "a 524k-token step waits minutes for one task legitimately)")
@@ -104,29 +112,21 @@ def main() -> None:
     if a.layers:
         spec = spec.with_layers(a.layers)
     auto = None
-    if a.schedule == "auto":  # the fastest predicted schedule under --gpu-limit-gib, numerics of --set kept
-        from megatrain.compile.knobs import DEFAULT_SCHEDULE
-        from megatrain.train.autoswitch import AutoChoice, machine_profile
-        from megatrain.tune.search import choose_schedule
-
+    if a.schedule == "auto":  # the fastest predicted schedule within the budget, numerics of --set kept
         base = resolve_knobs(DEFAULT_SCHEDULE, a.set)[1]
-        if a.profile is None:
-            a.profile = machine_profile("runs", spec, a.batch, a.seq, base, a.device)
-        best = choose_schedule(spec, a.batch, a.seq, base, a.profile or "h200-measured", int(a.gpu_limit_gib * 2**30),
-                               host_bytes=psutil.virtual_memory().available)
-        print(best.table.head(5).to_string(index=False), flush=True)
-        name, knobs = f"auto:{best.table.schedule[0]}", best.knobs
-        auto = AutoChoice(spec, a.batch, a.seq, knobs, int(a.gpu_limit_gib * 2**30),
-                          psutil.virtual_memory().available, best.table.schedule[0])
+        auto, chosen_with = choose_before_run(spec, a.batch, a.seq, base, a.device, "runs",
+                                              "h200-measured" if a.profile == "" else a.profile, a.gpu_budget_gib,
+                                              log=lambda line: print(line, flush=True))
+        a.profile = chosen_with if a.profile is None else a.profile  # '' still skips the predictions
+        name, knobs = f"auto:{auto.label}", auto.knobs
     else:
         name, knobs = resolve_knobs(a.schedule, a.set)
     a.profile = ("h200-measured" if a.device == "cuda" else "cpu") if a.profile is None else a.profile
     cuda = a.device == "cuda"
     if a.tune:
-        from megatrain.tune.search import best_gpu_fraction
-
+        budget = auto_budget(a.device, a.gpu_budget_gib, with_host=False)
         best = best_gpu_fraction(spec, a.batch, a.seq, knobs, a.profile or "h200",
-                                 gpu_bytes=int(a.gpu_limit_gib * 2**30), state_buffers=(2, 3))
+                                 gpu_bytes=budget.gpu_bytes, state_buffers=(2, 3))
         print(best.table.head(8).to_string(index=False), flush=True)
         knobs = best.knobs
         name = (f"{knobs.optimizer}[gpu_optimizer_fraction={knobs.gpu_optimizer_fraction:.4f},"
@@ -151,9 +151,6 @@ def main() -> None:
         step(i)
         i += 1
     if auto is not None and a.profile:  # re-check the choice on 2 measured steps, as the trainer does
-        from megatrain.sim import load_profile
-        from megatrain.train.autoswitch import switch_trainer
-
         check = [step(i + k).timeline for k in range(2)]
         i += 2
         decision = auto.recheck(trainer.program(a.batch, a.seq), load_profile(a.profile), check,

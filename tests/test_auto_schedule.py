@@ -9,7 +9,7 @@ from megatrain.compile.knobs import ScheduleKnobs, resolve_knobs
 from megatrain.compile.advice import plan_memory
 from megatrain.compile.resolve import OPTIMIZER_PRESETS
 from megatrain.model.presets import PRESETS
-from megatrain.tune.search import choose_schedule
+from megatrain.tune.auto import choose_schedule
 
 SPEC = PRESETS["bench-3b"]
 GiB = 2**30

@@ -18,21 +18,6 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
 
 
-def gpu_budget_bytes(gib: float | None) -> int:
-    """The GPU memory `--schedule auto` may plan for: `--gpu-budget-gib`, or this GPU's free memory less 10%."""
-    from megatrain.cli import UserError
-
-    if gib is not None:
-        return int(gib * 2**30)
-    if Path("/proc/driver/nvidia").exists():
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.mem_get_info()[0] * 0.9)
-    raise UserError("--schedule auto needs a GPU memory budget and there is no GPU here to measure: give "
-                    "--gpu-budget-gib (e.g. 16)")
-
-
 def write_schedule_file(path: Path, knobs) -> Path:
     """A schedule file (`[schedule]` table: name plus every knob) that reproduces `knobs`."""
     from megatrain.settings import toml_value

@@ -1,26 +1,37 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatrain.cli.common import add_run_arguments
 
 
-def machine_memory() -> tuple[int | None, int | None]:
-    """(host bytes, GPU bytes) of this machine; GPU is None without CUDA."""
-    import psutil
+def machine_memory(host_gib: float | None = None, gpu_gib: float | None = None) -> tuple[int | None, int | None]:
+    """(host bytes, GPU bytes) to check a plan against: the --host-gib / --gpu-gib given, else this machine's usable
+    host memory (megatrain/plan/machine.py: cgroup and ulimit limits included, said in one line when one binds)
+    and its GPU's total memory (None without CUDA)."""
+    from megatrain.plan.machine import gpu_memory, host_memory
 
-    host = psutil.virtual_memory().total
-    gpu = None
-    if Path("/proc/driver/nvidia").exists():  # importing torch costs seconds; only where a GPU can be
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                gpu = torch.cuda.get_device_properties(0).total_memory
-        except ImportError:
-            pass
+    if host_gib:
+        host = int(host_gib * 2**30)
+    else:
+        mem = host_memory()
+        host = mem.usable_bytes
+        if mem.bound_by != "available":
+            print(f"host memory: {host / 2**30:.1f} GiB usable, bound by {mem.describe()}")
+    gpu = int(gpu_gib * 2**30) if gpu_gib else (gpu_memory() or (None, None))[1]
     return host, gpu
+
+
+def knob_lines(knobs) -> list[str]:
+    """The knobs by group (placement, step shape, numerics: megatrain/compile/knobs.py), one line each, wrapped."""
+    import textwrap
+
+    from megatrain.compile.knobs import knobs_by_group
+
+    lines = ["knobs:"]
+    for group, values in knobs_by_group(knobs).items():
+        text = ", ".join(f"{k}={'unset' if v is None else v}" for k, v in values.items())
+        lines += textwrap.wrap(text, 116, initial_indent=f"  {group + ':':<12}", subsequent_indent=" " * 14)
+    return lines
 
 
 def register(sub) -> None:
@@ -46,10 +57,9 @@ def run(args) -> int:
     plan = plan_memory(spec, args.batch, args.seq, knobs)
     if args.gpus > 1 or args.hosts > 1:
         return _run_world(args, spec, name, knobs)
-    host, gpu = machine_memory()
-    host = int(args.host_gib * GiB) if args.host_gib else host
-    gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
+    host, gpu = machine_memory(args.host_gib, args.gpu_gib)
     print(f"schedule {name}")
+    print("\n".join(knob_lines(knobs)))
     print(plan.placement.describe())
     print()
     print(format_plan(plan))
@@ -74,12 +84,11 @@ def _run_world(args, spec, name, knobs) -> int:
     except ScheduleError as e:
         raise UserError(str(e)) from None
     host_plan, gpu_plan = rank_host_plan(p), plan_gpu_memory(p)
-    host, gpu = machine_memory()
-    host = int(args.host_gib * GiB) if args.host_gib else host
-    gpu = int(args.gpu_gib * GiB) if args.gpu_gib else gpu
+    host, gpu = machine_memory(args.host_gib, args.gpu_gib)
     n, hosts = args.gpus, args.hosts
     where = f"{n} GPUs" + (f" per host x {hosts} hosts ({n * hosts} ranks)" if hosts > 1 else "")
     print(f"schedule {name}, data parallel over {where}, batch {args.batch} x seq {args.seq} per GPU")
+    print("\n".join(knob_lines(knobs)))
     print(p.describe())
     print()
     print("host, one rank:")

@@ -183,24 +183,25 @@ def remove_stale_variants(out: Path, keep: set[str]) -> list[Path]:
 
 def _choose(args, spec, profile, out: Path) -> Path:
     """`--schedule auto`: the fastest predicted schedule that fits the GPU budget and keeps the numerics of the
-    --set knobs (megatrain/tune/search.py); printed with the next best, and written as a schedule file."""
+    --set knobs (megatrain/tune/auto.py, the rule every `auto` follows); printed with the next best, and written as
+    a schedule file. The host is not checked: the prediction is for the profile's machine."""
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
-    from megatrain.tune.search import choose_schedule
-    from megatrain.cli.common import gpu_budget_bytes, write_schedule_file
+    from megatrain.tune.auto import BudgetError, auto_budget, choose_auto
+    from megatrain.cli.common import write_schedule_file
 
-    budget = gpu_budget_bytes(args.gpu_budget_gib)
     try:
-        best = choose_schedule(spec, args.batch, args.seq, resolve_knobs(DEFAULT_SCHEDULE, args.set)[1], profile,
-                               budget, world=args.gpus)
-    except ScheduleError as e:
+        budget = auto_budget("cuda", args.gpu_budget_gib, with_host=False)
+        pick = choose_auto(spec, args.batch, args.seq, resolve_knobs(DEFAULT_SCHEDULE, args.set)[1], profile, budget,
+                           world=args.gpus)
+    except (BudgetError, ScheduleError) as e:
         raise UserError(str(e)) from None
-    table = best.table.head(5).assign(step_ms=lambda d: (1e3 * d.step_s).round(1)).drop(columns="step_s")
-    print(f"--schedule auto ({budget / 2**30:.1f} GiB GPU budget, profile {profile.name}): "
-          f"{len(best.table)} schedules fit; the fastest five:")
+    table = pick.table.head(5).assign(step_ms=lambda d: (1e3 * d.step_s).round(1)).drop(columns="step_s")
+    print(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB GPU budget, profile {pick.profile}): "
+          f"{len(pick.table)} schedules fit; the fastest five:")
     print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
-    path = write_schedule_file(out / "auto_schedule.toml", best.knobs)
-    print(f"chosen: {best.table.schedule[0]} (written to {path})")
+    path = write_schedule_file(out / "auto_schedule.toml", pick.knobs)
+    print(f"chosen: {pick.label} (written to {path})")
     return path
 
 

@@ -1,13 +1,16 @@
 """Schedule knobs: what shapes a training step's DAG, the named schedules, and how knobs are read from names,
 TOML files and `knob=value` overrides. What the knobs mean together is `placement.resolve`'s to say (it
 refuses combinations that conflict or where a knob would change nothing); each knob changes the step's DAG
-(megatrain/compile/builders.py) or how its tasks run:
+(megatrain/compile/builders.py) or how its tasks run.
 
-    buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
-                       resident from the forward is reused by its backward instead of being fetched again
-    recompute_block    r: keep the input of every r-th layer; the backward of a block recomputes the inner
-                       layers (RECOMPUTE tasks) and holds the block's r layers resident at once
-    micro_batches      M micro-batches go through a layer per visit; gradients accumulate on the GPU
+The knobs fall in three groups by what they decide: placement, step shape and numerics (`KNOB_GROUPS`, read from
+each field's metadata, the one place a knob's group is written; `megatrain plan` prints the knobs so, and
+docs/training.md lists them so). `--set` takes the bare name whatever the group (`--set buffers=2`). Separately,
+a field marked `numbers=True` changes the numbers training computes (`NUMERICS_KNOBS`): `--schedule auto` keeps
+those as given and searches only the others (the weight wire, say, moves the same values in another dtype).
+
+PLACEMENT: where the optimizer's work and state live, and when updates run
+
     optimizer          after   : every update after the step's backward (and global norm)
                        arrival : update a unit as soon as its gradients land (with clip > 0: speculatively, redone with the
                                  clip coefficient in the steps whose global norm exceeds the max)
@@ -25,6 +28,11 @@ refuses combinations that conflict or where a knob would change nothing); each k
                                  slot (no PREFETCH for its forward), W sends master + moments (+ streaming copy) back
     gpu_optimizer_fraction  split, overlap-split, arrival-split only: the share of the decoder layers updated on
                        the GPU (default 0.5; unset elsewhere)
+    resident_embeddings  keep the embedding and the head on the GPU for the whole run, with their fp32 master,
+                       Adam moments and gradients (16 B/param): no copies for them, their update runs on the GPU as
+                       their gradients land; the host copy is brought up to date by `StreamedTrainer.flush()`
+                       (arrival placements; untied embeddings)
+    resident_layers    r: the same for decoder layers 0..r-1 (the last gradients to land, the first weights needed)
     state_buffers      GPU state slots ("s0".."s{n-1}", 16 B/param of a layer each) for the GPU updates (default 2,
                        at most the GPU-updated layers; unset without GPU-updated layers)
     state_lookahead    "overlap-split": a layer's state copy S is queued on h2d before the weight copies of the
@@ -34,25 +42,6 @@ refuses combinations that conflict or where a knob would change nothing); each k
     retain_grads       the first `retain_grads` GPU-updated layers (forward order) keep their gradients on the GPU
                        in a buffer of their own ("g<layer>") instead of sending them to the host and back: 4 B/param
                        of GPU memory each, saves 4 B/param on each PCIe direction
-    weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
-    grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
-    clip               the max global gradient norm: exact clipping over all gradients (default 1.0), as
-                       torch.nn.utils.clip_grad_norm_; 0 = no global norm and no clipping (the named arrival
-                       schedules' default). Arrival placements clip speculatively: each update runs unclipped as
-                       its gradients land and is undone and redone (CLIP_REDO) only in steps whose norm exceeds clip
-    offload_checkpoints  send checkpointed activations to the host and back (long context)
-    gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
-                       comes first, so they would be fetched back at once); the host holds the rest
-    resident_embeddings  keep the embedding and the head on the GPU for the whole run, with their fp32 master,
-                       Adam moments and gradients (16 B/param): no copies for them, their update runs on the GPU as
-                       their gradients land; the host copy is brought up to date by `StreamedTrainer.flush()`
-                       (arrival placements; untied embeddings)
-    resident_layers    r: the same for decoder layers 0..r-1 (the last gradients to land, the first weights needed)
-    compute_dtype      "bf16" | "fp32": the layers' math and the activations (checkpoints in this dtype)
-    loss_chunk_tokens  tokens per chunk of the fused head + loss (the fp32 logits of one chunk live at once)
-    mlp_tile_tokens    tokens per tile of the layer's norm + MLP half (its (tokens, ffn) intermediates live for one
-                       tile at a time, forward and backward; one more MLP forward per backward); 0 = untiled;
-                       unset = tiles of 8192 tokens when a micro-batch has more than 32768 tokens, else untiled
     grad_ring          K > 0: gradients land in a ring of K pinned host tiles (each sized for the largest streamed
                        unit) instead of a tile per unit, and the host update consumes each as it arrives; an OFFLOAD
                        into a ring tile waits for the update that read the tile's previous unit. With weight_wire
@@ -63,14 +52,39 @@ refuses combinations that conflict or where a knob would change nothing); each k
     state_tier         "host" | "nvme-moments" | "nvme-all": where the optimizer state lives (m and v, or master +
                        m + v, on an NVMe drive, read and written by each host update); planned and simulated only,
                        `train` refuses it
+
+STEP SHAPE: how a step is cut into copies and compute (weight slots, recompute, micro-batches, checkpoints)
+
+    buffers            k GPU weight slots in a ring (1 = no overlap, 2 = double buffering, ...); a layer still
+                       resident from the forward is reused by its backward instead of being fetched again
+    recompute_block    r: keep the input of every r-th layer; the backward of a block recomputes the inner
+                       layers (RECOMPUTE tasks) and holds the block's r layers resident at once
+    micro_batches      M micro-batches go through a layer per visit; gradients accumulate on the GPU
+    offload_checkpoints  send checkpointed activations to the host and back (long context)
+    gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
+                       comes first, so they would be fetched back at once); the host holds the rest
+
+NUMERICS: the dtypes and kernels of the math, clipping, and the tiles the head and MLP run in
+
+    weight_wire        "bf16": stream a bf16 copy kept on the host; "fp32": stream the fp32 master, cast on GPU
+    grad_wire          dtype gradients travel to the host in ("fp32" or "bf16"); accumulation is fp32 on GPU
+    compute_dtype      "bf16" | "fp32": the layers' math and the activations (checkpoints in this dtype)
+    clip               the max global gradient norm: exact clipping over all gradients (default 1.0), as
+                       torch.nn.utils.clip_grad_norm_; 0 = no global norm and no clipping (the named arrival
+                       schedules' default). Arrival placements clip speculatively: each update runs unclipped as
+                       its gradients land and is undone and redone (CLIP_REDO) only in steps whose norm exceeds clip
     compile_layers     run the decoder layer through torch.compile (Inductor fuses the norms, RoPE, SwiGLU and
                        residual adds, forward and backward): the same DAG, faster F/R/B tasks; profile with the same
                        setting so that the simulator has compiled compute tables
+    loss_chunk_tokens  tokens per chunk of the fused head + loss (the fp32 logits of one chunk live at once)
+    mlp_tile_tokens    tokens per tile of the layer's norm + MLP half (its (tokens, ffn) intermediates live for one
+                       tile at a time, forward and backward; one more MLP forward per backward); 0 = untiled;
+                       unset = tiles of 8192 tokens when a micro-batch has more than 32768 tokens, else untiled
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from megatrain.settings import SettingError, check_setting, field_types, parse_setting
 from megatrain.model.spec import DTYPE_BYTES
@@ -82,32 +96,41 @@ OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-
 STATE_TIERS = ("host", "nvme-moments", "nvme-all")
 
 
+KNOB_GROUP_NAMES = ("placement", "step shape", "numerics")
+
+
+def _knob(default, group: str, numbers: bool = False):
+    """A ScheduleKnobs field in `group` (one of KNOB_GROUP_NAMES); numbers: it changes the numbers computed."""
+    assert group in KNOB_GROUP_NAMES, group
+    return field(default=default, metadata={"group": group, "numbers": numbers})
+
+
 @dataclass(frozen=True)
 class ScheduleKnobs:
-    """Everything that shapes the step's DAG (see the module docstring)."""
+    """Everything that shapes the step's DAG (see the module docstring; each field's group is in its metadata)."""
 
-    buffers: int = 2
-    recompute_block: int = 1
-    micro_batches: int = 1
-    optimizer: str = "overlap"
-    gpu_optimizer_fraction: float | None = None  # split placements only (default 0.5)
-    weight_wire: str = "bf16"
-    grad_wire: str = "fp32"
-    clip: float = 1.0  # max global gradient norm (exact clipping); 0 = no global norm, no clipping
-    offload_checkpoints: bool = False
-    gpu_checkpoints: int = 0
-    compute_dtype: str = "bf16"
-    loss_chunk_tokens: int = 2048
-    mlp_tile_tokens: int | None = None  # unset: chosen from the tokens per micro-batch (resolve.mlp_tile)
-    state_buffers: int | None = None  # GPU updates on streamed state only (default 2)
-    state_lookahead: int | None = None  # overlap-split, or arrival-split with retain_grads (default 1)
-    retain_grads: int = 0
-    compile_layers: bool = False
-    resident_embeddings: bool = False
-    resident_layers: int = 0
-    grad_ring: int = 0  # 0: a gradient landing tile per unit; K: a ring of K landing tiles (arrival, clip=0)
-    state_dtype: str = "fp32"  # dtype of Adam m and v on the host
-    state_tier: str = "host"  # "nvme-*": planned and simulated only
+    buffers: int = _knob(2, "step shape")
+    recompute_block: int = _knob(1, "step shape")
+    micro_batches: int = _knob(1, "step shape", numbers=True)  # the sum of micro-batch gradients: another order
+    optimizer: str = _knob("overlap", "placement")
+    gpu_optimizer_fraction: float | None = _knob(None, "placement")  # split placements only (default 0.5)
+    weight_wire: str = _knob("bf16", "numerics")
+    grad_wire: str = _knob("fp32", "numerics", numbers=True)
+    clip: float = _knob(1.0, "numerics", numbers=True)  # max global gradient norm (exact clipping); 0 = none
+    offload_checkpoints: bool = _knob(False, "step shape")
+    gpu_checkpoints: int = _knob(0, "step shape")
+    compute_dtype: str = _knob("bf16", "numerics", numbers=True)
+    loss_chunk_tokens: int = _knob(2048, "numerics", numbers=True)
+    mlp_tile_tokens: int | None = _knob(None, "numerics", numbers=True)  # unset: from the tokens (resolve.mlp_tile)
+    state_buffers: int | None = _knob(None, "placement")  # GPU updates on streamed state only (default 2)
+    state_lookahead: int | None = _knob(None, "placement")  # overlap-split, or arrival-split with retain_grads (1)
+    retain_grads: int = _knob(0, "placement")
+    compile_layers: bool = _knob(False, "numerics", numbers=True)
+    resident_embeddings: bool = _knob(False, "placement")
+    resident_layers: int = _knob(0, "placement")
+    grad_ring: int = _knob(0, "placement")  # 0: a landing tile per unit; K: a ring of K tiles (arrival, clip=0)
+    state_dtype: str = _knob("fp32", "placement", numbers=True)  # dtype of Adam m and v on the host
+    state_tier: str = _knob("host", "placement")  # "nvme-*": planned and simulated only
 
     def __post_init__(self):
         """Each knob's own type and range. The rules between knobs live in `placement.resolve`."""
@@ -155,6 +178,17 @@ class ScheduleKnobs:
 
     def wire_bytes(self, which: str) -> int:
         return DTYPE_BYTES[WIRE_DTYPES[getattr(self, which)]]
+
+
+# The knobs of each group, in field order, and those that change the numbers computed: read from the fields.
+KNOB_GROUPS: dict[str, tuple[str, ...]] = {
+    g: tuple(f.name for f in fields(ScheduleKnobs) if f.metadata["group"] == g) for g in KNOB_GROUP_NAMES}
+NUMERICS_KNOBS: tuple[str, ...] = tuple(f.name for f in fields(ScheduleKnobs) if f.metadata["numbers"])
+
+
+def knobs_by_group(knobs: ScheduleKnobs) -> dict[str, dict[str, object]]:
+    """{group: {knob: value}} of `knobs`, groups and knobs in KNOB_GROUPS order (what `plan` prints)."""
+    return {g: {name: getattr(knobs, name) for name in names} for g, names in KNOB_GROUPS.items()}
 
 
 # Named schedules users refer to on the command line and in notebooks.

@@ -54,9 +54,6 @@ class StepGraph:
                 raise AssertionError(f"edge {a.id} -> {b.id}: task {t.id} has not been added")
         self.graph.add_edge(a, b, why=why)
 
-    def visit_of_fill(self, fill: Task) -> Visit:
-        return next(v for v in self.visits if v.fill == fill)
-
 
 def work_attrs(p: Placement, kind: TaskKind, unit: int) -> dict:
     s, mb = p.model, p.batch // p.micro_batches

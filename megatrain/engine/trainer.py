@@ -196,7 +196,3 @@ class StreamedTrainer:
         if self._work is not None and self._work.act_host_bytes():
             out["offloaded checkpoints"] = self._work.act_host_bytes()
         return out
-
-    def gpu_buffer_bytes(self) -> int:
-        """Bytes of the GPU slot buffers of the current Program (0 before the first step)."""
-        return self._work.gpu_bytes() if self._work is not None else 0

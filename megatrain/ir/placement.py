@@ -113,10 +113,6 @@ class HostLayout:
     state_scratch_elements: int = 0  # fp32 elements of each of the two m / v widening buffers (bf16 state)
     state_tier: str = "host"  # "nvme-moments" | "nvme-all": planned and simulated only
 
-    def ring_tile(self, unit: int) -> int | None:
-        """The ring tile `unit`'s gradients land in (None: no ring, or the unit lands nowhere on the host)."""
-        return dict(self.ring_tiles).get(unit)
-
 
 def host_component_names(layout: HostLayout) -> dict[str, str]:
     """The names of the host store's components, as the store (`exec.store.HostStore.bytes_by_component`) and the
@@ -239,10 +235,6 @@ class Placement:
             if b.name == name:
                 return b
         raise KeyError(f"no GPU buffer {name!r}; buffers: {', '.join(b.name for b in self.buffers)}")
-
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
 
     def describe(self) -> str:
         """A few lines saying what lives where: the placement as `megatrain plan` / `simulate` print it."""

@@ -134,10 +134,6 @@ class ModelSpec:
     def unit_params(self, unit: int) -> int:
         return sum(math.prod(shape) for _, shape in self.unit_tensors(unit))
 
-    def unit_decay_params(self, unit: int) -> int:
-        """Parameters of the unit that weight decay applies to (the matrices, a prefix of the tile)."""
-        return sum(math.prod(shape) for _, shape in self.unit_tensors(unit) if len(shape) == 2)
-
     @property
     def layer_params(self) -> int:
         return self.unit_params(0)
@@ -149,9 +145,6 @@ class ModelSpec:
         if self.tie_word_embeddings:
             total -= self.vocab_size * self.hidden_size
         return total
-
-    def param_bytes(self, dtype: str | None = None) -> int:
-        return self.num_params * DTYPE_BYTES[dtype or self.dtype]
 
     # ---- FLOPs -------------------------------------------------------------------------------------------------
     def unit_forward_flops(self, unit: int, batch: int, seq: int) -> float:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from megatrain.exec.backend import Backend, ExecError
-from megatrain.exec.optim import AdamWConfig, adamw_update, clip_coefficient, global_norm
+from megatrain.exec.optim import AdamWConfig, adamw_update
 from megatrain.profiling import bench
 from megatrain.profiling.bench import Background, Worker, median
 
@@ -135,17 +135,6 @@ def measure_memory(worker: Worker, backend: Backend, nbytes: int, budget_s: floa
     dst = backend.empty(nbytes)
     t = median(worker.time_for(lambda: dst.copy_(src), budget_s, warmup=2))
     return 2.0 * nbytes / t
-
-
-def measure_clip_norm(worker: Worker, backend: Backend, units: int, budget_s: float) -> float:
-    """Seconds of the CLIP_NORM task body: read each unit's gradient norm (written by OFFLOAD into pinned host
-    memory) and combine them (exec/work.py `clip_norm`)."""
-    norms = torch.rand(units, dtype=torch.float32, pin_memory=backend.pins_host_memory)
-
-    def body():
-        total = global_norm([float(norms[i]) for i in range(units)])
-        return clip_coefficient(total, 1.0)
-    return median(worker.time_for(body, budget_s, warmup=2))
 
 
 def measure_host_wait(backend: Backend, cpu: Worker, compute: Worker, wait_s: float = 0.02, reps: int = 5) -> float:

@@ -1,7 +1,7 @@
 """Compute times of one unit (a decoder layer, the embedding, the head) of a model shape, by tokens per task.
 
-The bodies are the executor's task bodies (exec/work.py `StepWork.forward / recompute / backward`) on slot-like
-buffers: the unit's weights in the weight-wire dtype as ONE flat device buffer with HF-named views
+The bodies are the executor's task bodies (exec/compute.py `LayerCompute.forward / recompute / backward`) on
+slot-like buffers: the unit's weights in the weight-wire dtype as ONE flat device buffer with HF-named views
 (`UnitLayout.views`), cast once per task when the wire dtype differs from the compute dtype, an fp32 gradient area
 that the first micro-batch zeroes, random weights (N(0, 0.02) matrices, unit norms) and random activations. The
 results become the profile's `compute_tables`:
@@ -54,8 +54,9 @@ class UnitSlot:
         self.g = backend.empty(4 * n).view(torch.float32)  # (numel,) fp32 gradient area
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """As `StepWork._weights`: views of the slot, cast once when the wire dtype is not the compute dtype (the
-        embedding casts only the rows it gathers, the head casts lm_head itself and its norm here)."""
+        """As `LayerCompute.weights` (exec/compute.py): views of the slot, cast once when the wire dtype is not the
+        compute dtype (the embedding casts only the rows it gathers, the head casts lm_head itself and its norm
+        here)."""
         flat = self.w
         if flat.dtype == self.compute or self.unit == EMBED:
             return self.layout.views(flat)
@@ -66,7 +67,7 @@ class UnitSlot:
         return self.layout.views(flat.to(self.compute))
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """As `StepWork._grads` for micro-batch 0: the gradient area zeroed, then its views."""
+        """As `LayerCompute.grads` (exec/compute.py) for micro-batch 0: the gradient area zeroed, then its views."""
         self.g.zero_()
         return self.layout.views(self.g)
 

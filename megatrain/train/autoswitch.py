@@ -1,8 +1,10 @@
-"""`--schedule auto` after the warm-up: check the choice against the run's own steps, and choose again once.
+"""`--schedule auto` for a run on this machine: choose before the run, check the choice against the run's own steps
+after the warm-up, and choose again once. The choice itself is megatrain/tune/auto.py's (the one `auto`, with the
+one budget rule); this module adds what needs the machine and the running trainer.
 
-    auto = AutoChoice(spec, batch, seq, knobs, gpu_bytes, host_bytes, label)   # what auto chose before the run
+    auto = choose_before_run(spec, batch, seq, knobs, "cuda", out_dir)       # budget, profile, choice (printed)
     decision = auto.recheck(program, profile, timelines, log)                 # after WARMUP + MIN_STEPS steps
-    if decision.knobs is not None: switch the trainer to them (`StreamedTrainer.use_program`)
+    if decision.knobs is not None: program, applied = switch_trainer(trainer, batch, seq, decision.knobs, label)
 
 The choice was made with a profile (shared/DESIGN.md section 4: one machine on one day). When the measured step
 time is more than `TOLERANCE` from the prediction, the profile is refitted to the measured steps (live
@@ -20,10 +22,27 @@ dtypes, kernel, loss chunk, micro-batches), so a switch changes speed, never the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import gc
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+import torch
+
+from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve_host_layout
+from megatrain.ir.dag import ScheduleError
 from megatrain.model.spec import ModelSpec
+from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
+from megatrain.profiling.compare import step_time_s
+from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS, calibrate_run
+from megatrain.profiling.machine import differences, key, this_machine
+from megatrain.sim import load_profile, simulate
+from megatrain.train.fit import check_fits
+from megatrain.tune.auto import AutoBudget, auto_budget, choose_auto, choose_schedule
 
 TOLERANCE = 0.10  # |measured / predicted - 1| above this recalibrates and chooses again
 SWITCH_GAIN = 0.03  # a switch (new GPU buffers, warm-up again) needs a candidate predicted at least this much faster
@@ -51,17 +70,15 @@ class AutoChoice:
     label: str
     done: bool = False
 
+    @classmethod
+    def of(cls, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, budget: AutoBudget,
+           label: str) -> AutoChoice:
+        """The choice `label` (`knobs`) made within `budget`, to be re-checked within the same budget."""
+        return cls(spec, batch, seq, knobs, budget.gpu_bytes, budget.host_bytes, label)
+
     def recheck(self, program, profile, timelines: list, log) -> Decision:
         """Compare the measured steps (`timelines`, after the warm-up) with the prediction of `profile`; beyond
         TOLERANCE, calibrate, choose again among candidates with this host layout, and log why and what changed."""
-        import statistics
-
-        from megatrain.ir.dag import ScheduleError
-        from megatrain.profiling.compare import step_time_s
-        from megatrain.profiling.live import calibrate_run
-        from megatrain.sim import simulate
-        from megatrain.tune.search import choose_schedule
-
         self.done = True
         measured = statistics.median(step_time_s(t.reset_index(drop=True)) for t in timelines)
         predicted = simulate(program, profile).step_s
@@ -95,26 +112,33 @@ class AutoChoice:
         return Decision(best.knobs, label, cal)
 
 
+def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, backend: str, out_dir,
+                      profile: str | None = None, gpu_gib: float | None = None, log=print) -> tuple[AutoChoice, str]:
+    """`--schedule auto` before a run on this machine (`train`, scripts/bench_megatrain.py): the budget by the one
+    rule (`tune.auto.auto_budget`, GPU and host), this machine's profile when none is given (`machine_profile`),
+    the choice (`tune.auto.choose_auto`), logged with the next best. Returns the AutoChoice that re-checks it after
+    the warm-up and the profile it was made with. ScheduleError when nothing fits, BudgetError without a budget."""
+    budget = auto_budget(backend, gpu_gib)
+    if not profile:
+        profile = machine_profile(out_dir, spec, batch, seq, base, backend, log)
+    pick = choose_auto(spec, batch, seq, base, profile, budget)
+    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
+        f"{len(pick.table)} that fit:")
+    for row in pick.table.head(3).itertuples():
+        log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
+    return AutoChoice.of(spec, batch, seq, pick.knobs, budget, pick.label), profile
+
+
 def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
                     log=print) -> str:
     """The path of a profile of this machine for (spec, batch, seq): one `auto` measured before under `out_dir`
     /profiles when its recorded machine is this one, else a `megatrain profile --quick` measured now (and said
     so; it is kept there for the next run)."""
-    import time
-    from pathlib import Path
-
-    from megatrain.profiling.machine import differences, key, this_machine
-    from megatrain.sim import load_profile
-
     here = this_machine(backend)
     path = Path(out_dir) / "profiles" / key(here) / f"{spec.name}-b{batch}-s{seq}-{backend}.json"
     if path.is_file() and not differences(load_profile(path).machine, here):
         log(f"--schedule auto: using this machine's profile {path}")
         return str(path)
-    from megatrain.train.fit import check_fits
-    from megatrain.profiling import ProfileRequest, measure_profile
-    from megatrain.profiling.calibrate import profile_host_reserve
-
     cmd = (f"megatrain profile --quick --model {spec.name} --batch {batch} --seq {seq} --device {backend} "
            f"--out {path}")
     log(f"--schedule auto: no profile of this machine ({path} is missing), so it is profiled quickly first (as "
@@ -128,10 +152,6 @@ def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: Sched
     cal.save(path)
     del cal
     if backend == "cuda":  # the profile's buffers are gone; give their cached blocks back before the run
-        import gc
-
-        import torch
-
         gc.collect()
         torch.cuda.empty_cache()
     log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path}")
@@ -142,12 +162,6 @@ def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: st
     """Run `knobs` on `trainer` from the next step: the pending update (overlap timing) is applied first with the
     old Program, as a checkpoint does, then the new Program takes the same host store (`use_program`). Returns the
     new Program and the update plan the flush applied (None if none was pending)."""
-    from dataclasses import replace
-
-    from megatrain.compile.builders import build_schedule
-    from megatrain.compile.lower import lower
-    from megatrain.compile.resolve import resolve_host_layout
-
     if resolve_host_layout(trainer.spec, knobs) != resolve_host_layout(trainer.spec, trainer.knobs):
         raise ValueError("auto switches only between schedules with the same host layout")  # see the docstring
     applied = trainer.flush()
@@ -161,30 +175,20 @@ def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: st
 
 def schedule_overrides(knobs, micro_batches: int) -> list[str]:
     """Config overrides that set every schedule knob of `knobs` (step knobs: micro-batches as configured)."""
-    from dataclasses import replace
-
     knobs = replace(knobs, micro_batches=micro_batches)  # the loop multiplies it by grad_accum
     return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
 
 
 def switch_after_warmup(run, step: int, start: int, timelines: list) -> bool:
-    """`--schedule auto` after the warm-up: re-check the choice of `run` (a training/loop._Training) once, and
-    switch its trainer to another schedule when the calibrated profile predicts one faster (its Program,
-    prediction, knobs and saved config follow). True when it switched."""
-    from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS
-
+    """`--schedule auto` after the warm-up: re-check the choice of `run` (a train/loop._Training) once, and switch
+    its trainer to another schedule when the calibrated profile predicts one faster; the run takes the new Program,
+    its prediction and knobs through its public `switch_schedule`. True when it switched."""
     if run.auto is None or run.auto.done or run.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
         return False
     warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
     decision = run.auto.recheck(run.program, run.predicted.profile, warm, run.log)
     if decision.knobs is None:
         return False
-    run.program, applied = switch_trainer(run.trainer, run.batch, run.seq, decision.knobs, decision.label)
-    run._log_skips(run.skips.settle(applied))
-    run.knobs = decision.knobs
-    from megatrain.sim import simulate
-
-    run.predicted = simulate(run.program, run.predicted.profile)
-    run.cfg = run.cfg.with_overrides(schedule_overrides(decision.knobs, run.cfg.schedule.micro_batches))
-    run.cfg.save(run.run_dir)  # the run directory records the schedule that runs from here on
+    program, applied = switch_trainer(run.trainer, run.batch, run.seq, decision.knobs, decision.label)
+    run.switch_schedule(decision.knobs, program, simulate(program, run.predicted.profile), applied)
     return True

@@ -9,9 +9,15 @@ ConfigError naming the key (megatrain.cli prints it as one line).
 """
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
-from megatrain.train.config import ConfigError, RunConfig
+from megatrain.compile.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+from megatrain.ir.dag import ScheduleError
+from megatrain.plan.machine import gpu_memory
+from megatrain.tomlfile import read_toml
+from megatrain.train.config import ConfigError, RunConfig, load_config
 
 _SHORTCUTS = {"model": "model.name", "steps": "run.steps", "schedule": "schedule.name", "batch": "data.batch_size",
               "seq": "data.seq_len", "lr": "optimizer.lr", "device": "run.device", "name": "run.name",
@@ -35,7 +41,7 @@ def add_train_arguments(parser) -> None:
                                            "the numerics of the config (clipping, dtypes, kernel)")
     parser.add_argument("--gpu-budget-gib", dest="gpu_budget_gib", type=float,
                         help="--schedule auto: GPU memory the schedule may plan for (default: the GPU's free memory "
-                             "less 10%%; on the CPU backend half the available host memory)")
+                             "less 10%%; on the CPU backend half the usable host memory: megatrain/tune/auto.py)")
     parser.add_argument("--batch", type=int, help="[data.batch_size]")
     parser.add_argument("--seq", type=int, help="[data.seq_len]")
     parser.add_argument("--lr", type=float, help="[optimizer.lr]")
@@ -52,17 +58,12 @@ def add_train_arguments(parser) -> None:
 
 def config_from_args(args) -> RunConfig:
     """The RunConfig that `megatrain train` arguments describe (file, then shortcuts, then --set)."""
-    from megatrain.compile.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
-
     overrides = []
     for attr, key in _SHORTCUTS.items():
         value = getattr(args, attr, None)
         if value is None or (attr == "schedule" and value == "auto"):
             continue
         if attr == "schedule" and value not in NAMED_SCHEDULES:  # a schedule file: the same [schedule] table
-            from megatrain.ir.dag import ScheduleError
-            from megatrain.tomlfile import read_toml
-
             try:
                 resolve_knobs(value)  # a named schedule or a schedule file, checked here against the file
                 data = read_toml(value, ScheduleError, "schedule file")
@@ -80,8 +81,6 @@ def config_from_args(args) -> RunConfig:
         overrides.append(f"run.resume={args.resume}")
     if getattr(args, "no_progress", False):
         overrides.append("run.progress=false")
-    from megatrain.train.config import load_config
-
     cfg = load_config(getattr(args, "config", None), overrides)
     if getattr(args, "schedule", None) == "auto":
         overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None))
@@ -90,47 +89,28 @@ def config_from_args(args) -> RunConfig:
 
 
 def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
-    """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/search.py),
-    printed with the next best, and the AutoChoice that re-checks it after the warm-up (training/autoswitch.py);
-    the config's numerics (clipping, dtypes, kernel, micro-batches) are kept. Without run.profile it uses this
-    machine's profile, measured quickly first when there is none."""
-    import os
-
-    import psutil
-
+    """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/auto.py:
+    the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that re-checks it
+    after the warm-up (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
+    kept. Without run.profile it uses this machine's profile, measured quickly first when there is none."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if ranks > 1:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
         raise ConfigError(f"--schedule auto is not supported under torchrun ({ranks} ranks): choose the schedule "
                           "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
 
-    from megatrain.ir.dag import ScheduleError
-    from megatrain.tune.search import choose_schedule
-    from megatrain.train.autoswitch import AutoChoice, machine_profile, schedule_overrides
-    from megatrain.train.fit import machine_capacity
+    # Only `auto` needs these: the simulator and the candidates (tune), the profiler and torch (autoswitch).
+    from megatrain.train.autoswitch import choose_before_run, schedule_overrides
+    from megatrain.tune.auto import BudgetError
 
-    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and Path("/proc/driver/nvidia").exists()
-                                        and machine_capacity("cuda")[1] is not None)
-    if budget_gib is not None:
-        budget = int(budget_gib * 2**30)
-    else:
-        budget = int(machine_capacity("cuda")[1] * 0.9) if cuda else psutil.virtual_memory().available // 2
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and gpu_memory() is not None)
     spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
-    extra = []
-    profile = cfg.run.profile
-    if not profile:
-        profile = machine_profile(cfg.run.out_dir, spec, batch, seq, base, "cuda" if cuda else "cpu")
-        extra = [f"run.profile={profile}"]
-    host = machine_capacity("cuda" if cuda else "cpu")[0]
     try:
-        best = choose_schedule(spec, batch, seq, base, profile, budget, host_bytes=host)
-    except ScheduleError as e:
+        choice, profile = choose_before_run(spec, batch, seq, base, "cuda" if cuda else "cpu", cfg.run.out_dir,
+                                            cfg.run.profile, budget_gib)
+    except (ScheduleError, BudgetError) as e:
         raise ConfigError(f"--schedule auto: {e}") from None
-    print(f"--schedule auto ({budget / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
-          f"{len(best.table)} that fit:")
-    for row in best.table.head(3).itertuples():
-        print(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
-    choice = AutoChoice(spec, batch, seq, best.knobs, budget, host, best.table.schedule[0])
-    return schedule_overrides(best.knobs, cfg.schedule.micro_batches) + extra, choice
+    extra = [] if cfg.run.profile else [f"run.profile={profile}"]
+    return schedule_overrides(choice.knobs, cfg.schedule.micro_batches) + extra, choice
 
 
 def run_from_args(args) -> int:
@@ -138,9 +118,7 @@ def run_from_args(args) -> int:
     when SIGTERM / SIGINT stopped it at a step boundary (with a checkpoint), 130 if interrupted at once.
     User mistakes raise ConfigError / DataError / CheckpointError, a run that stops on its own TrainingError
     (megatrain.cli prints them as one line)."""
-    import signal
-
-    from megatrain.train.loop import run_training
+    from megatrain.train.loop import run_training  # torch and the executor: loaded once the config is checked
 
     cfg = config_from_args(args)
     try:
@@ -151,9 +129,9 @@ def run_from_args(args) -> int:
         return 128 + int(signal.Signals[summary.stop_signal])
     measured = summary.run_dir / "timeline_measured.csv"
     if getattr(args, "timeline", None) and measured.is_file():
-        import pandas as pd
+        import pandas as pd  # only for --timeline
 
-        from megatrain.analysis.summary import one_step
+        from megatrain.analysis.summary import one_step  # only for --timeline
 
         one_step(pd.read_csv(measured)).to_csv(args.timeline, index=False)
     return 0

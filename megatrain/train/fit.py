@@ -2,14 +2,12 @@
 anything is allocated, with the knobs that help when it does not."""
 from __future__ import annotations
 
-import torch
-
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.plan.memory import GiB, MemoryPlan
 from megatrain.compile.advice import alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory
 from megatrain.model.spec import ModelSpec
 from megatrain.train.config import ConfigError
-from megatrain.train.metrics import host_rss_bytes
 
 
 class MemoryFitError(ConfigError):
@@ -19,13 +17,18 @@ class MemoryFitError(ConfigError):
 
 # ---- memory check ----------------------------------------------------------------------------------------------
 def machine_capacity(backend: str) -> tuple[int, int | None]:
-    """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: what the OS reports
-    available plus what this process already holds (the planner counts the runtime's own footprint)."""
-    import psutil
-
-    host = psutil.virtual_memory().available + host_rss_bytes()
-    gpu = torch.cuda.mem_get_info()[0] if backend == "cuda" else None
+    """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: the machine's usable
+    memory (megatrain/plan/machine.py: MemAvailable, the container's cgroup limit and the ulimits, the tightest)
+    plus what this process already holds (the planner counts the runtime's own footprint)."""
+    host = host_memory(held_bytes=process_rss_bytes()).usable_bytes
+    gpu = (gpu_memory() or (None, None))[0] if backend == "cuda" else None
     return host, gpu
+
+
+def _host_bound_note() -> str:
+    """", or where a limit other than the machine's available memory bounds the host figure: which one."""
+    mem = host_memory(held_bytes=process_rss_bytes())
+    return "" if mem.bound_by == "available" else f"\n  host memory is bound by {mem.describe()}"
 
 
 TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train "
@@ -34,17 +37,19 @@ TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch
 
 def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
                  host_bytes: int | None = None, gpu_bytes: int | None = None, *, what: str = "the run",
-                 advice: str = TRAIN_ADVICE) -> tuple[MemoryPlan, list[str]]:
+                 advice: str = TRAIN_ADVICE, reserve_host_bytes: int = 0) -> tuple[MemoryPlan, list[str]]:
     """Plan the run's memory and check it against this machine (or the given capacities).
 
     Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
     not fit. On the CPU backend the "GPU" buffers and activations live in host memory, so they count there.
     `what` names the work in the message ("the run", "compare's variant overlap"); `advice` is its last line, in
     the words of the command that checks (config keys for `train`, options for `compare` and `profile`).
+    `reserve_host_bytes`: host memory the command holds besides the run, taken off this machine's figure.
     """
     plan = plan_memory(spec, batch, seq, knobs, backend)
+    measured_host = host_bytes is None
     have_host, have_gpu = machine_capacity(backend)
-    host_bytes = have_host if host_bytes is None else host_bytes
+    host_bytes = max(0, have_host - reserve_host_bytes) if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
     if backend == "cpu":
         ok, lines = _cpu_fit(plan, host_bytes)
@@ -53,7 +58,8 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     if not ok:
         raise MemoryFitError(
             f"{what} does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines) + "\n  " + advice)
+            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines)
+            + (_host_bound_note() if measured_host else "") + "\n  " + advice)
     return plan, lines
 
 
@@ -80,6 +86,4 @@ def check_fits(spec, batch: int, seq: int, knobs, device: str, what: str, advice
     MemoryFitError (one message with the numbers and `advice`) when it does not fit. `reserve_host_bytes`: host
     memory the command holds besides the run (compare's shared initial weights, profile's copy buffers)."""
     backend = "cuda" if device.startswith("cuda") else "cpu"
-    host, _ = machine_capacity(backend)
-    check_memory(spec, batch, seq, knobs, backend, host_bytes=max(0, host - reserve_host_bytes), what=what,
-                 advice=advice)
+    check_memory(spec, batch, seq, knobs, backend, what=what, advice=advice, reserve_host_bytes=reserve_host_bytes)

@@ -45,7 +45,7 @@ import torch
 
 from megatrain.parallel.world import World
 from megatrain.plan.memory import GiB
-from megatrain.train.autoswitch import switch_after_warmup
+from megatrain.train.autoswitch import schedule_overrides, switch_after_warmup
 from megatrain.io.checkpoint import CheckpointError, CheckpointManager, check_writable
 from megatrain.train.checkpointing import SessionCheckpoints, trainer_state
 from megatrain.train.config import ConfigError, RunConfig
@@ -236,6 +236,16 @@ class _Training:
         for s in skips:
             self.log(f"WARNING: {s.describe(self.skips.n_units)}")
         return skips
+
+    def switch_schedule(self, knobs, program, predicted, applied) -> None:
+        """Run `knobs` from the next step: the public way to change a running session's schedule (what
+        `--schedule auto`'s re-check does, train/autoswitch.py). `program`: the Program the trainer now runs (after
+        `switch_trainer`); `predicted`: its simulation; `applied`: the update plan the switch's flush applied
+        (its skipped units are counted and logged). The saved config records the schedule that runs from here on."""
+        self._log_skips(self.skips.settle(applied))
+        self.knobs, self.program, self.predicted = knobs, program, predicted
+        self.cfg = self.cfg.with_overrides(schedule_overrides(knobs, self.cfg.schedule.micro_batches))
+        self.cfg.save(self.run_dir)
 
     def _step(self, step: int):
         """One optimizer step; an executor failure (a hung or failing task) ends the run with a TrainingError."""

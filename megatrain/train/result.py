@@ -25,7 +25,3 @@ class RunSummary:
     stop_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the session
     skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped, wholly or in part
     calibration: object | None = field(default=None, repr=False)  # megatrain.profiling.live.LiveCalibration
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.losses[-1] if self.losses else None

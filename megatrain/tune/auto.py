@@ -1,0 +1,152 @@
+"""`--schedule auto`: the fastest predicted schedule that fits this machine and keeps the run's numerics.
+
+The one implementation behind `megatrain simulate --schedule auto`, `megatrain train --schedule auto` (which
+re-checks the choice after the warm-up: train/autoswitch.py) and `scripts/bench_megatrain.py --schedule auto`:
+
+    budget = auto_budget("cuda", gpu_gib=None)                  # THE budget rule (below)
+    pick = choose_auto(spec, 8, 2048, base_knobs, "h200-measured", budget)
+    pick.knobs, pick.label, pick.predicted.step_s, pick.table    # the choice, its prediction, every candidate
+
+The budget rule, the same for every caller:
+
+    GPU   `--gpu-budget-gib` when given; else on a GPU, its free memory less 10% (`GPU_HEADROOM`: CUDA's context
+          and the caching allocator's fragmentation are not in the plan); on the CPU backend, where the "GPU"
+          buffers are host memory, half the usable host memory (`CPU_DEVICE_SHARE`, the other half for the store)
+    host  the machine's usable host memory (megatrain/plan/machine.py: MemAvailable, the container's cgroup limit
+          and the ulimits, plus what this process holds), for a run on this machine; `simulate` predicts for the
+          profile's machine and checks no host memory (`with_host=False`)
+
+Candidates (`auto_candidates`) are every named schedule with the base's numerics (the knobs `NUMERICS_KNOBS`
+lists: clipping, dtypes, kernel, loss chunk, micro-batches), 2 or 3 weight buffers, and for the arrival
+placements resident units in a few sizes; each is planned, refused when it exceeds a budget, and simulated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from megatrain.compile.advice import plan_memory
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import NAMED_SCHEDULES, NUMERICS_KNOBS, ScheduleKnobs
+from megatrain.compile.lower import lower
+from megatrain.compile.resolve import OPTIMIZER_PRESETS, resolve_host_layout
+from megatrain.ir.dag import ScheduleError
+from megatrain.model.spec import ModelSpec
+from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
+from megatrain.sim.engine import SimResult, simulate
+from megatrain.sim.profile import HardwareProfile, load_profile
+from megatrain.tune.search import TuneResult
+
+GPU_HEADROOM = 0.9  # share of the GPU's free memory a plan may take (CUDA context, allocator fragmentation)
+CPU_DEVICE_SHARE = 0.5  # on the CPU backend: share of the usable host memory for the device working set
+BUDGET_FLAG = "--gpu-budget-gib"
+
+
+class BudgetError(ValueError):
+    """No GPU budget can be measured here and none was given; the message says which flag to give."""
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """What `auto` may plan for: GPU peak bytes, host bytes (None: not checked), and where the GPU figure came from
+    ("given", "GPU free", "CPU backend")."""
+
+    gpu_bytes: int
+    host_bytes: int | None
+    source: str
+
+
+def auto_budget(backend: str, gpu_gib: float | None = None, *, with_host: bool = True) -> AutoBudget:
+    """The budget rule of `--schedule auto` (see the module docstring). backend: "cuda" or "cpu" (where the run
+    executes); BudgetError on "cuda" when no GPU can be measured and no `gpu_gib` is given."""
+    host = host_memory(held_bytes=process_rss_bytes()).usable_bytes if (with_host or backend == "cpu") else None
+    if gpu_gib is not None:
+        gpu, source = int(gpu_gib * 2**30), "given"
+    elif backend == "cpu":
+        gpu, source = int(host * CPU_DEVICE_SHARE), "CPU backend"
+    else:
+        measured = gpu_memory()
+        if measured is None:
+            raise BudgetError(f"--schedule auto needs a GPU memory budget and there is no GPU here to measure: give "
+                              f"{BUDGET_FLAG} (e.g. 16)")
+        gpu, source = int(measured[0] * GPU_HEADROOM), "GPU free"
+    return AutoBudget(gpu, host if with_host else None, source)
+
+
+@dataclass
+class AutoPick:
+    """The schedule `auto` chose: its knobs, a label ("lean[buffers=3]"), its simulated step (`predicted`), every
+    candidate that fits (`table`, fastest first: schedule, step_s, tokens_per_s, gpu_idle_pct, gpu_peak_gib), the
+    budget it fits and the profile's name."""
+
+    knobs: ScheduleKnobs
+    label: str
+    predicted: SimResult
+    table: pd.DataFrame
+    budget: AutoBudget
+    profile: str
+
+
+def choose_auto(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, profile: HardwareProfile | str,
+                budget: AutoBudget, world: int = 1) -> AutoPick:
+    """The fastest predicted schedule for (spec, batch, seq) within `budget` that keeps `base`'s numerics;
+    ScheduleError (with the budget in it) when none fits."""
+    profile = load_profile(profile)
+    best = choose_schedule(spec, batch, seq, base, profile, budget.gpu_bytes, host_bytes=budget.host_bytes,
+                           world=world)
+    return AutoPick(best.knobs, str(best.table.schedule[0]), best.result, best.table, budget, profile.name)
+
+
+def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleKnobs]:
+    """Schedules `auto` tries: every named schedule with the base's numerics (its clipping included), 2 or 3
+    weight buffers, and for the arrival placements resident units in a few sizes."""
+    keep = {name: getattr(base, name) for name in NUMERICS_KNOBS}
+    L = spec.num_layers
+    out: dict[str, ScheduleKnobs] = {}
+    for name, named in NAMED_SCHEDULES.items():
+        timing = OPTIMIZER_PRESETS[named.optimizer][0].value  # arrival clips speculatively, still exactly
+        for buffers in sorted({2, 3} & set(range(1, max(L, 1) + 1))):
+            knobs = replace(named, **keep, buffers=buffers)
+            out[f"{name}[buffers={buffers}]"] = knobs
+            if timing == "arrival" and not spec.tie_word_embeddings:
+                for r in sorted({0, 2, 4, 8, L // 2} & set(range(L + 1))):
+                    out[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}]"] = replace(
+                        knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
+    return out
+
+
+def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
+                    profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None,
+                    same_host_layout: bool = False, world: int = 1) -> TuneResult:
+    """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
+    the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches), and
+    whose host plan fits `host_bytes` when given. same_host_layout: only candidates whose host store has the
+    layout of `base`'s (a running trainer can switch to them without rebuilding its store: `use_program`).
+    world: data-parallel ranks (schedules that data parallelism refuses are left out; the step is one rank's).
+    `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
+    profile = load_profile(profile)
+    layout = resolve_host_layout(spec, base) if same_host_layout else None
+    rows, results = [], []
+    for label, knobs in auto_candidates(spec, base).items():
+        try:
+            if layout is not None and resolve_host_layout(spec, knobs) != layout:
+                continue
+            plan = plan_memory(spec, batch, seq, knobs)
+            peak = plan.gpu.peak_bytes
+            if peak > gpu_bytes or (host_bytes is not None and plan.host.total_bytes > host_bytes):
+                continue
+            res = simulate(lower(build_schedule(spec, batch, seq, knobs, world=world)), profile)
+        except ScheduleError:
+            continue
+        results.append((knobs, res))
+        rows.append(dict(schedule=label, step_s=res.step_s, tokens_per_s=res.summary.tokens_per_s,
+                         gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
+    if not rows:
+        host = f" and {host_bytes / 2**30:.1f} GiB of host memory" if host_bytes is not None else ""
+        same = " with the same host layout" if layout is not None else ""
+        raise ScheduleError(f"no schedule{same} keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
+                            f"{host}; see `megatrain plan` for what takes the memory, or raise the budget")
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["schedule"]))
+    knobs, result = results[order[0]]
+    return TuneResult(knobs, result, pd.DataFrame(rows).iloc[order].reset_index(drop=True))
