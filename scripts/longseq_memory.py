@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatrain.exec.head import head_loss_backward
-from megatrain.exec.layers import attention, layer_functions
+from megatrain.exec.layers import layer_functions
+from megatrain.model.llama.layer import attention
 from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import TORCH_DTYPES

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.exec.layers import attention, layer_functions
+from megatrain.exec.layers import layer_functions
+from megatrain.model.llama.layer import attention
 from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.compile.knobs import knobs_for

@@ -1,4 +1,4 @@
-"""The decoder layer with its norm + MLP half in sequence tiles (`mlp_tile_tokens`, exec/layers.TiledNormMLP).
+"""The decoder layer with its norm + MLP half in sequence tiles (`mlp_tile_tokens`, model/llama/layer.TiledNormMLP).
 
 - numerics: tiled == untiled in fp32 (outputs, the input gradient and every weight gradient, to rounding), for
   Llama and Qwen2 shapes, tiles that cross sequence boundaries and a partial last tile; the layer against

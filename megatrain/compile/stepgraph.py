@@ -59,7 +59,7 @@ def work_attrs(p: Placement, kind: TaskKind, unit: int) -> dict:
     s, mb = p.model, p.batch // p.micro_batches
     flops = s.task_flops(kind.value, unit, mb, p.seq)
     if kind.value == "B" and unit >= 0 and p.mlp_tile_tokens:  # the tiled MLP's backward recomputes its forward
-        flops += 6.0 * mb * p.seq * s.hidden_size * s.intermediate_size
+        flops += s.tiled_mlp_flops(unit, mb, p.seq)
     return dict(flops=flops, tokens=mb * p.seq, bytes=0, params=s.unit_params(unit))
 
 

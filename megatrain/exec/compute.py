@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
+from megatrain.model.layout import UnitLayout
 from megatrain.model.spec import EMBED, HEAD
 from megatrain.exec.activations import Activations
 from megatrain.exec.buffers import DeviceBuffers
@@ -35,6 +36,21 @@ class StepBatch:
         return 1.0 / self.n_valid
 
 
+def bind_weights(layout: UnitLayout, flat: torch.Tensor, compute_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named weight views of a unit's flat weights `flat` (numel,) as a task binds them: views (no copy) when
+    `flat` is in the compute dtype; otherwise the layer's weights cast once before binding (so the autograd leaves
+    are in the compute dtype and gradients keep its precision), the embedding's not at all (it casts only the rows it
+    gathers), and of the head's only the norm (`head_loss_backward` casts lm_head once itself; the norm is an
+    autograd leaf). The executor and the profiler's unit bodies both bind through this function."""
+    if flat.dtype == compute_dtype or layout.unit == EMBED:
+        return layout.views(flat)
+    if layout.unit == HEAD:
+        w = layout.views(flat)
+        w["norm.weight"] = w["norm.weight"].to(compute_dtype)
+        return w
+    return layout.views(flat.to(compute_dtype))
+
+
 class LayerCompute:
     """Bodies of F, R and B tasks over the device buffers and the step's activations."""
 
@@ -55,15 +71,7 @@ class LayerCompute:
     def weights(self, task: ProgramTask) -> dict[str, torch.Tensor]:
         """HF-named weight views of the task's buffer, in the compute dtype where the layer math needs it."""
         layout = self.store.layouts[task.unit]
-        flat = self.buffers.holding(task).w[:layout.numel]
-        if flat.dtype == self.compute_dtype or task.unit == EMBED:  # the embedding casts only the rows it gathers
-            return layout.views(flat)
-        if task.unit == HEAD:  # head_loss_backward casts lm_head once itself; the norm is an autograd leaf here
-            w = layout.views(flat)
-            w["norm.weight"] = w["norm.weight"].to(self.compute_dtype)
-            return w
-        # Cast before binding, so the autograd leaves are in the compute dtype and gradients keep its precision.
-        return layout.views(flat.to(self.compute_dtype))
+        return bind_weights(layout, self.buffers.holding(task).w[:layout.numel], self.compute_dtype)
 
     def grads(self, task: ProgramTask) -> dict[str, torch.Tensor]:
         layout = self.store.layouts[task.unit]

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatrain.model.spec import ModelSpec
-from megatrain.exec.layers import rms_norm
+# The head (final RMSNorm, lm_head, cross-entropy) is shared by every registered family (all Llama-shaped); a family
+# with another final norm would give its layer module a `final_norm` and this module would ask for it.
+from megatrain.model.llama.layer import rms_norm
 
 IGNORE_INDEX = -100  # HF / torch convention for target positions that carry no loss
 

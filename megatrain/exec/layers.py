@@ -1,17 +1,8 @@
-"""The Llama / Mistral / Qwen2 decoder layer as a stateless function of (weights, activations).
+"""The decoder layer as the executor runs it, for every model family: the family's forward, its local backward
+(recompute from the checkpoint, then differentiate), eager or compiled, with the norm + MLP half tiled or not.
 
-No nn.Module owns the weights: `w` maps HF local names (`self_attn.q_proj.weight`, ...) to views of whatever flat
-buffer the runtime bound (a GPU slot, a host tile; see `layout.UnitLayout.views`). Nothing is copied out of that
-buffer; a weight whose dtype differs from the activations (fp32 master streamed, bf16 compute) is cast where it is
-used, and that cast is the only copy.
-
-The math follows transformers' `LlamaDecoderLayer` op for op (pre-norm, RMSNorm in fp32, rotate-half RoPE,
-SDPA causal attention, SwiGLU), so that in fp32 our outputs match HF's to matmul rounding.
-
-At long sequences the post-attention half (RMSNorm + SwiGLU) runs in sequence tiles (`mlp_tile_tokens`): its
-(B, T, ffn) intermediates exist for one tile at a time, in the forward and in the backward (`TiledNormMLP`, which
-saves only its input and recomputes each tile in its backward). Attention goes through SDPA with `is_causal=True`
-and no mask, which on CUDA in bf16 is the flash kernel: O(T) memory, no (T, T) tensor.
+The layer math itself is the family's (`spec.family.layer().decoder_layer`, e.g. `model/llama/layer.py`); this
+module only dispatches by the spec's family and adds what is the same for every family:
 
 `layer_backward` is the local backward of the streaming executor: it recomputes the layer once from its
 checkpointed input with the slot views as autograd leaves, takes `torch.autograd.grad`, and lets the graph die
@@ -23,138 +14,18 @@ from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatrain.model.spec import ModelSpec
-from megatrain.exec.rope import apply_rope
-
-# SDPA grew `enable_gqa` in torch 2.5: K/V heads are shared by query groups inside the kernel instead of being
-# materialized n_rep times (HF does the same when no mask is passed).
-_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-
 
 LayerFn = Callable[..., Tensor]
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm as HF's LlamaRMSNorm: statistics in fp32, normalized value cast back, then scaled. (..., d)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(x.dtype) * h.to(x.dtype)
-
-
-def _linear(x: Tensor, w: Mapping[str, Tensor], name: str, bias: bool = False) -> Tensor:
-    weight = w[f"{name}.weight"].to(x.dtype)  # no-op (same tensor) when the dtypes agree
-    b = w[f"{name}.bias"].to(x.dtype) if bias else None
-    return F.linear(x, weight, b)
-
-
-def attention(w: Mapping[str, Tensor], h: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec) -> Tensor:
-    """Causal grouped-query self-attention of the normalized input h (B, T, d) -> (B, T, d)."""
-    B, T, _ = h.shape
-    hd, n_rep = spec.head_dim, spec.num_heads // spec.num_kv_heads
-    bias = spec.qkv_bias  # Qwen2: q/k/v have biases, o_proj does not
-    q = _linear(h, w, "self_attn.q_proj", bias).view(B, T, spec.num_heads, hd).transpose(1, 2)  # (B, nh, T, hd)
-    k = _linear(h, w, "self_attn.k_proj", bias).view(B, T, spec.num_kv_heads, hd).transpose(1, 2)  # (B, nkv, T, hd)
-    v = _linear(h, w, "self_attn.v_proj", bias).view(B, T, spec.num_kv_heads, hd).transpose(1, 2)  # (B, nkv, T, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # HF passes scaling=head_dim**-0.5 explicitly; so do we, so that the scale is the same float.
-    if n_rep == 1:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
-    elif _SDPA_HAS_GQA:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=True)
-    else:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
-    y = y.transpose(1, 2).reshape(B, T, spec.q_dim)  # (B, T, nh*hd)
-    return _linear(y, w, "self_attn.o_proj")  # (B, T, d)
-
-
-def mlp(w: Mapping[str, Tensor], h: Tensor) -> Tensor:
-    """SwiGLU: down(silu(gate(h)) * up(h)). (B, T, d) -> (B, T, d) through (B, T, ffn)."""
-    return _linear(F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj"), w, "mlp.down_proj")
-
-
-_MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                "mlp.down_proj.weight")
-
-
-def norm_mlp(w: Mapping[str, Tensor], h: Tensor, eps: float) -> Tensor:
-    """The post-attention half of a layer without its residual: mlp(rms_norm(h)). (..., d) -> (..., d)."""
-    return mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
-
-
-class TiledNormMLP(torch.autograd.Function):
-    """`norm_mlp` over tiles of `tile` tokens, saving only its input h for the backward.
-
-    Forward: each tile's output is computed without a graph. Backward: each tile is recomputed under autograd and
-    differentiated at once, so only one tile's (tile, ffn) intermediates exist at a time (a loop over tiles inside
-    autograd would save every tile's). The norm is per token and the matmuls are per row, so the outputs equal the
-    untiled ones to matmul rounding; weight gradients are summed over tiles in fp32 and returned in the weights'
-    dtype, as one matmul over all tokens would give them. Costs one more forward of the MLP per backward.
-    """
-
-    @staticmethod
-    def forward(ctx, h: Tensor, eps: float, tile: int, *weights: Tensor) -> Tensor:
-        ctx.eps, ctx.tile = eps, tile
-        ctx.save_for_backward(h, *weights)
-        w = dict(zip(_MLP_WEIGHTS, weights))
-        hf = h.reshape(-1, h.shape[-1])  # (N, d) tokens of every sequence: the math is per token
-        out = torch.empty_like(hf)
-        for s in range(0, hf.shape[0], tile):
-            out[s:s + tile] = norm_mlp(w, hf[s:s + tile], eps)  # (n, d) through (n, ffn)
-        return out.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        h, *weights = ctx.saved_tensors
-        hf, gf = h.reshape(-1, h.shape[-1]), grad_out.reshape(-1, h.shape[-1])  # (N, d)
-        grad_h = torch.empty_like(hf)
-        acc = [torch.zeros(wt.shape, dtype=torch.float32, device=wt.device) for wt in weights]
-        for s in range(0, hf.shape[0], ctx.tile):
-            with torch.enable_grad():
-                x = hf[s:s + ctx.tile].detach().requires_grad_()
-                leaves = [wt.detach().requires_grad_() for wt in weights]  # same storage, no copy
-                y = norm_mlp(dict(zip(_MLP_WEIGHTS, leaves)), x, ctx.eps)  # (n, d); the tile's graph
-                gx, *gw = torch.autograd.grad(y, [x, *leaves], gf[s:s + ctx.tile])
-            grad_h[s:s + ctx.tile] = gx
-            for a, g in zip(acc, gw):
-                a.add_(g)  # fp32 sum over tiles
-        return grad_h.view_as(h), None, None, *(a.to(wt.dtype) for a, wt in zip(acc, weights))
-
-
-def post_attention(w: Mapping[str, Tensor], h: Tensor, spec: ModelSpec, mlp_tile_tokens: int = 0) -> Tensor:
-    """h + mlp(rms_norm(h)) for the residual stream h (B, T, d); in tiles of `mlp_tile_tokens` tokens when that is
-    positive and below the B*T tokens of h (`TiledNormMLP`), else in one piece."""
-    eps = spec.rms_norm_eps
-    if not 0 < mlp_tile_tokens < h.shape[0] * h.shape[1]:
-        return h + norm_mlp(w, h, eps)
-    return h + _tiled_norm_mlp(h, eps, mlp_tile_tokens, *(w[n] for n in _MLP_WEIGHTS))
-
-
-# In the compiled layer this part runs eagerly (a graph break): dynamo does not trace autograd.grad in a backward.
-@torch.compiler.disable
-def _tiled_norm_mlp(h: Tensor, eps: float, tile: int, *weights: Tensor) -> Tensor:
-    return TiledNormMLP.apply(h, eps, tile, *weights)
-
-
 def decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
                   mlp_tile_tokens: int = 0) -> Tensor:
-    """One pre-norm decoder layer: x (B, T, d) -> (B, T, d) in x.dtype.
-
-    w: HF local names -> weight views (any float dtype; cast to x.dtype at use). cos/sin: (T, head_dim) tables
-    from `rope_cos_sin` in x.dtype (or castable to it). mlp_tile_tokens > 0: the norm + MLP half in tiles of that
-    many tokens (`post_attention`); 0: in one piece.
-    """
-    if x.dim() != 3 or x.shape[-1] != spec.hidden_size:
-        raise ValueError(f"decoder_layer expects x of shape (B, T, {spec.hidden_size}), got {tuple(x.shape)}")
-    if cos.shape != (x.shape[1], spec.head_dim):
-        raise ValueError(f"rope tables have shape {tuple(cos.shape)}; expected (T={x.shape[1]}, "
-                         f"head_dim={spec.head_dim}): build them with rope_cos_sin(spec, T, ...)")
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    h = x + attention(w, rms_norm(x, w["input_layernorm.weight"], spec.rms_norm_eps), cos, sin, spec)
-    return post_attention(w, h, spec, mlp_tile_tokens)
+    """One decoder layer of `spec`'s family: x (B, T, d) -> (B, T, d) in x.dtype (see the family's layer module;
+    w: HF local names -> weight views, cos/sin: `rope_cos_sin` tables, mlp_tile_tokens: the tiled MLP)."""
+    return spec.family.layer().decoder_layer(w, x, cos, sin, spec, mlp_tile_tokens=mlp_tile_tokens)
 
 
 def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
@@ -187,9 +58,6 @@ def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor,
     return grads[0].to(x.dtype)
 
 
-_compiled_layer: LayerFn | None = None
-
-
 def layer_functions(compiled: bool, mlp_tile_tokens: int = 0) -> tuple[LayerFn, LayerFn]:
     """(forward, local backward) of a decoder layer: eager, or compiled (`compiled_layer_functions`), with the
     norm + MLP half in tiles of `mlp_tile_tokens` tokens (0: untiled)."""
@@ -200,19 +68,13 @@ def layer_functions(compiled: bool, mlp_tile_tokens: int = 0) -> tuple[LayerFn, 
     return tiled, partial(layer_backward, layer=tiled)
 
 
-def compiled_layer_functions() -> tuple[LayerFn, LayerFn]:
-    """(forward, local backward) with the decoder layer compiled by `torch.compile` (Inductor).
+# The compiled form of each family's forward, by function (Llama, Mistral and Qwen2 share one).
+_compiled: dict[LayerFn, LayerFn] = {}
 
-    The compiled layer fuses what eager mode runs as separate memory-bound kernels (RMSNorm's fp32 statistics,
-    rotate-half RoPE, SiLU * up, residual adds) in the forward and in the backward AOTAutograd derives; the matmuls
-    and SDPA attention stay the same kernels. The compiled graph is shared by every layer and call of the process:
-    weights are inputs, not constants, so a new slot or layer does not recompile, only a new activation shape
-    (batch, sequence length) or dtype does. Fusion reorders fp32 arithmetic inside the norms, so results agree
-    with the eager layer to rounding, not bitwise.
-    """
-    global _compiled_layer
-    if _compiled_layer is None:
-        import torch._dynamo
+
+def _compiled_forward(layer: LayerFn) -> LayerFn:
+    if layer not in _compiled:
+        import torch._dynamo  # noqa: F401 (torch's compiler, loaded only when a compiled layer is asked for)
 
         # One graph per activation shape and grad mode (the profiler times several token counts): allow many,
         # and fail loudly past the limit rather than fall back to eager and silently change the timings.
@@ -221,5 +83,25 @@ def compiled_layer_functions() -> tuple[LayerFn, LayerFn]:
         setattr(cfg, limit, max(getattr(cfg, limit), 64))
         if hasattr(cfg, "fail_on_recompile_limit_hit"):
             cfg.fail_on_recompile_limit_hit = True
-        _compiled_layer = torch.compile(decoder_layer, dynamic=False)
-    return _compiled_layer, partial(layer_backward, layer=_compiled_layer)
+        _compiled[layer] = torch.compile(layer, dynamic=False)
+    return _compiled[layer]
+
+
+def compiled_decoder_layer(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
+                           mlp_tile_tokens: int = 0) -> Tensor:
+    """`decoder_layer` through `torch.compile`: the family is looked up eagerly, its layer runs compiled."""
+    forward = _compiled_forward(spec.family.layer().decoder_layer)
+    return forward(w, x, cos, sin, spec, mlp_tile_tokens=mlp_tile_tokens)
+
+
+def compiled_layer_functions() -> tuple[LayerFn, LayerFn]:
+    """(forward, local backward) with the family's decoder layer compiled by `torch.compile` (Inductor).
+
+    The compiled layer fuses what eager mode runs as separate memory-bound kernels (RMSNorm's fp32 statistics,
+    rotate-half RoPE, SiLU * up, residual adds) in the forward and in the backward AOTAutograd derives; the matmuls
+    and SDPA attention stay the same kernels. The compiled graph is shared by every layer and call of the process:
+    weights are inputs, not constants, so a new slot or layer does not recompile, only a new activation shape
+    (batch, sequence length) or dtype does. Fusion reorders fp32 arithmetic inside the norms, so results agree
+    with the eager layer to rounding, not bitwise.
+    """
+    return compiled_decoder_layer, partial(layer_backward, layer=compiled_decoder_layer)

@@ -309,9 +309,13 @@ class Placement:
 
 def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
     """The GPU buffer table: the weight ring, the embedding's and head's buffers (or their resident buffers),
-    state buffers, kept-gradient buffers and resident layers' buffers, with their sizes."""
+    state buffers, kept-gradient buffers and resident layers' buffers, with their sizes.
+
+    Ring and state slots take any layer, so they hold the largest unit of the layer kinds that stream through them
+    (`ModelSpec.kind_params`; one size when every layer is the same); a kept-gradient or resident buffer belongs to
+    one layer and has its size."""
     spec, w = p.model, p.wire_bytes("weight_wire")
-    layer = padded_numel(spec.layer_params, p.world) if spec.num_layers else 0
+    layer = padded_numel(max(spec.kind_params().values()), p.world) if spec.num_layers else 0
     out = [Buffer(f"w{i}", BufferKind.WEIGHTS, None, layer, layer * (w + 4)) for i in range(p.ring_buffers)]
     for unit, name in ((EMBED, "embed"), (HEAD, "head")):
         n = padded_numel(spec.unit_params(unit), p.world)
@@ -320,8 +324,9 @@ def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
         else:
             out.append(Buffer(name, BufferKind.WEIGHTS, unit, n, n * (w + 4)))
     out += [Buffer(f"s{i}", BufferKind.STATE, None, layer, 16 * layer) for i in range(p.state_buffers)]
-    out += [Buffer(f"g{u}", BufferKind.KEPT_GRADS, u, layer, 4 * layer) for u in p.kept_grad_layers]
-    out += [Buffer(f"r{u}", BufferKind.RESIDENT, u, layer, 16 * layer) for u in p.resident_units if u >= 0]
+    own = {u: padded_numel(spec.unit_params(u), p.world) for u in (*p.kept_grad_layers, *p.resident_units) if u >= 0}
+    out += [Buffer(f"g{u}", BufferKind.KEPT_GRADS, u, own[u], 4 * own[u]) for u in p.kept_grad_layers]
+    out += [Buffer(f"r{u}", BufferKind.RESIDENT, u, own[u], 16 * own[u]) for u in p.resident_units if u >= 0]
     return tuple(out)
 
 

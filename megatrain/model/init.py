@@ -2,8 +2,9 @@
 
     init_into(spec, dest=store.master, seed=0, std=0.02)
 
-Initialization as Hugging Face does it for Llama / Qwen2 (`_init_weights` with `initializer_range`): every matrix
-(embedding, projections, lm_head) ~ N(0, std), RMSNorm weights 1, biases 0.
+Each tensor is initialized as its family's `init_rule` says ("normal": N(0, std), "ones", "zeros"); for the Llama
+shapes that is what Hugging Face does (`_init_weights` with `initializer_range`): every matrix (embedding,
+projections, lm_head) ~ N(0, std), RMSNorm weights 1, biases 0.
 
 Each unit draws from its own generator, seeded by (seed, unit), so a unit's weights do not depend on which units
 are initialized before it, in what order, or whether the model is cut to fewer layers: the same seed gives the same
@@ -20,7 +21,7 @@ import torch
 from megatrain.model.layout import unit_layout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 
-__all__ = ["unit_seed", "init_unit", "init_into", "init_tiles"]
+__all__ = ["unit_seed", "init_tensor", "init_unit", "init_into", "init_tiles"]
 
 
 def unit_seed(seed: int, unit: int) -> int:
@@ -29,6 +30,19 @@ def unit_seed(seed: int, unit: int) -> int:
         raise ValueError(f"seed must be >= 0, got {seed}")
     # unit + 2 keeps the entropy words non-negative (EMBED = -1, HEAD = -2).
     return int(np.random.SeedSequence([seed, unit + 2]).generate_state(1, np.uint64)[0] >> 1)
+
+
+@torch.no_grad()
+def init_tensor(spec: ModelSpec, name: str, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Initialize one tensor of a unit in place as the spec's family says (a draw from `gen` for "normal")."""
+    rule = spec.family.init_rule(name, tuple(view.shape))
+    if rule == "normal":
+        view.normal_(0.0, std, generator=gen)
+    elif rule in ("ones", "zeros"):
+        view.fill_(1.0 if rule == "ones" else 0.0)
+    else:
+        raise ValueError(f"family {spec.model_type!r} gives tensor {name!r} the init rule {rule!r}; "
+                         "use normal, ones or zeros")
 
 
 @torch.no_grad()
@@ -54,13 +68,7 @@ def init_unit(spec: ModelSpec, unit: int, tile: torch.Tensor, seed: int = 0, std
             # Tied: the lm_head IS the embedding; a full tile gets a copy of it only when the caller has one.
             # Drawing nothing here keeps the norm's values independent of whether the tile is full or a tail.
             continue
-        view = tile[s.offset - offset:s.offset - offset + s.numel].view(s.shape)
-        if len(s.shape) == 2:
-            view.normal_(0.0, std, generator=gen)
-        elif s.name.endswith("norm.weight"):
-            view.fill_(1.0)
-        else:  # biases
-            view.zero_()
+        init_tensor(spec, s.name, tile[s.offset - offset:s.offset - offset + s.numel].view(s.shape), gen, std)
 
 
 def init_into(spec: ModelSpec, dest: Callable[[int], torch.Tensor], seed: int = 0, std: float = 0.02,

@@ -48,9 +48,13 @@ class UnitLayout:
 
 @lru_cache(maxsize=None)
 def unit_layout(spec: ModelSpec, unit: int) -> UnitLayout:
+    """The flat tile of `unit` as its family lists the unit's tensors (matrices first: checked here)."""
     slices, offset, decay = [], 0, 0
     for name, shape in spec.unit_tensors(unit):
         n = math.prod(shape)
+        if len(shape) == 2 and offset != decay:
+            raise ValueError(f"family {spec.model_type!r} lists matrix {name!r} of unit {unit} after a 1-D tensor; "
+                             "unit_tensors must list matrices first (weight decay covers a prefix of the tile)")
         slices.append(TensorSlice(name, tuple(shape), offset, n))
         offset += n
         if len(shape) == 2:

@@ -1,47 +1,41 @@
-"""Model shape: what a decoder-only Llama-family model is made of, independent of torch.
+"""Model shape: what a decoder-only model is made of, independent of torch.
 
-A `ModelSpec` is built from a Hugging Face `config.json` (model types llama, mistral, qwen2; both the
-transformers 4.x and 5.x shapes of the file) or from a named preset. It answers the questions every other
-part of megatrain asks: which tensors a streamed unit holds (HF names, shapes), how many parameters and bytes,
-and how many FLOPs a forward / backward / recompute of a unit costs for a number of tokens.
+A `ModelSpec` is built from a Hugging Face `config.json` (the model types of the registered families: llama,
+mistral, qwen2; both the transformers 4.x and 5.x shapes of the file) or from a named preset. It answers the
+questions every other part of megatrain asks: which tensors a streamed unit holds (HF names, shapes), how many
+parameters and bytes, and how many FLOPs a forward / backward / recompute of a unit costs for a number of tokens.
+The facts that differ between families come from the spec's family (`spec.family`, `model/registry.py`); the
+spec's fields, its JSON and its public methods are the same for every family.
 
 Units: the model is streamed as `num_layers` decoder layers plus two non-layer units, the embedding (`EMBED`)
-and the head (`HEAD`: final norm, lm_head, loss). Unit ids are ints: 0..L-1 for layers, `EMBED`, `HEAD`.
+and the head (`HEAD`: final norm, lm_head, loss). Unit ids are ints: 0..L-1 for layers, `EMBED`, `HEAD`. Each unit
+has a kind ("embed", "head", or the family's kind of that layer); layers may differ in size, and the GPU ring's
+slots hold the largest unit of the layer kinds (`kind_params`).
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
-EMBED = -1
-HEAD = -2
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class SpecError(ValueError):
-    """A model configuration megatrain cannot train; the message says what and what to do."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling as HF's `rope_scaling` / `rope_parameters` describe it."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+from megatrain.model.fields import (  # noqa: F401 (re-exported: the spec's vocabulary, defined in fields.py)
+    DTYPE_BYTES,
+    EMBED,
+    EMBED_KIND,
+    HEAD,
+    HEAD_KIND,
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    SpecError,
+)
+from megatrain.model.registry import Family, family_of
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a Llama / Mistral / Qwen2 decoder-only model."""
+    """Shape of a decoder-only model of a registered family (Llama / Mistral / Qwen2)."""
 
     name: str
     model_type: str
@@ -61,10 +55,7 @@ class ModelSpec:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise SpecError(
-                f"model_type {self.model_type!r} is not supported; megatrain trains {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family_of(self.model_type)  # a SpecError naming the registered families
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             raise SpecError(
                 f"rope_type {self.rope_scaling.rope_type!r} is not supported; use one of "
@@ -77,6 +68,11 @@ class ModelSpec:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def family(self) -> Family:
+        """The model family this spec belongs to (its `model_type`'s registry entry)."""
+        return family_of(self.model_type)
 
     # ---- tensors -----------------------------------------------------------------------------------------------
     @property
@@ -93,55 +89,44 @@ class ModelSpec:
         Matrices come first and 1-D tensors (norms, biases) last, so that weight decay, which applies to
         matrices only, covers one contiguous prefix of the unit's flat tile.
         """
-        d, f = self.hidden_size, self.intermediate_size
-        if unit == EMBED:
-            return [("embed_tokens.weight", (self.vocab_size, d))]
-        if unit == HEAD:
-            # With tied embeddings the head reads the embedding matrix; it is streamed as its own copy and
-            # its gradient is added to the embedding's on the host.
-            return [("lm_head.weight", (self.vocab_size, d)), ("norm.weight", (d,))]
-        self._check_layer(unit)
-        mats = [
-            ("self_attn.q_proj.weight", (self.q_dim, d)),
-            ("self_attn.k_proj.weight", (self.kv_dim, d)),
-            ("self_attn.v_proj.weight", (self.kv_dim, d)),
-            ("self_attn.o_proj.weight", (d, self.q_dim)),
-            ("mlp.gate_proj.weight", (f, d)),
-            ("mlp.up_proj.weight", (f, d)),
-            ("mlp.down_proj.weight", (d, f)),
-        ]
-        vecs = [("input_layernorm.weight", (d,)), ("post_attention_layernorm.weight", (d,))]
-        if self.qkv_bias:
-            vecs += [
-                ("self_attn.q_proj.bias", (self.q_dim,)),
-                ("self_attn.k_proj.bias", (self.kv_dim,)),
-                ("self_attn.v_proj.bias", (self.kv_dim,)),
-            ]
-        return mats + vecs
+        if unit not in (EMBED, HEAD):
+            self._check_layer(unit)
+        return self.family.unit_tensors(self, unit)
 
     def hf_name(self, unit: int, local_name: str) -> str:
         """Full HF checkpoint name of a unit's tensor (`model.layers.3.mlp.up_proj.weight`)."""
-        if unit == EMBED:
-            return f"model.{local_name}"
-        if unit == HEAD:
-            return local_name if local_name.startswith("lm_head") else f"model.{local_name}"
-        return f"model.layers.{unit}.{local_name}"
+        return self.family.hf_name(self, unit, local_name)
 
     def units(self) -> list[int]:
         """All units in forward order: embedding, layers, head."""
         return [EMBED, *range(self.num_layers), HEAD]
 
+    def unit_kind(self, unit: int) -> str:
+        """"embed", "head", or the family's kind of that decoder layer ("layer" for every layer of a Llama)."""
+        if unit == EMBED:
+            return EMBED_KIND
+        if unit == HEAD:
+            return HEAD_KIND
+        self._check_layer(unit)
+        return self.family.layer_kind(self, unit)
+
     def unit_params(self, unit: int) -> int:
-        return sum(math.prod(shape) for _, shape in self.unit_tensors(unit))
+        return _unit_params(self, unit)
+
+    def kind_params(self) -> dict[str, int]:
+        """{kind: parameters of its largest unit} for the kinds of the decoder layers, in layer order: what one
+        slot of the GPU weight ring must hold for each kind that streams through it."""
+        return dict(_kind_params(self))
 
     @property
     def layer_params(self) -> int:
-        return self.unit_params(0)
+        """Parameters of the largest decoder layer (every layer, when they are all the same size)."""
+        return max(self.kind_params().values(), default=0)
 
     @property
     def num_params(self) -> int:
         """Trainable parameters; a tied lm_head is the embedding and is counted once."""
-        total = self.unit_params(EMBED) + self.num_layers * self.layer_params + self.unit_params(HEAD)
+        total = sum(self.unit_params(u) for u in self.units())
         if self.tie_word_embeddings:
             total -= self.vocab_size * self.hidden_size
         return total
@@ -149,16 +134,7 @@ class ModelSpec:
     # ---- FLOPs -------------------------------------------------------------------------------------------------
     def unit_forward_flops(self, unit: int, batch: int, seq: int) -> float:
         """Forward FLOPs of one unit on `batch` sequences of `seq` tokens (matmuls + causal attention)."""
-        tokens = batch * seq
-        d = self.hidden_size
-        if unit == EMBED:
-            return 0.0  # a gather
-        if unit == HEAD:
-            return 2.0 * tokens * d * self.vocab_size
-        matmul = 2.0 * tokens * (d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d + 3 * d * self.intermediate_size)
-        # QK^T and PV, each 2*S*S*q_dim per sequence, halved by the causal mask.
-        attention = 2.0 * batch * seq * seq * self.q_dim
-        return matmul + attention
+        return self.family.unit_forward_flops(self, unit, batch, seq)
 
     def unit_backward_flops(self, unit: int, batch: int, seq: int) -> float:
         """Local backward FLOPs (gradients of inputs and weights), twice the forward."""
@@ -172,6 +148,11 @@ class ModelSpec:
         if kind == "B" or unit == HEAD:
             return fwd + self.unit_backward_flops(unit, batch, seq)
         return fwd
+
+    def tiled_mlp_flops(self, unit: int, batch: int, seq: int) -> float:
+        """FLOPs a layer's backward adds when its norm + MLP half runs in tiles (`mlp_tile_tokens`: it recomputes
+        that half's forward)."""
+        return self.family.tiled_mlp_flops(self, unit, batch, seq)
 
     def model_flops_per_token(self) -> float:
         """6·N, the convention of BENCHMARKS.md (recompute and attention not counted)."""
@@ -196,139 +177,35 @@ class ModelSpec:
 
     def to_hf_config(self) -> dict:
         """A transformers 4.x-shaped config.json that `from_pretrained` reads."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        cfg = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.dtype,
-        }
-        if self.model_type == "llama":
-            cfg["attention_bias"] = False
-            cfg["mlp_bias"] = False
-        if self.rope_scaling.rope_type != "default":
-            rs = asdict(self.rope_scaling)
-            if self.rope_scaling.rope_type == "linear":
-                rs = {"rope_type": "linear", "factor": self.rope_scaling.factor}
-            cfg["rope_scaling"] = rs
-        return cfg
+        return self.family.to_hf_config(self)
+
+
+# Sizes are asked for per task and per copy by the builders; a spec is frozen, so they are computed once.
+@lru_cache(maxsize=4096)
+def _unit_params(spec: ModelSpec, unit: int) -> int:
+    return sum(math.prod(shape) for _, shape in spec.unit_tensors(unit))
+
+
+@lru_cache(maxsize=256)
+def _kind_params(spec: ModelSpec) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer in range(spec.num_layers):
+        kind = spec.unit_kind(layer)
+        out[kind] = max(out.get(kind, 0), spec.unit_params(layer))
+    return out
 
 
 # ---- Hugging Face config.json --------------------------------------------------------------------------------
-# HF's defaults for fields a config.json may omit (transformers LlamaConfig / MistralConfig / Qwen2Config).
-_HF_DEFAULTS = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-                    max_position_embeddings=4096 * 32),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  max_position_embeddings=32768),
-}
-
-
-_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings")
-_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
-
-
-def _check_hf_values(c: dict) -> None:
-    """Types and ranges of the values megatrain reads (a SpecError naming the field, never a traceback)."""
-    for key in _INT_FIELDS:
-        v = c.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()) or v <= 0:
-            raise SpecError(f"config.json: {key}={v!r} must be a positive integer")
-    for key in _FLOAT_FIELDS:
-        v = c.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                              or v <= 0):
-            raise SpecError(f"config.json: {key}={v!r} must be a positive number")
-    for key in ("rope_parameters", "rope_scaling"):
-        v = c.get(key)
-        if v is not None and not isinstance(v, dict):
-            raise SpecError(f"config.json: {key} must be an object (or null), got {type(v).__name__}")
-        for k, x in (v or {}).items():
-            if k not in ("rope_type", "type") and (isinstance(x, bool) or not isinstance(x, (int, float))):
-                raise SpecError(f"config.json: {key}.{k}={x!r} must be a number")
-    for key in ("tie_word_embeddings", "mlp_bias", "attention_bias"):
-        v = c.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise SpecError(f"config.json: {key}={v!r} must be true or false")
-    for key in ("hidden_act", "dtype", "torch_dtype"):
-        v = c.get(key)
-        if v is not None and not isinstance(v, str):
-            raise SpecError(f"config.json: {key}={v!r} must be a string")
-
-
 def spec_from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
-    """Build a ModelSpec from the dict of a HF `config.json` (transformers 4.x or 5.x shape)."""
+    """Build a ModelSpec from the dict of a HF `config.json` (transformers 4.x or 5.x shape), through the family its
+    `model_type` names."""
     if not isinstance(cfg, dict):
         raise SpecError(f"config.json must hold a JSON object, got a JSON {type(cfg).__name__}")
-    model_type = cfg.get("model_type")
-    if not isinstance(model_type, str) or model_type not in _HF_DEFAULTS:
-        raise SpecError(
-            f"config.json has model_type {model_type!r}; megatrain supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    c = {**_HF_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None}}
-    _check_hf_values(c)
-    act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise SpecError(f"hidden_act {act!r} is not supported; the SwiGLU MLP of megatrain uses silu")
-    if c.get("mlp_bias"):
-        raise SpecError("mlp_bias=true is not supported (no Llama/Qwen2 checkpoint uses it)")
-    if model_type == "llama" and c.get("attention_bias"):
-        raise SpecError("attention_bias=true on a llama config is not supported; Qwen2 configs get q/k/v biases")
-    heads = int(c["num_attention_heads"])
-    # transformers 5.x nests rope_theta and the scaling in rope_parameters; 4.x has rope_theta top-level and
-    # rope_scaling (with "type" in old files, "rope_type" in newer ones).
-    rope_params = c.get("rope_parameters") or {}
-    rope_theta = float(rope_params.get("rope_theta", c["rope_theta"]))
-    scaling = dict(rope_params or c.get("rope_scaling") or {})
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
-    known = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise SpecError(
-            f"rope_type {rope_type!r} in config.json is not supported; megatrain implements "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    rope = RopeScaling(rope_type=rope_type, **{k: v for k, v in scaling.items() if k in known})
-    dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
-    if dtype not in DTYPE_BYTES:
-        raise SpecError(f"dtype {dtype!r} in config.json is not one of {', '.join(DTYPE_BYTES)}")
-    return ModelSpec(
-        name=name,
-        model_type=model_type,
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        rms_norm_eps=float(c["rms_norm_eps"]),
-        rope_theta=rope_theta,
-        rope_scaling=rope,
-        max_position_embeddings=int(c["max_position_embeddings"]),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        dtype=dtype,
-    )
+    try:
+        family = family_of(cfg.get("model_type"))
+    except SpecError as e:
+        raise SpecError(f"config.json: {e}") from None
+    return ModelSpec(name=name, **family.from_hf_config(cfg))
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:

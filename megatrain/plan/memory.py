@@ -42,42 +42,23 @@ RUNTIME_OVERHEAD_BYTES = {"cuda": int(1.5 * GiB), "cpu": int(0.5 * GiB)}
 
 
 def layer_working_set(p: Placement) -> dict[str, int]:
-    """GPU bytes of one layer's BACKWARD task (recompute from its checkpoint + local backward), at the moments that
-    can be the peak, beyond the buffers, the checkpoints and the RoPE tables. Per micro-batch of n tokens, a = bytes
-    of the compute dtype, what the recompute saves for the backward (eager layer, `exec.layers`):
-
-    - each RMSNorm: an fp32 copy of its input (4d per token; none in fp32, where the input itself is kept), the
-      normalized value and the scaled output (a*d each);
-    - SDPA (flash on CUDA): the rotated q and k, v and its output (a*(2q + 2kv)), fp32 logsumexp (4 per head);
-      RoPE's products save only the tables, not q and k;
-    - the MLP untiled: gate, silu(gate), up and their product (4a*ffn); tiled: only its input h (a*d);
-    - around the call: the layer's output (alive until autograd.grad returns) and the incoming gradient (a*d each).
-
-    Moments: "mlp" = the MLP's backward (untiled: at the product's backward, the gradients of the product, silu and
-    up exist while the product is released: 6a*ffn; tiled: the full-length gradient of h plus one tile recomputed
-    and differentiated); "attention" = the flash backward after the MLP's saved tensors are released: the
-    accumulated gradient of h and of the attention output (a*d, a*q), the kernel's fp32 dq accumulator (4q) and
-    softmax sums (4 per head), dq, dk, dv, and with grouped KV heads dk and dv expanded to every query head
-    (2a*q). Each adds the layer's weights cast to the compute dtype (when the weight wire differs) and the weight
-    gradients autograd returns (a per parameter), and the tiled MLP its fp32 weight-gradient sums.
-    """
+    """GPU bytes of one layer's BACKWARD task (recompute from its checkpoint + local backward) at each moment that
+    can be the peak ("mlp", "attention" for the Llama shapes), beyond the buffers, the checkpoints and the RoPE
+    tables: the family's model (`Family.layer_working_set`, e.g. `model/llama/shape.py`), taken for the largest
+    layer of each kind, each moment the largest over the kinds."""
     spec, a, n = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
-    d, f, q, kv, nh = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim, spec.num_heads
-    upcast = 4 * d if a < 4 else 0
-    norm = upcast + 2 * a * d  # per token, saved by one RMSNorm and the projections after it
-    attn = a * (2 * q + 2 * kv) + 4 * nh
-    around = 2 * a * d  # the layer output and the gradient coming in
-    weights = spec.layer_params * (a + (a if p.weight_wire != p.compute_dtype else 0))
-    if p.mlp_tile_tokens:
-        t = p.mlp_tile_tokens
-        tile = t * (norm + 2 * a * d + 6 * a * f)  # the tile's norm, output and gradient, MLP at its product's backward
-        mlp = n * (norm + attn + around + 2 * a * d) + tile + 4 * (3 * d * f + d)  # + h, its gradient; fp32 sums
-    else:
-        mlp = n * (2 * norm + attn + around + 6 * a * f)
-    gqa_expand = 2 * a * q if spec.num_kv_heads != spec.num_heads else 0
-    flash = 4 * q + 4 * nh + gqa_expand + a * (q + 2 * kv)
-    attention = n * (norm + attn + around + a * d + a * q + flash)
-    return {"mlp": mlp + weights, "attention": attention + weights}
+    largest: dict[str, int] = {}  # kind -> its largest layer
+    for layer in range(spec.num_layers):
+        kind = spec.unit_kind(layer)
+        if kind not in largest or spec.unit_params(layer) > spec.unit_params(largest[kind]):
+            largest[kind] = layer
+    out: dict[str, int] = {}
+    for layer in largest.values():
+        moments = spec.family.layer_working_set(spec, layer, a, n, p.weight_wire != p.compute_dtype,
+                                                p.mlp_tile_tokens)
+        for moment, nbytes in moments.items():
+            out[moment] = max(out.get(moment, 0), nbytes)
+    return out
 
 
 def head_working_set(p: Placement) -> int:

@@ -1,10 +1,10 @@
 """Compute times of one unit (a decoder layer, the embedding, the head) of a model shape, by tokens per task.
 
-The bodies are the executor's task bodies (exec/compute.py `LayerCompute.forward / recompute / backward`) on
-slot-like buffers: the unit's weights in the weight-wire dtype as ONE flat device buffer with HF-named views
-(`UnitLayout.views`), cast once per task when the wire dtype differs from the compute dtype, an fp32 gradient area
-that the first micro-batch zeroes, random weights (N(0, 0.02) matrices, unit norms) and random activations. The
-results become the profile's `compute_tables`:
+The bodies are the executor's task bodies (exec/compute.py `LayerCompute.forward / recompute / backward`) on slot-like
+buffers: the unit's weights in the weight-wire dtype as ONE flat device buffer, bound by the executor's own
+`exec.compute.bind_weights` (HF-named views, cast once per task when the wire dtype differs from the compute dtype),
+an fp32 gradient area that the first micro-batch zeroes, random weights (the family's init rule, std 0.02) and
+random activations. The results become the profile's `compute_tables`:
 
     F  layer forward / embedding gather / FH: head forward + loss + backward, fused and chunked
     R  layer recompute (the forward again, from the checkpoint)
@@ -17,8 +17,10 @@ from collections.abc import Callable
 import torch
 
 from megatrain.exec.backend import Backend
+from megatrain.exec.compute import bind_weights
 from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
 from megatrain.exec.layers import layer_functions
+from megatrain.model.init import init_tensor
 from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import TORCH_DTYPES
@@ -44,30 +46,18 @@ class UnitSlot:
         master = torch.empty(n, dtype=torch.float32, device=backend.device)  # initialized where it lives
         gen = torch.Generator(device=backend.device).manual_seed(seed)
         for name, view in self.layout.views(master).items():
-            if view.dim() == 2:
-                view.normal_(0.0, 0.02, generator=gen)
-            else:
-                view.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            init_tensor(spec, name, view, gen, 0.02)
         self.w = backend.empty(n * self.wire.itemsize).view(self.wire)  # (numel,) as PREFETCH leaves it
         self.w.copy_(master)
         del master
         self.g = backend.empty(4 * n).view(torch.float32)  # (numel,) fp32 gradient area
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """As `LayerCompute.weights` (exec/compute.py): views of the slot, cast once when the wire dtype is not the
-        compute dtype (the embedding casts only the rows it gathers, the head casts lm_head itself and its norm
-        here)."""
-        flat = self.w
-        if flat.dtype == self.compute or self.unit == EMBED:
-            return self.layout.views(flat)
-        if self.unit == HEAD:
-            w = self.layout.views(flat)
-            w["norm.weight"] = w["norm.weight"].to(self.compute)
-            return w
-        return self.layout.views(flat.to(self.compute))
+        """The slot's weights bound as a task binds them (`exec.compute.bind_weights`)."""
+        return bind_weights(self.layout, self.w, self.compute)
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """As `LayerCompute.grads` (exec/compute.py) for micro-batch 0: the gradient area zeroed, then its views."""
+        """As `LayerCompute.grads` for micro-batch 0: the gradient area zeroed, then its views."""
         self.g.zero_()
         return self.layout.views(self.g)
 

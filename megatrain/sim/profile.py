@@ -85,9 +85,7 @@ def model_signature(spec: ModelSpec) -> str:
 
     Two models that share it have the same per-layer (and embedding / head) compute times.
     """
-    bias = "-qkvbias" if spec.qkv_bias else ""
-    return (f"{spec.model_type}-d{spec.hidden_size}-f{spec.intermediate_size}-h{spec.num_heads}x{spec.head_dim}"
-            f"-kv{spec.num_kv_heads}-v{spec.vocab_size}{bias}")
+    return spec.family.signature(spec)
 
 
 def _interp(xs, ys, x: float) -> float:
