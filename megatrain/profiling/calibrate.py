@@ -1,6 +1,7 @@
 """`measure_profile`: measure this machine with the executor's own code and build a HardwareProfile from it.
 
-    from megatrain.profiling import ProfileRequest, measure_profile
+    from megatrain.ir.streams import ONE_GPU_STREAMS
+from megatrain.profiling import ProfileRequest, measure_profile
     cal = measure_profile(ProfileRequest(PRESETS["bench-3b"], batch=8, seqs=[2048], device="cuda"))
     cal.save("h200-measured.json")          # + h200-measured.measurements.json (every timing, for docs)
     simulate(program, cal.profile)
@@ -45,7 +46,7 @@ from megatrain.profiling.bench import Progress, Worker, _fmt_s, median
 from megatrain.profiling.machine import this_machine
 from megatrain.profiling.overhead import cpu_update_samples, measure_runtime_gaps
 
-STREAMS = ("h2d", "compute", "d2h", "cpu")
+STREAMS = ONE_GPU_STREAMS  # a profile is measured on one GPU: no comm stream (ir/streams.py)
 LONG_PROFILE_S = 600.0  # an estimate above this suggests --quick
 
 
