@@ -1,7 +1,6 @@
 """`measure_profile`: measure this machine with the executor's own code and build a HardwareProfile from it.
 
-    from megatrain.ir.streams import ONE_GPU_STREAMS
-from megatrain.profiling import ProfileRequest, measure_profile
+    from megatrain.profiling import ProfileRequest, measure_profile
     cal = measure_profile(ProfileRequest(PRESETS["bench-3b"], batch=8, seqs=[2048], device="cuda"))
     cal.save("h200-measured.json")          # + h200-measured.measurements.json (every timing, for docs)
     simulate(program, cal.profile)
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megatrain.exec.backend import get_backend
+from megatrain.ir.streams import ONE_GPU_STREAMS
 from megatrain.model.layout import unit_layout
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
 from megatrain.sim.profile import HardwareProfile
