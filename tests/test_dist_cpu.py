@@ -160,14 +160,21 @@ def test_torchrun_train_equals_one_process_accumulating_the_same_batches(tmp_pat
     assert len(dp) == 3 and max(errs) <= LOSS_TOL, (dp, one)
 
 
-def test_the_planner_predicts_each_ranks_host_store():
-    """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate."""
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_the_planner_predicts_each_ranks_host_store(state_dtype):
+    """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate (the store a
+    two-rank run builds: `ShardedHostStore` of the Program's host layout, per rank). bf16 moments are sliced per rank
+    as fp32 ones are (bug B1: the plan kept every rank's whole bf16 m and v)."""
     from megatrain.parallel.shard import ShardedHostStore
     from megatrain.compile.collectives import for_world, rank_host_plan
     from megatrain.compile.knobs import knobs_for
     from megatrain.compile.resolve import resolve
 
-    spec, knobs = dist_worker.SPEC, knobs_for("arrival", clip=0.0, grad_wire="bf16")
+    from megatrain.model.spec import ModelSpec
+
+    # ~13M parameters: large enough that the page alignment of each tile (4 KiB) is far below 1% of the store
+    spec = ModelSpec("dp-store", "llama", 4096, 512, 1536, 3, 8, 2, 64)
+    knobs = knobs_for("arrival", clip=0.0, grad_wire="bf16", state_dtype=state_dtype)
     p = for_world(resolve(spec, 2, 16, knobs), 2)
     plan = rank_host_plan(p, backend="cpu")
     one = rank_host_plan(resolve(spec, 2, 16, knobs), backend="cpu")
@@ -175,8 +182,24 @@ def test_the_planner_predicts_each_ranks_host_store():
         store = ShardedHostStore(spec, p.host_layout, World(rank=rank, size=2))
         got = store.bytes_by_component()
         assert {k: v for k, v in plan.components.items() if k in got} == got
+        planned = sum(v for k, v in plan.components.items() if k in got)
+        assert abs(planned - store.allocated_bytes()) <= 0.01 * store.allocated_bytes()
         assert sum(store.master(u).numel() for u in store.units) * 2 >= spec.num_params
     assert plan.store_bytes < 0.6 * one.store_bytes  # half the model per rank, plus page padding
+
+
+def test_a_two_rank_train_with_the_simulator_on_writes_its_calibrated_profile(tmp_path):
+    """Two ranks, `run.simulate` left on (the default) and enough steps for the live calibration (2 warm-up + 2):
+    both exit 0 and rank 0 writes `profile_calibrated.json` (bug B2: the calibration averaged the comm stream's
+    gaps, which the profile's stale stream list refused, and every rank exited 1 after its last checkpoint)."""
+    runs = tmp_path / "runs"
+    common = [f"run.out_dir={runs}", "run.name=dp", "run.steps=4", "run.eval_every=0", "run.checkpoint_every=0",
+              "run.checkpoint_at_end=false", "run.progress=false", "run.wait_timeout_s=60", "data.batch_size=2",
+              "data.seq_len=32", "schedule.name=arrival"]
+    done = launch(tmp_path, *common, worker="dist_train_worker.py", timeout=240)
+    for rank, r in enumerate(done):
+        assert r.returncode == 0 and f"RESULT rank={rank} steps=4" in r.stdout, r.stderr[-3000:]
+    assert (runs / "dp" / "profile_calibrated.json").is_file()
 
 
 def test_the_simulator_runs_a_ranks_program_with_its_share_of_the_host():

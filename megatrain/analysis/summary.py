@@ -4,10 +4,12 @@
 - GPU compute busy / idle share, PCIe busy share and average GB/s each way, CPU busy share;
 - GPU wait time by cause: every idle stretch of the compute stream is walked back along the chain of tasks that
   held it up (each task's *binding* dependency is whichever of its stream predecessor and its waits finished
-  last), and each piece of the stretch is charged to the task running on that chain at the time:
-      weights   = PREFETCH / ACT_PREFETCH / ACT_OFFLOAD (P, Y, X)
-      optimizer = OPTIMIZER / CLIP_NORM (U, N)
-      gradients = OFFLOAD / STATE_PREFETCH / STATE_OFFLOAD (O, S, W)
+  last), and each piece of the stretch is charged to the wait cause of the task running on that chain at the time
+  (each TaskKind names its own, ir/tasks.py):
+      weights     = PREFETCH / ACT_PREFETCH / ACT_OFFLOAD (P, Y, X)
+      optimizer   = OPTIMIZER / CLIP_NORM / CLIP_REDO (U, N, V)
+      gradients   = OFFLOAD / STATE_PREFETCH / STATE_OFFLOAD (O, S, W)
+      collectives = ALL_GATHER / REDUCE_SCATTER (G, Z)
   except that a copy held back by a CPU task that finished inside the same stretch is charged to that task (it
   would have been hidden otherwise), so a CPU optimizer slower than the forward it overlaps shows up as GPU time
   waiting on "optimizer", copies included;
@@ -20,11 +22,12 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from megatrain.ir.program import STREAMS, Program
+from megatrain.ir.program import Program
+from megatrain.ir.streams import COPY_STREAMS, HOST_STREAMS, STREAMS
+from megatrain.ir.tasks import WAIT_CAUSES, TaskKind
 
-CAUSE_OF_KIND = {"P": "weights", "Y": "weights", "X": "weights", "U": "optimizer", "N": "optimizer",
-                 "O": "gradients", "S": "gradients", "W": "gradients"}
-WAIT_CAUSES = ("weights", "optimizer", "gradients", "other")
+# Derived from TaskKind, keyed by the letter a Timeline carries.
+CAUSE_OF_KIND = {k.value: k.cause for k in TaskKind}
 _EPS = 1e-12
 
 
@@ -144,9 +147,9 @@ class _StepIndex:
         out = []
         for tid, lo, hi in reversed(segments):
             cause = CAUSE_OF_KIND.get(self.kind.get(tid), "other")
-            if out and self.stream.get(tid) in ("h2d", "d2h"):
+            if out and self.stream.get(tid) in COPY_STREAMS:
                 prev_tid, prev_cause = out[-1][2], out[-1][3]
-                if prev_tid is not None and self.stream[prev_tid] == "cpu":
+                if prev_tid is not None and self.stream[prev_tid] in HOST_STREAMS:
                     cause = prev_cause
             out.append((lo, hi, tid, cause))
         return out

@@ -14,20 +14,16 @@ from typing import Mapping, Sequence, Union
 
 import pandas as pd
 
-from megatrain.ir.program import STREAMS, Program
+from megatrain.ir.program import Program
+from megatrain.ir.streams import STREAMS
+from megatrain.ir.tasks import TaskKind
 from megatrain.analysis.summary import gpu_memory_curve
 
 Timelines = Union[pd.DataFrame, Sequence[pd.DataFrame], Mapping[str, pd.DataFrame]]
 
-KIND_COLORS = {
-    "P": "#4c78a8", "S": "#9ecae9", "Y": "#72b7b2",  # host -> GPU
-    "F": "#54a24b", "R": "#a1d99b", "B": "#2e7d32",  # GPU compute
-    "O": "#f58518", "W": "#eeca3b", "X": "#b279a2",  # GPU -> host
-    "U": "#7b4fa3", "N": "#9d9d9d",  # host CPU
-}
-KIND_NAMES = {"P": "prefetch weights", "S": "prefetch optimizer state", "Y": "prefetch activations",
-              "F": "forward", "R": "recompute", "B": "backward", "O": "offload gradients",
-              "W": "offload optimizer state", "X": "offload activations", "U": "optimizer", "N": "global norm"}
+# Derived from TaskKind (ir/tasks.py), keyed by the letter a Timeline carries.
+KIND_COLORS = {k.value: k.colour for k in TaskKind}
+KIND_NAMES = {k.value: k.label for k in TaskKind}
 IDLE_COLOR = "#e45756"
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 import networkx as nx
 
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.placement import Placement, UpdateSite, gpu_buffers
+from megatrain.ir.placement import Placement, UpdateSite, gpu_buffers, sliced_component_names
 from megatrain.compile.stepgraph import StepGraph
 from megatrain.ir.placement import padded_numel, shard_numel  # noqa: F401  (re-exported)
 from megatrain.ir.tasks import COMPUTE_KINDS, G, Task, TaskKind, Z
@@ -160,8 +160,7 @@ def rank_host_plan(p: Placement, backend: str = "cuda"):
     spec = p.model
     full = sum(spec.unit_params(u) for u in spec.units())  # untied: the store's tiles are the units
     mine = sum(shard_numel(spec.unit_params(u), p.world) for u in spec.units())
-    sliced = {"fp32 master", "adam m (fp32)", "adam v (fp32)", "bf16 streaming copy",
-              f"gradients ({p.grad_wire})"}
+    sliced = sliced_component_names(p.host_layout)  # each rank's store holds its slice of these
     components = {k: (v * mine // full if k in sliced else v) for k, v in plan.components.items()}
     pinned = plan.pinned_bytes * mine // full if plan.pinned_bytes else 0
     return type(plan)(components, pinned, plan.num_params)

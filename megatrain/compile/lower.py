@@ -7,20 +7,18 @@ import networkx as nx
 
 from megatrain.compile.collectives import gathers_before_reductions
 from megatrain.ir.dag import Schedule, ScheduleError
-from megatrain.ir.program import _STREAM_OF_KIND, COPY_DIRECTION, OPTIONAL_STREAMS, STREAMS, Program, ProgramTask
-from megatrain.ir.tasks import Task, TaskKind
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.ir.streams import COPY_STREAMS, OPTIONAL_STREAMS, STREAMS
+from megatrain.ir.tasks import Task
 from megatrain.plan.memory import plan_gpu_memory
 
 
 def stream_of(schedule: Schedule, task: Task) -> str:
     """The stream a task runs on: by kind (an update: by its device), or the copy stream the schedule names."""
     attrs = schedule.attrs(task)
-    if task.kind in (TaskKind.OPTIMIZER, TaskKind.CLIP_REDO):
-        default = "compute" if attrs.get("device") == "gpu" else "cpu"
-    else:
-        default = _STREAM_OF_KIND[task.kind]
+    default = task.kind.stream_on(attrs.get("device"))
     chosen = attrs.get("stream", default)
-    if chosen != default and not (task.kind in COPY_DIRECTION and chosen in ("h2d", "d2h")):
+    if chosen != default and not (task.kind.copy and chosen in COPY_STREAMS):
         raise ScheduleError(f"{task.id} is set to run on stream {chosen!r}; a {task.kind.name} runs on {default!r}"
                             " (only copies move, between the h2d and d2h streams)")
     return chosen

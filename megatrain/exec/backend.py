@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-HOST_STREAMS = ("cpu",)
+from megatrain.ir.streams import DEVICE_STREAMS, HOST_STREAMS
 
 
 class ExecError(RuntimeError):
@@ -160,7 +160,7 @@ class CudaBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(self.device):
             # One stream per Program stream; torch creates them non-blocking w.r.t. the legacy default stream.
-            self._streams = {n: torch.cuda.Stream(self.device) for n in ("h2d", "compute", "d2h", "comm")}
+            self._streams = {n: torch.cuda.Stream(self.device) for n in DEVICE_STREAMS}
         self._registered: list[int] = []
 
     def stream(self, name: str):

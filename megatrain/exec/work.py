@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
+from megatrain.ir.tasks import TaskKind
 from megatrain.exec.activations import Activations
 from megatrain.exec.backend import Backend
 from megatrain.exec.buffers import DeviceBuffers
@@ -24,14 +25,32 @@ from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import HostStore
 from megatrain.exec.updates import Updates
 
+Body = Callable[[ProgramTask], None]
+
+# The body of each task kind on one GPU: kind -> how a StepWork finds it. Registered below, next to the bodies'
+# owners; tests/test_vocabulary.py checks that every TaskKind has one here or from a parallel strategy.
+BODIES: dict[TaskKind, Callable[[StepWork], Body]] = {}
+
+
+def register_body(kind: TaskKind, find: Callable[[StepWork], Body]) -> None:
+    """Register how a StepWork finds the body of `kind` (one per kind)."""
+    if kind in BODIES:
+        raise ValueError(f"task kind {kind.name} has a body already")
+    BODIES[kind] = find
+
+
 # A parallel strategy (megatrain/parallel/) builds on exec/ and registers the bodies it replaces here: exec never
 # imports it. factory(step_work, world) -> {task kind: body}; `world` is the strategy's own process-group object.
-PARALLEL_HANDLERS: dict[str, Callable[..., dict[str, Callable[[ProgramTask], None]]]] = {}
+PARALLEL_HANDLERS: dict[str, Callable[..., dict[str, Body]]] = {}
+PARALLEL_KINDS: dict[str, frozenset[TaskKind]] = {}  # the kinds each strategy's factory gives bodies for
 
 
-def register_parallel_handlers(strategy: str, factory: Callable[..., dict[str, Callable[[ProgramTask], None]]]):
-    """Register the task bodies a data-parallel strategy substitutes (called by the strategy's module)."""
+def register_parallel_handlers(strategy: str, factory: Callable[..., dict[str, Body]], kinds=None):
+    """Register the task bodies a data-parallel strategy substitutes (called by the strategy's module); `kinds`:
+    the task kinds (or their letters) its factory returns bodies for."""
     PARALLEL_HANDLERS[strategy] = factory
+    if kinds is not None:
+        PARALLEL_KINDS[strategy] = frozenset(TaskKind(k) for k in kinds)
 
 
 class StepWork:
@@ -49,10 +68,8 @@ class StepWork:
         self.acts = Activations(program, backend)
         self.compute = LayerCompute(program, store, self.buffers, self.acts)
         self.updates = Updates(program, store, self.buffers, backend, cfg)
-        c, u, a = self.compute, self.updates, self.acts
-        self.handlers = {"P": self.prefetch, "F": c.forward, "R": c.recompute, "B": c.backward, "O": u.offload,
-                         "N": u.clip_norm, "U": u.update, "V": u.clip_redo, "S": u.state_prefetch, "W": u.state_offload,
-                         "X": a.act_offload, "Y": a.act_prefetch}
+        # keyed by the letter: a ProgramTask's kind is the plain str (a str Enum hashes by its name)
+        self.handlers: dict[str, Body] = {k.value: find(self) for k, find in BODIES.items()}
         if program.placement.world > 1:  # data parallel: the strategy's bodies (registered by megatrain/parallel/)
             strategy = "sharded"
             if strategy not in PARALLEL_HANDLERS:
@@ -61,7 +78,12 @@ class StepWork:
             if world is None or world.size != program.placement.world:
                 raise ValueError(f"the Program runs data parallel over {program.placement.world} ranks; pass the "
                                  "World of this process (megatrain.parallel.world.World.from_env)")
-            self.handlers.update(PARALLEL_HANDLERS[strategy](self, world))
+            self.handlers.update({TaskKind(k).value: body
+                                  for k, body in PARALLEL_HANDLERS[strategy](self, world).items()})
+        missing = sorted({t.kind for t in program.tasks.values()} - set(self.handlers))
+        if missing:
+            raise ValueError(f"the Program has task kinds {missing} that no body is registered for (exec/work.py "
+                             "register_body, or a parallel strategy's register_parallel_handlers)")
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_valid = 0
 
@@ -117,3 +139,19 @@ class StepWork:
 
     def flush_update(self, plan: UpdatePlan) -> None:
         self.updates.flush_update(plan)
+
+
+# ---- the one-GPU body of each kind -------------------------------------------------------------------------------
+register_body(TaskKind.PREFETCH, lambda w: w.prefetch)
+register_body(TaskKind.FORWARD, lambda w: w.compute.forward)
+register_body(TaskKind.RECOMPUTE, lambda w: w.compute.recompute)
+register_body(TaskKind.BACKWARD, lambda w: w.compute.backward)
+register_body(TaskKind.OFFLOAD, lambda w: w.updates.offload)
+register_body(TaskKind.CLIP_NORM, lambda w: w.updates.clip_norm)
+register_body(TaskKind.OPTIMIZER, lambda w: w.updates.update)
+register_body(TaskKind.CLIP_REDO, lambda w: w.updates.clip_redo)
+register_body(TaskKind.STATE_PREFETCH, lambda w: w.updates.state_prefetch)
+register_body(TaskKind.STATE_OFFLOAD, lambda w: w.updates.state_offload)
+register_body(TaskKind.ACT_OFFLOAD, lambda w: w.acts.act_offload)
+register_body(TaskKind.ACT_PREFETCH, lambda w: w.acts.act_prefetch)
+# ALL_GATHER and REDUCE_SCATTER exist only in data-parallel Programs: the parallel strategy registers them.

@@ -114,13 +114,57 @@ class HostLayout:
     state_tier: str = "host"  # "nvme-moments" | "nvme-all": planned and simulated only
 
 
+@dataclass(frozen=True)
+class HostComponent:
+    """One component of the host store: its key (as the store and the planner index it), the name it is reported
+    by, with `{dtype}` (and `{tiles}`) filled in from the layout, the dtype rule (a dtype word, or the HostLayout
+    field that holds it), and whether a data-parallel rank holds only its slice (megatrain/parallel/shard.py)."""
+
+    key: str
+    name_format: str
+    dtype: str  # "fp32" | "bf16" | a HostLayout field: "state_dtype", "grad_wire"
+    sliced: bool
+
+    def dtype_of(self, layout: HostLayout) -> str:
+        return getattr(layout, self.dtype) if hasattr(layout, self.dtype) else self.dtype
+
+    def name(self, layout: HostLayout) -> str:
+        return self.name_format.format(dtype=self.dtype_of(layout), tiles=layout.grad_ring)
+
+
+# The host store's components, defined once: the store (`exec.store.HostStore`) allocates them, the planner
+# (`plan.memory.plan_host_memory`) sizes them and `compile.collectives.rank_host_plan` slices the `sliced` ones.
+HOST_COMPONENTS = (
+    HostComponent("master", "{dtype} master", "fp32", sliced=True),
+    HostComponent("m", "adam m ({dtype})", "state_dtype", sliced=True),
+    HostComponent("v", "adam v ({dtype})", "state_dtype", sliced=True),
+    HostComponent("stream", "{dtype} streaming copy", "bf16", sliced=True),
+    HostComponent("grads", "gradients ({dtype})", "grad_wire", sliced=True),  # a landing tile per unit
+    # a ring of K tiles instead, each sized for the largest unit, whole on every rank
+    HostComponent("grad_ring", "gradient ring ({tiles} tiles, {dtype})", "grad_wire", sliced=False),
+    HostComponent("grad_scratch", "{dtype} gradient scratch", "fp32", sliced=False),
+    HostComponent("state_scratch", "{dtype} m/v scratch", "fp32", sliced=False),
+)
+_COMPONENT = {c.key: c for c in HOST_COMPONENTS}
+
+
+def host_components(layout: HostLayout) -> dict[str, HostComponent]:
+    """The components of a layout's store by key; "grads" is the gradient ring's when the layout has one."""
+    out = {c.key: c for c in HOST_COMPONENTS if c.key != "grad_ring"}
+    if layout.grad_ring:
+        out["grads"] = _COMPONENT["grad_ring"]
+    return out
+
+
 def host_component_names(layout: HostLayout) -> dict[str, str]:
     """The names of the host store's components, as the store (`exec.store.HostStore.bytes_by_component`) and the
-    planner (`ir.memory.plan_host_memory`) both report them."""
-    ring = f"gradient ring ({layout.grad_ring} tiles, {layout.grad_wire})"
-    return {"master": "fp32 master", "m": f"adam m ({layout.state_dtype})", "v": f"adam v ({layout.state_dtype})",
-            "stream": "bf16 streaming copy", "grads": ring if layout.grad_ring else f"gradients ({layout.grad_wire})",
-            "grad_scratch": "fp32 gradient scratch", "state_scratch": "fp32 m/v scratch"}
+    planner (`plan.memory.plan_host_memory`) both report them."""
+    return {k: c.name(layout) for k, c in host_components(layout).items()}
+
+
+def sliced_component_names(layout: HostLayout) -> set[str]:
+    """Names of the components a data-parallel rank holds only its slice of."""
+    return {c.name(layout) for c in host_components(layout).values() if c.sliced}
 
 
 # Gradients that land in bf16 are converted to fp32 for the update this many elements at a time, in one reused

@@ -5,8 +5,9 @@
 for, and the GPU memory the run needs. It copies the schedule's Placement (what lives where, the typed buffer table,
 wires, kernel, clipping) into the Program, so interpreters follow the Program and read nothing upstream of it.
 
-Streams: "h2d" (host -> GPU copies), "compute" (GPU kernels), "d2h" (GPU -> host copies), "cpu" (host threads),
-"comm" (collectives between data-parallel ranks; a Program has it only with world > 1).
+Streams (defined in ir/streams.py): "h2d" (host -> GPU copies), "compute" (GPU kernels), "d2h" (GPU -> host
+copies), "cpu" (host threads), "comm" (collectives between data-parallel ranks; a Program has it only with world > 1).
+Each task kind's stream is part of its definition (ir/tasks.py, TaskKind.stream).
 """
 from __future__ import annotations
 
@@ -16,26 +17,10 @@ from dataclasses import asdict, dataclass, field
 from megatrain.model.spec import ModelSpec
 from megatrain.ir.dag import Schedule, ScheduleError
 from megatrain.ir.placement import Placement
-from megatrain.ir.tasks import Task, TaskKind
+from megatrain.ir.streams import OPTIONAL_STREAMS, STREAMS  # noqa: F401  (re-exported: defined in ir/streams.py)
+from megatrain.ir.tasks import Task
 
-STREAMS = ("h2d", "compute", "d2h", "cpu", "comm")
-OPTIONAL_STREAMS = ("comm",)  # left out of a Program (its queues, listing and JSON) when empty
 FORMAT = "megatrain.program/2"
-
-_STREAM_OF_KIND = {
-    TaskKind.PREFETCH: "h2d",
-    TaskKind.STATE_PREFETCH: "h2d",
-    TaskKind.ACT_PREFETCH: "h2d",
-    TaskKind.FORWARD: "compute",
-    TaskKind.RECOMPUTE: "compute",
-    TaskKind.BACKWARD: "compute",
-    TaskKind.OFFLOAD: "d2h",
-    TaskKind.STATE_OFFLOAD: "d2h",
-    TaskKind.ACT_OFFLOAD: "d2h",
-    TaskKind.CLIP_NORM: "cpu",
-    TaskKind.ALL_GATHER: "comm",
-    TaskKind.REDUCE_SCATTER: "comm",
-}
 
 
 @dataclass(frozen=True)
@@ -175,8 +160,3 @@ class Program:
     def from_json(cls, text: str) -> Program:
         return cls.from_dict(json.loads(text))
 
-
-# Copies move bytes one way whatever queue they wait in; a schedule may put one on the other copy stream
-# (megatrain/compile/edit.py: move_to_stream), nothing else moves.
-COPY_DIRECTION = {TaskKind.PREFETCH: "h2d", TaskKind.STATE_PREFETCH: "h2d", TaskKind.ACT_PREFETCH: "h2d",
-                  TaskKind.OFFLOAD: "d2h", TaskKind.STATE_OFFLOAD: "d2h", TaskKind.ACT_OFFLOAD: "d2h"}

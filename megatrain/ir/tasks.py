@@ -28,24 +28,96 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from megatrain.ir.streams import COPY_STREAMS, STREAMS
 from megatrain.model.spec import EMBED, HEAD
 
 
+class Collective(str, Enum):
+    """A collective operation between data-parallel ranks, as profiles key their `collectives` tables ("G", "Z",
+    "A"). `bus_factor`: nccl-tests' busbw / algbw is bus_factor x (n-1)/n. `dtype`: what it moves, a dtype word or
+    the Placement field that holds one. The all-reduce is no task of its own: it rides after each reduce-scatter
+    (the unit's squared norm), so it is priced and measured but never scheduled."""
+
+    ALL_GATHER = ("G", "all-gather", 1.0, "weight_wire")
+    REDUCE_SCATTER = ("Z", "reduce-scatter", 1.0, "fp32")
+    ALL_REDUCE = ("A", "all-reduce", 2.0, "fp32")
+
+    def __new__(cls, letter: str, label: str, bus_factor: float, dtype: str):
+        obj = str.__new__(cls, letter)
+        obj._value_ = letter
+        obj.label, obj.bus_factor, obj.dtype = label, bus_factor, dtype
+        return obj
+
+
+BY_DEVICE = "by device"  # a kind whose stream is its task's device's: "compute" on the GPU, "cpu" on the host
+# What GPU idle time is charged to (analysis/summary.py): each kind names one; "other" also takes what no task held.
+WAIT_CAUSES = ("weights", "optimizer", "gradients", "collectives", "other")
+
+
 class TaskKind(str, Enum):
-    PREFETCH = "P"
-    FORWARD = "F"
-    RECOMPUTE = "R"
-    BACKWARD = "B"
-    OFFLOAD = "O"
-    CLIP_NORM = "N"
-    OPTIMIZER = "U"
-    CLIP_REDO = "V"
-    STATE_PREFETCH = "S"
-    STATE_OFFLOAD = "W"
-    ACT_OFFLOAD = "X"
-    ACT_PREFETCH = "Y"
-    ALL_GATHER = "G"
-    REDUCE_SCATTER = "Z"
+    """A kind of task, with everything that belongs to it: the letter of its ids, its stream (ir/streams.py, or
+    BY_DEVICE), the direction its bytes go when it is a copy, the wait cause GPU idle time spent waiting on it is
+    charged to (analysis/summary.py), its label and colour (traces, Gantt charts, reports), and the collective it
+    runs (data parallel). Every other table of kinds derives from these; tests/test_vocabulary.py checks that the
+    interpreters register a body (exec) and a cost (sim) for each.
+
+    Compute kinds run on the stream whose idle time is explained, so no idle stretch is charged to one ("other")."""
+
+    #                 letter stream     copy   wait cause     label                       colour
+    PREFETCH = ("P", "h2d", "h2d", "weights", "prefetch weights", "#4c78a8")
+    FORWARD = ("F", "compute", None, "other", "forward", "#54a24b")
+    RECOMPUTE = ("R", "compute", None, "other", "recompute", "#a1d99b")
+    BACKWARD = ("B", "compute", None, "other", "backward", "#2e7d32")
+    OFFLOAD = ("O", "d2h", "d2h", "gradients", "offload gradients", "#f58518")
+    CLIP_NORM = ("N", "cpu", None, "optimizer", "global norm", "#9d9d9d")
+    OPTIMIZER = ("U", BY_DEVICE, None, "optimizer", "optimizer update", "#7b4fa3")
+    CLIP_REDO = ("V", BY_DEVICE, None, "optimizer", "clip redo", "#c5b0d5")
+    STATE_PREFETCH = ("S", "h2d", "h2d", "gradients", "prefetch optimizer state", "#9ecae9")
+    STATE_OFFLOAD = ("W", "d2h", "d2h", "gradients", "offload optimizer state", "#eeca3b")
+    ACT_OFFLOAD = ("X", "d2h", "d2h", "weights", "offload activations", "#b279a2")
+    ACT_PREFETCH = ("Y", "h2d", "h2d", "weights", "prefetch activations", "#72b7b2")
+    ALL_GATHER = ("G", "comm", None, "collectives", "all-gather weights", "#17becf", Collective.ALL_GATHER)
+    REDUCE_SCATTER = ("Z", "comm", None, "collectives", "reduce-scatter gradients", "#bcbd22",
+                      Collective.REDUCE_SCATTER)
+
+    def __new__(cls, letter: str, stream: str, copy: str | None, cause: str, label: str, colour: str,
+                collective: Collective | None = None):
+        obj = str.__new__(cls, letter)
+        obj._value_ = letter
+        obj.stream, obj.copy, obj.cause, obj.label, obj.colour = stream, copy, cause, label, colour
+        obj.collective = collective
+        return obj
+
+    def stream_on(self, device: str | None) -> str:
+        """The stream of a task of this kind: its own, or (BY_DEVICE) "compute" for device "gpu", else "cpu"."""
+        if self.stream == BY_DEVICE:
+            return "compute" if device == "gpu" else "cpu"
+        return self.stream
+
+
+def _check_kinds() -> None:
+    """Every kind's stream, copy direction and wait cause are words of their vocabularies (at import: a typo in
+    the table above fails every run at once)."""
+    for k in TaskKind:
+        if k.stream != BY_DEVICE and k.stream not in STREAMS:
+            raise ValueError(f"task kind {k.name}: stream {k.stream!r} is not one of {STREAMS} or {BY_DEVICE!r}")
+        if k.copy is not None and k.copy not in COPY_STREAMS:
+            raise ValueError(f"task kind {k.name}: copy direction {k.copy!r} is not one of {COPY_STREAMS}")
+        if k.cause not in WAIT_CAUSES:
+            raise ValueError(f"task kind {k.name}: wait cause {k.cause!r} is not one of {WAIT_CAUSES}")
+
+
+_check_kinds()
+
+# Units are of three classes: compute tables are kept per class, and a class runs only some compute kinds (the
+# head's F is forward + loss + backward fused; the embedding has no recompute).
+UNIT_CLASSES = ("layer", "embed", "head")
+UNIT_CLASS_NAMES = {"layer": "", "embed": "embedding", "head": "head"}
+
+
+def unit_class(unit: int) -> str:
+    """"embed", "head" or "layer": compute tables are kept per class of unit."""
+    return {EMBED: "embed", HEAD: "head"}.get(unit, "layer")
 
 
 # Which kinds carry a micro-batch index and which a unit.
@@ -166,3 +238,5 @@ def Z(u):
 NORM = Task(TaskKind.CLIP_NORM)
 
 COMPUTE_KINDS = {TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD}
+COMPUTE_KINDS_OF_CLASS = {"layer": (TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD),
+                          "embed": (TaskKind.FORWARD, TaskKind.BACKWARD), "head": (TaskKind.FORWARD,)}

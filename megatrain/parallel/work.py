@@ -90,4 +90,4 @@ def _sharded_handlers(work, world: World) -> dict:
     return {"P": d.prefetch, "G": d.gather, "Z": d.reduce_scatter, "O": d.offload}
 
 
-register_parallel_handlers("sharded", _sharded_handlers)
+register_parallel_handlers("sharded", _sharded_handlers, kinds="PGZO")

@@ -5,6 +5,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
+from megatrain.ir.streams import ONE_GPU_STREAMS
 from megatrain.sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCurve, HardwareProfile, model_signature
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling import host, units
@@ -13,7 +14,7 @@ from megatrain.profiling.bench import median
 if TYPE_CHECKING:
     from megatrain.profiling.calibrate import ProfileRequest
 
-STREAMS = ("h2d", "compute", "d2h", "cpu")
+STREAMS = ONE_GPU_STREAMS  # a profile is measured on one GPU: no comm stream (ir/streams.py)
 
 
 def _default_name(info: dict) -> str:

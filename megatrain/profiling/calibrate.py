@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megatrain.exec.backend import get_backend
+from megatrain.ir.streams import ONE_GPU_STREAMS
 from megatrain.model.layout import unit_layout
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
 from megatrain.sim.profile import HardwareProfile
@@ -45,7 +46,7 @@ from megatrain.profiling.bench import Progress, Worker, _fmt_s, median
 from megatrain.profiling.machine import this_machine
 from megatrain.profiling.overhead import cpu_update_samples, measure_runtime_gaps
 
-STREAMS = ("h2d", "compute", "d2h", "cpu")
+STREAMS = ONE_GPU_STREAMS  # a profile is measured on one GPU: no comm stream (ir/streams.py)
 LONG_PROFILE_S = 600.0  # an estimate above this suggests --quick
 
 

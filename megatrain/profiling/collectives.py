@@ -35,10 +35,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megatrain.ir.tasks import Collective
 from megatrain.sim.profile import HardwareProfile
 
 KiB, MiB = 2**10, 2**20
-KINDS = {"G": "all-gather", "Z": "reduce-scatter", "A": "all-reduce"}
+KINDS = {c.value: c.label for c in Collective}  # the operations measured, by letter (ir/tasks.py `Collective`)
 GPU_SIZES = [MiB * 4**i for i in range(6)]  # 1 MiB .. 1 GiB: a bench-3b layer is 198 MB bf16 / 396 MB fp32
 CPU_SIZES = [64 * KiB * 4**i for i in range(4)]  # 64 KiB .. 4 MiB: gloo on CI
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -48,12 +49,12 @@ MAX_LATENCY_SHARE = 0.5  # the latency is at most this share of the smallest siz
 
 def bus_factor(kind: str, world: int) -> float:
     """nccl-tests' busbw / algbw (module docstring)."""
-    return (2.0 if kind == "A" else 1.0) * (world - 1) / world
+    return Collective(kind).bus_factor * (world - 1) / world
 
 
 def kind_dtypes(weight_wire: str) -> dict[str, str]:
     """The dtype each kind moves in the runtime: G the weight wire, Z and A fp32 (module docstring)."""
-    return {"G": weight_wire, "Z": "fp32", "A": "fp32"}
+    return {c.value: weight_wire if c.dtype == "weight_wire" else c.dtype for c in Collective}
 
 
 def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", sizes: list[int] | None = None,
@@ -75,7 +76,7 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
     for kind, name in KINDS.items():
         dtype = DTYPES[dtypes[kind]]
         item = torch.finfo(dtype).bits // 8
-        probe_bytes = item if kind == "A" else n * item  # A: the one-element norm all-reduce of a Z
+        probe_bytes = item if kind == Collective.ALL_REDUCE else n * item  # the one-element norm all-reduce of a Z
         probe = _time(_call(kind, buf, probe_bytes, n, world.rank, group, nccl, dtype), world, sync,
                       warmup, 5 * iters)
         msgs, times = [], []
@@ -129,13 +130,13 @@ def _call(kind: str, buf: torch.Tensor, nbytes: int, n: int, rank: int, group, n
     whole = buf[:nbytes].view(dtype)  # (n * s,)
     s = whole.numel() // n
     mine = whole[rank * s:(rank + 1) * s]
-    if kind == "G":
+    if kind == Collective.ALL_GATHER:
         if nccl:
             return lambda: dist.all_gather_into_tensor(whole, mine, group=group)
         return lambda: dist.all_gather(list(whole.split(s)), mine.clone(), group=group)
-    if kind == "Z" and nccl:
+    if kind == Collective.REDUCE_SCATTER and nccl:
         return lambda: dist.reduce_scatter_tensor(mine, whole, group=group)
-    return lambda: dist.all_reduce(whole, group=group)  # A; Z on gloo (no reduce-scatter there)
+    return lambda: dist.all_reduce(whole, group=group)  # all-reduce; a reduce-scatter on gloo (no reduce-scatter there)
 
 
 def _time(call, world, sync, warmup: int, iters: int, rounds: int = ROUNDS) -> float:

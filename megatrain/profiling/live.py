@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain.ir.program import COPY_DIRECTION, Program
+from megatrain.ir.program import Program
+from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.sim import (
     ComputeTable,
@@ -39,18 +40,23 @@ from megatrain.sim import (
     model_signature,
     simulate,
 )
-from megatrain.sim.costs import COPY_STREAMS
 from megatrain.sim.profile import COMPUTE_KINDS, unit_class
 from megatrain.profiling.compare import step_time_s, task_table
 from megatrain.profiling.overhead import with_spans
 
 FIT_ITERATIONS = 4
-_GROUP_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "FH": "head (forward + loss + backward)",
-                "FE": "embedding forward", "BE": "embedding backward", "P": "weight prefetch (h2d)",
-                "O": "gradient offload (d2h)", "U": "optimizer update", "UE": "embedding update",
-                "UH": "head update", "N": "global norm", "S": "state copy in", "W": "state copy out",
-                "X": "checkpoint offload", "Y": "checkpoint prefetch", "PE": "embedding prefetch",
-                "PH": "head prefetch", "OE": "embedding offload", "OH": "head offload"}
+
+
+def group_name(group: str) -> str:
+    """A task group of `compare.task_group` ("B", "UE", "FH") in words, from its kind's label (ir/tasks.py)."""
+    if group == "FH":
+        return "head (forward + loss + backward)"  # the head's forward task is all three, fused
+    try:
+        kind = TaskKind(group[0])
+    except ValueError:
+        return group
+    where = {"E": "embedding ", "H": "head "}.get(group[1:], "")
+    return f"{where}{kind.label}"
 
 
 @dataclass
@@ -77,7 +83,7 @@ class LiveCalibration:
         """The task groups whose summed time the uncalibrated profile missed most, as "B 3.1x, U 0.6x"."""
         g = self.groups.reindex((self.groups["meas_s"] - self.groups["pred_s"]).abs()
                                 .sort_values(ascending=False).index).head(top)
-        parts = [(f"{_GROUP_NAMES.get(r.group, r.group)} ({r.group}) took {r.meas_s / r.pred_s:.2f}x the "
+        parts = [(f"{group_name(r.group)} ({r.group}) took {r.meas_s / r.pred_s:.2f}x the "
                   f"profile's time") if r.pred_s > 0 else f"{r.group} took {r.meas_s * 1e3:.1f} ms, unpredicted"
                  for r in g.itertuples()]
         return "; ".join(parts)
@@ -194,7 +200,7 @@ def _flow_groups(program: Program) -> dict[str, list[str]]:
         if t.kind == "U":
             groups.setdefault("cpu_update" if t.stream == "cpu" else "gpu_update", []).append(tid)
         elif t.stream in COPY_STREAMS and t.bytes > 0:
-            groups.setdefault(COPY_DIRECTION[TaskKind(t.kind)], []).append(tid)
+            groups.setdefault(TaskKind(t.kind).copy, []).append(tid)
     return groups
 
 

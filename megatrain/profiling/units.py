@@ -25,11 +25,13 @@ from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import TORCH_DTYPES
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.ir.tasks import COMPUTE_KINDS_OF_CLASS
 from megatrain.sim.profile import ComputeTable, model_signature
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.profiling.bench import Worker, median
 
-KINDS_OF_CLASS = {"layer": ("F", "R", "B"), "embed": ("F", "B"), "head": ("F",)}
+# The compute kinds each unit class runs, by letter (derived from ir/tasks.py).
+KINDS_OF_CLASS = {c: tuple(k.value for k in kinds) for c, kinds in COMPUTE_KINDS_OF_CLASS.items()}
 UNIT_OF_CLASS = {"layer": 0, "embed": EMBED, "head": HEAD}
 
 

@@ -31,23 +31,27 @@ import bisect
 import math
 from dataclasses import replace
 
+from megatrain.ir.tasks import Collective
 from megatrain.sim.profile import HardwareProfile
 
 # Measured on nvidia-h200-x2 (NVLink NV18, NCCL_NVLS_ENABLE=0) with one ~198 MB bf16 buffer (issue 15): all-gather
 # 236 GB/s bus bandwidth, reduce-scatter 224, all-reduce 296. The latency is an ASSUMPTION (NCCL's small-message
 # latency on NVLink is ~10-30 us). `megatrain profile` under torchrun measures a table for the machine at hand.
+# Keyed by the operation's letter (ir/tasks.py `Collective`), as a profile's `collectives` table is.
 DEFAULTS = {
-    "G": {"latency_s": 20e-6, "sizes": [198e6], "bus_Bps": [236e9]},
-    "Z": {"latency_s": 20e-6, "sizes": [396e6], "bus_Bps": [224e9]},
-    "A": {"latency_s": 20e-6, "sizes": [198e6], "bus_Bps": [296e9]},
+    Collective.ALL_GATHER.value: {"latency_s": 20e-6, "sizes": [198e6], "bus_Bps": [236e9]},
+    Collective.REDUCE_SCATTER.value: {"latency_s": 20e-6, "sizes": [396e6], "bus_Bps": [224e9]},
+    Collective.ALL_REDUCE.value: {"latency_s": 20e-6, "sizes": [198e6], "bus_Bps": [296e9]},
 }
 
 
-def table(profile: HardwareProfile, kind: str) -> dict:
-    return profile.collectives.get(kind) or DEFAULTS[kind]
+def table(profile: HardwareProfile, kind: Collective | str) -> dict:
+    """The latency and bus bandwidth table of a collective operation (`Collective` or its letter)."""
+    key = Collective(kind).value  # the letter: a str Enum hashes by its name, the profile's keys are letters
+    return profile.collectives.get(key) or DEFAULTS[key]
 
 
-def bus_Bps(profile: HardwareProfile, kind: str, nbytes: float) -> float:
+def bus_Bps(profile: HardwareProfile, kind: Collective | str, nbytes: float) -> float:
     """Bus bandwidth of a collective at a message size: linear between measured sizes, flat outside them, and at
     most the table's `cap_Bps` where it has one (`span_hosts`)."""
     t = table(profile, kind)
@@ -63,10 +67,11 @@ def bus_Bps(profile: HardwareProfile, kind: str, nbytes: float) -> float:
     return min(rate, t.get("cap_Bps", math.inf))  # cap_Bps: the network, when the ranks span hosts
 
 
-def collective_s(profile: HardwareProfile, kind: str, nbytes: int) -> float:
+def collective_s(profile: HardwareProfile, kind: Collective | str, nbytes: int) -> float:
     """Seconds of a G or Z task moving `nbytes` bus bytes (a Z also all-reduces the unit's norm)."""
     t = table(profile, kind)
-    extra = table(profile, "A")["latency_s"] if kind == "Z" else 0.0
+    rides = Collective(kind) is Collective.REDUCE_SCATTER  # the unit's squared norm, all-reduced after it
+    extra = table(profile, Collective.ALL_REDUCE)["latency_s"] if rides else 0.0
     return t["latency_s"] + extra + (nbytes / bus_Bps(profile, kind, nbytes) if nbytes else 0.0)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from megatrain.ir.program import COPY_DIRECTION, Program, ProgramTask
+from collections.abc import Callable
+
+from megatrain.ir.program import Program, ProgramTask
+from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.sim.collectives import collective_s
 from megatrain.sim.profile import HardwareProfile, ProfileError, model_signature, unit_class
 
-COPY_STREAMS = ("h2d", "d2h")
 _WARNED_EAGER_FALLBACK: set[tuple[str, str]] = set()
 
 
@@ -99,25 +101,9 @@ class CostModel:
 
     # ---- all tasks -------------------------------------------------------------------------------------------
     def duration_s(self, task: ProgramTask) -> float:
-        """Seconds of a non-copy task, launch overhead included."""
-        p = self.profile
-        over = p.overhead(task.stream, task.kind)
-        if task.kind in ("F", "R", "B"):
-            return over + self.compute_s(task)
-        if task.kind == "U" and task.stream == "compute":
-            return over + task.params / p.gpu_adam_params_per_s
-        if task.kind == "V" and task.stream == "compute":  # a resident unit's undo and update again, if it clips
-            return over + (2 * task.params / p.gpu_adam_params_per_s if self.clip_activates else 0.0)
-        if self.is_cpu_optimizer(task):
-            u = self.cpu_update(task)  # its time alone on host memory (the engine shares it with the copies)
-            return u.delay_s + max(u.alone_s, u.nvme_s)
-        if task.kind == "N":
-            return over + task.params / p.clip_norm_params_per_s
-        if task.kind in ("G", "Z"):  # data parallel (sim/collectives.py)
-            return over + collective_s(p, task.kind, task.bytes)
-        if task.stream in COPY_STREAMS:
-            raise ProfileError(f"{task.id} is a copy; use copy_cost()")
-        return over
+        """Seconds of a task, launch overhead included, by its kind's registered cost (COSTS). A copy's is its
+        time alone on the link; the engine shares the link as flows instead (`copy_cost`)."""
+        return COSTS[TaskKind(task.kind)](self, task)
 
     def conversion_passes(self) -> int:
         """bf16 <-> fp32 passes a CPU update makes besides AdamW: the streaming-copy refresh (weight_wire bf16)
@@ -147,7 +133,7 @@ class CostModel:
         """The copy a task on the h2d / d2h stream performs: priced by the direction its bytes go (a copy moved to the
         other stream keeps its direction's curve; the host-memory model shares bandwidth by stream, so two copies of
         one direction on the two streams share only the duplex limit, an approximation)."""
-        curve = self.profile.h2d if COPY_DIRECTION[TaskKind(task.kind)] == "h2d" else self.profile.d2h
+        curve = self.profile.h2d if TaskKind(task.kind).copy == "h2d" else self.profile.d2h
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
 
@@ -163,3 +149,57 @@ class CostModel:
             return False
         deferred = self.clip_activates and self.placement.speculative_clip
         return (task.kind == "U" and not deferred) or (task.kind == "V" and deferred)
+
+
+# ---- the cost of each task kind ----------------------------------------------------------------------------------
+Cost = Callable[[CostModel, ProgramTask], float]
+COSTS: dict[TaskKind, Cost] = {}  # tests/test_vocabulary.py checks every TaskKind has one
+
+
+def register_cost(*kinds: TaskKind) -> Callable[[Cost], Cost]:
+    """Register a function as the cost (seconds, launch overhead included) of tasks of `kinds` (one per kind)."""
+    def put(fn: Cost) -> Cost:
+        for k in kinds:
+            if k in COSTS:
+                raise ValueError(f"task kind {k.name} has a cost already")
+            COSTS[k] = fn
+        return fn
+    return put
+
+
+@register_cost(TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD)
+def _compute_cost(cm: CostModel, task: ProgramTask) -> float:
+    return cm.profile.overhead(task.stream, task.kind) + cm.compute_s(task)
+
+
+@register_cost(TaskKind.OPTIMIZER, TaskKind.CLIP_REDO)
+def _update_cost(cm: CostModel, task: ProgramTask) -> float:
+    """A GPU update on its params; a GPU redo undoes and updates again (only in a step that clips); a CPU update its
+    time alone on host memory (the engine shares it with the copies); a CPU task that does nothing this step, its
+    launch only."""
+    p, over = cm.profile, cm.profile.overhead(task.stream, task.kind)
+    if task.stream == "compute":
+        if task.kind == TaskKind.OPTIMIZER:
+            return over + task.params / p.gpu_adam_params_per_s
+        return over + (2 * task.params / p.gpu_adam_params_per_s if cm.clip_activates else 0.0)
+    if cm.is_cpu_optimizer(task):
+        u = cm.cpu_update(task)
+        return u.delay_s + max(u.alone_s, u.nvme_s)
+    return over
+
+
+@register_cost(TaskKind.CLIP_NORM)
+def _norm_cost(cm: CostModel, task: ProgramTask) -> float:
+    return cm.profile.overhead(task.stream, task.kind) + task.params / cm.profile.clip_norm_params_per_s
+
+
+@register_cost(*(k for k in TaskKind if k.collective))
+def _collective_cost(cm: CostModel, task: ProgramTask) -> float:  # data parallel (sim/collectives.py)
+    op = TaskKind(task.kind).collective
+    return cm.profile.overhead(task.stream, task.kind) + collective_s(cm.profile, op, task.bytes)
+
+
+@register_cost(*(k for k in TaskKind if k.copy))
+def _copy_alone_cost(cm: CostModel, task: ProgramTask) -> float:
+    c = cm.copy_cost(task)
+    return c.delay_s + (c.nbytes / c.rate_Bps if c.nbytes else 0.0)

@@ -49,13 +49,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.ir.streams import STREAMS
+from megatrain.ir.tasks import COMPUTE_KINDS as IR_COMPUTE_KINDS
+from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401  (re-exported)
+from megatrain.model.spec import ModelSpec
 
 FORMAT = "megatrain.profile/1"
-UNIT_CLASSES = ("layer", "embed", "head")
-COMPUTE_KINDS = ("F", "R", "B")
-STREAM_NAMES = ("h2d", "compute", "d2h", "cpu")
-TASK_KINDS = ("P", "F", "R", "B", "O", "N", "U", "V", "S", "W", "X", "Y")
+# Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
+COMPUTE_KINDS = tuple(k.value for k in TaskKind if k in IR_COMPUTE_KINDS)
+STREAM_NAMES = STREAMS
+TASK_KINDS = tuple(k.value for k in TaskKind)
 # Host bytes per parameter of torch's fused CPU AdamW on fp32 tiles: read master, gradient, m, v (16 B) and write
 # master, m, v (12 B). Measured ~28 B/param on the H200 hosts (shared/DESIGN.md section 4).
 ADAM_BYTES_PER_PARAM = 28.0
@@ -73,11 +76,6 @@ INTER_HOST_NOTE = ("assumption (not measured): one 400 Gb/s NDR NIC per GPU, 47 
 
 class ProfileError(ValueError):
     """A profile the simulator cannot use; the message says which field and what to do."""
-
-
-def unit_class(unit: int) -> str:
-    """"embed", "head" or "layer": compute tables are kept per class of unit."""
-    return {EMBED: "embed", HEAD: "head"}.get(unit, "layer")
 
 
 def model_signature(spec: ModelSpec) -> str:
