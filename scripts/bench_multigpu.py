@@ -63,7 +63,7 @@ def launch(gpus: int, args: list[str], timeout: float) -> int:
 def worker(a) -> None:
     from megatrain.parallel.world import World
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.compile.collectives import rank_host_plan
+    from megatrain.compile.strategies import rank_host_plan
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.model.presets import get_model
     from megatrain.engine.trainer import StreamedTrainer

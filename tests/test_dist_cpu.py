@@ -163,12 +163,13 @@ def test_torchrun_train_equals_one_process_accumulating_the_same_batches(tmp_pat
 def test_the_planner_predicts_each_ranks_host_store():
     """`plan --gpus 2` (rank_host_plan) against the bytes the sharded stores of both ranks allocate."""
     from megatrain.parallel.shard import ShardedHostStore
-    from megatrain.compile.collectives import for_world, rank_host_plan
+    from megatrain.compile.strategies import rank_host_plan
+    from megatrain.ir.placement import Parallelism
     from megatrain.compile.knobs import knobs_for
     from megatrain.compile.resolve import resolve
 
     spec, knobs = dist_worker.SPEC, knobs_for("arrival", clip=0.0, grad_wire="bf16")
-    p = for_world(resolve(spec, 2, 16, knobs), 2)
+    p = resolve(spec, 2, 16, knobs, Parallelism(2))
     plan = rank_host_plan(p, backend="cpu")
     one = rank_host_plan(resolve(spec, 2, 16, knobs), backend="cpu")
     for rank in range(2):

@@ -10,8 +10,6 @@ checkpoints and which go to the host, the layer kernel, the wires and the clippi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
@@ -22,16 +20,10 @@ from megatrain.exec.compute import LayerCompute, StepBatch
 from megatrain.exec.optim import AdamWConfig, UpdatePlan
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import HostStore
+# A parallel strategy (megatrain/parallel/) registers the bodies it replaces in exec/strategies.py: exec never
+# imports it.
+from megatrain.exec.strategies import parallel_handlers
 from megatrain.exec.updates import Updates
-
-# A parallel strategy (megatrain/parallel/) builds on exec/ and registers the bodies it replaces here: exec never
-# imports it. factory(step_work, world) -> {task kind: body}; `world` is the strategy's own process-group object.
-PARALLEL_HANDLERS: dict[str, Callable[..., dict[str, Callable[[ProgramTask], None]]]] = {}
-
-
-def register_parallel_handlers(strategy: str, factory: Callable[..., dict[str, Callable[[ProgramTask], None]]]):
-    """Register the task bodies a data-parallel strategy substitutes (called by the strategy's module)."""
-    PARALLEL_HANDLERS[strategy] = factory
 
 
 class StepWork:
@@ -54,14 +46,11 @@ class StepWork:
                          "N": u.clip_norm, "U": u.update, "V": u.clip_redo, "S": u.state_prefetch, "W": u.state_offload,
                          "X": a.act_offload, "Y": a.act_prefetch}
         if program.placement.world > 1:  # data parallel: the strategy's bodies (registered by megatrain/parallel/)
-            strategy = "sharded"
-            if strategy not in PARALLEL_HANDLERS:
-                raise ValueError(f"the Program runs data parallel ({strategy!r} over {program.placement.world} "
-                                 "ranks) and no such strategy is registered: import megatrain.parallel")
+            factory = parallel_handlers(program.placement.strategy, program.placement.world)
             if world is None or world.size != program.placement.world:
                 raise ValueError(f"the Program runs data parallel over {program.placement.world} ranks; pass the "
                                  "World of this process (megatrain.parallel.world.World.from_env)")
-            self.handlers.update(PARALLEL_HANDLERS[strategy](self, world))
+            self.handlers.update(factory(self, world))
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_valid = 0
 

@@ -98,12 +98,13 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
 
     import psutil
 
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks > 1:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
-        raise ConfigError(f"--schedule auto is not supported under torchrun ({ranks} ranks): choose the schedule "
-                          "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
-
+    from megatrain.compile.resolve import check_run_for_ranks
     from megatrain.ir.dag import ScheduleError
+
+    try:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
+        check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
     from megatrain.tune.search import choose_schedule
     from megatrain.train.autoswitch import AutoChoice, machine_profile, schedule_overrides
     from megatrain.train.fit import machine_capacity
