@@ -215,6 +215,9 @@ def main() -> None:
             out["predict_error"] = repr(e)
     if a.timeline:
         tl.to_csv(a.timeline, index=False)
+    from megatrain.compile.record import ProgramRecord
+
+    out["record"] = ProgramRecord.of(trainer.program(a.batch, a.seq)).to_dict()  # what ran: knobs, shape, hash
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -185,17 +185,17 @@ def test_the_comm_queue_issues_gathers_ahead_of_reductions_they_do_not_need():
     B + Z + G in series per layer)."""
     import networkx as nx
 
-    import megatrain.compile.lower as program_module
+    from megatrain.compile.strategies import register_strategy, strategy_of
 
     spec = PRESETS["bench-3b"].with_layers(6)
     schedule = build_schedule(spec, 4, 1024, knobs_for("arrival", clip=0.0), world=2)
     moved = lower(schedule)
-    original = program_module.gathers_before_reductions
-    program_module.gathers_before_reductions = lambda graph, queues: queues["comm"]
+    original = strategy_of(schedule.placement)  # the sharded strategy, its comm order replaced for a moment
+    register_strategy(replace(original, order_comm=lambda graph, queues: queues["comm"]))
     try:
         topological = lower(schedule)
     finally:
-        program_module.gathers_before_reductions = original
+        register_strategy(original)
     assert moved.streams["comm"] != topological.streams["comm"]
     assert sorted(moved.streams["comm"]) == sorted(topological.streams["comm"])
     lowered = nx.DiGraph()  # the moved Program's dependencies: waits and every stream's order
