@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatrain.profiling.compare import kendall_tau_b as kendall_tau
+
 PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
 AUTHORS = "authors"
 
@@ -55,6 +57,7 @@ class Config:
     kind: str  # "peer", "authors" or "megatrain"
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
+    calibrated: str = ""  # megatrain: the file its live-calibrated profile is saved to (--save-calibrated-dir)
 
 
 def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
@@ -103,10 +106,11 @@ def build_configs(a) -> list[Config]:
                 argv += ["--profile", a.profile]
             if a.calibrated_profile:
                 argv += ["--calibrated-profile", a.calibrated_profile]
+            path = ""
             if a.save_calibrated_dir:  # the last round's calibrated profile of each config stays
-                path = Path(a.save_calibrated_dir) / (slug(f"megatrain {label}") + ".json")
-                argv += ["--save-calibrated", str(path)]
-            out.append(Config(f"megatrain {label}", kind, argv))
+                path = str(Path(a.save_calibrated_dir) / (slug(f"megatrain {label}") + ".json"))
+                argv += ["--save-calibrated", path]
+            out.append(Config(f"megatrain {label}", kind, argv, calibrated=path))
     return out
 
 
@@ -185,26 +189,6 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def _pred(p: float | None, meas: float | None) -> str:
     return "-" if p is None or not meas else f"{p:,.0f} ({p / meas - 1:+.1%})"
-
-
-def kendall_tau(xs: list[float], ys: list[float]) -> float | None:
-    """Kendall's tau-b of two rankings (None with fewer than two items or no untied pair)."""
-    n, conc, disc, tx, ty = len(xs), 0, 0, 0, 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
-            if dx == 0 and dy == 0:
-                continue
-            if dx == 0:
-                tx += 1
-            elif dy == 0:
-                ty += 1
-            elif (dx > 0) == (dy > 0):
-                conc += 1
-            else:
-                disc += 1
-    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
-    return (conc - disc) / denom if denom else None
 
 
 def table(summary: dict[str, dict], reference: str | None) -> str:
@@ -316,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in [p for p in (a.results, log_dir and log_dir / "results.jsonl") if p]:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a") as f:
-                f.write(json.dumps({"round": r, "config": c.label, **res}) + "\n")
+                # res carries the run's program record (scripts/bench_megatrain.py); calibrated_file: its profile
+                extra = {"calibrated_file": Path(c.calibrated).name} if c.calibrated else {}
+                f.write(json.dumps({"round": r, "config": c.label, **res, **extra}) + "\n")
     if unfinished:
         print(f"{unfinished} run(s) left for the time budget: run the same command again to continue")
     summary = summarize(results)

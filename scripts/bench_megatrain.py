@@ -58,6 +58,7 @@ def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float
 def predictions(program, a, timelines, tokens: int) -> dict:
     """Predicted step and tokens/s of the Program that ran: with --profile (`predicted_*`), with it calibrated to
     this run's timed steps (`calibrated_*`), and with --calibrated-profile (`transfer_*`)."""
+    from megatrain.ir.facts import StepFacts
     from megatrain.profiling.live import calibrate_run
     from megatrain.sim import load_profile, simulate
 
@@ -65,7 +66,7 @@ def predictions(program, a, timelines, tokens: int) -> dict:
     out = {"predicted_step_s": round(pred.step_s, 4), "predicted_tokens_per_s": round(tokens / pred.step_s, 1),
            "predicted_gpu_idle_pct": round(100 * pred.summary.gpu_idle_frac, 1)}
     if program.placement.speculative_clip:  # and a step that clips
-        out["predicted_clipping_step_s"] = round(simulate(program, pred.profile, clip_activates=True).step_s, 4)
+        out["predicted_clipping_step_s"] = round(simulate(program, pred.profile, StepFacts(clip_share=1.0)).step_s, 4)
     cal = calibrate_run(program, pred.profile, timelines, warmup=0)
     out.update(calibrated_step_s=round(cal.after.step_s, 4),
                calibrated_tokens_per_s=round(tokens / cal.after.step_s, 1), calibration_reason=cal.reason())
@@ -211,6 +212,9 @@ def main() -> None:
             out["predict_error"] = repr(e)
     if a.timeline:
         tl.to_csv(a.timeline, index=False)
+    from megatrain.compile.record import ProgramRecord
+
+    out["record"] = ProgramRecord.of(trainer.program(a.batch, a.seq)).to_dict()  # what ran: knobs, shape, hash
     print("RESULT " + json.dumps(out), flush=True)
 
 

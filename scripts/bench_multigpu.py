@@ -63,7 +63,8 @@ def launch(gpus: int, args: list[str], timeout: float) -> int:
 def worker(a) -> None:
     from megatrain.parallel.world import World
     from megatrain.exec.optim import AdamWConfig
-    from megatrain.compile.collectives import rank_host_plan
+    from megatrain.compile.record import ProgramRecord
+    from megatrain.compile.strategies import rank_host_plan
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.model.presets import get_model
     from megatrain.engine.trainer import StreamedTrainer
@@ -110,7 +111,8 @@ def worker(a) -> None:
                   gpus=world.size, batch_per_gpu=a.batch, seq=a.seq,
                   step_s=step_s, tokens_per_s=global_batch * a.seq / step_s, step_times=times, losses=losses,
                   pss_bytes=pss, pss_sum_bytes=sum(pss), planned_host_bytes=world.size * plan.total_bytes,
-                  predicted_step_s=predicted, setup_s=setup_s, torch=torch.__version__)
+                  predicted_step_s=predicted, setup_s=setup_s, torch=torch.__version__,
+                  record=ProgramRecord.of(program).to_dict())  # what ran: knobs, shape, ranks, Program hash
     OUT.mkdir(parents=True, exist_ok=True)
     path = Path(a.result)
     path.write_text(json.dumps(result, indent=1))
@@ -188,11 +190,16 @@ def _predict(a, model: str, gpus: int) -> float | None:
     """Simulated step (s) of the Program the throughput run of (model, gpus) will run, with --profile."""
     if not a.profile:
         return None
+    import megatrain.parallel  # noqa: F401  (registers the sharded strategy)
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.compile.lower import lower
+    from megatrain.model.presets import get_model
     from megatrain.sim import simulate
 
-    run = dict(model=model, layers=a.layers, schedule_base=a.schedule, knob_sets=a.set, batch_per_gpu=a.batch,
-               seq=a.seq)
-    return simulate(_program_of(run, gpus), a.profile).step_s
+    spec = get_model(model).with_layers(a.layers) if a.layers else get_model(model)
+    knobs = resolve_knobs(a.schedule, a.set)[1]  # the worker resolves the same arguments
+    return simulate(lower(build_schedule(spec, a.batch, a.seq, knobs, world=gpus)), a.profile).step_s
 
 
 def _run_once(a, name: str) -> None:
@@ -237,26 +244,15 @@ def table(a) -> None:
               f"{'' if early is None else f'{early:.3f} ({100 * (early / step - 1):+.0f}%)':>13}")
 
 
-def _program_of(result: dict, gpus: int):
-    """The Program a result ran, rebuilt (results before `schedule_base` was recorded: parsed from the label
-    `name[k=v,...]`)."""
-    import re
+def _program_of(result: dict):
+    """The Program a result ran, rebuilt from its record (megatrain/compile/record.py)."""
+    import megatrain.parallel  # noqa: F401  (registers the sharded strategy: the record may be of several ranks)
+    from megatrain.compile.record import program_of
 
-    from megatrain.compile.builders import build_schedule
-    from megatrain.compile.knobs import resolve_knobs
-    from megatrain.compile.lower import lower
-    from megatrain.model.presets import get_model
-
-    if "schedule_base" in result:
-        base, sets = result["schedule_base"], result["knob_sets"]
-    else:
-        m = re.fullmatch(r"([\w.-]+)(?:\[(.*)\])?", result["schedule"])
-        base, sets = m.group(1), [kv for kv in (m.group(2) or "").split(",") if kv]
-    spec = get_model(result["model"])
-    if result.get("layers"):
-        spec = spec.with_layers(result["layers"])
-    knobs = resolve_knobs(base, sets)[1]
-    return lower(build_schedule(spec, result["batch_per_gpu"], result["seq"], knobs, world=gpus))
+    if "record" not in result:
+        raise SystemExit(f"a result of {result.get('schedule')} on {result.get('gpus')} GPU(s) has no program "
+                         "record (it predates them): run it again to predict it")
+    return program_of(result["record"])
 
 
 def _predicted_from_one_gpu(a, result: dict, one_gpu: list[dict]) -> float:
@@ -265,8 +261,8 @@ def _predicted_from_one_gpu(a, result: dict, one_gpu: list[dict]) -> float:
     from megatrain.sim import load_profile, simulate
 
     measured_one = statistics.median(r["step_s"] for r in one_gpu)
-    fitted = fit_update_rate(_program_of(one_gpu[0], 1), load_profile(a.profile), measured_one)
-    return simulate(_program_of(result, result["gpus"]), fitted).step_s
+    fitted = fit_update_rate(_program_of(one_gpu[0]), load_profile(a.profile), measured_one)
+    return simulate(_program_of(result), fitted).step_s
 
 
 def equality(a) -> None:

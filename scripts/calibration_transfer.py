@@ -18,15 +18,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import kendall_tau, slug  # noqa: E402  (scripts/ is not a package)
-
-from megatrain.compile.builders import build_schedule  # noqa: E402
-from megatrain.compile.knobs import resolve_knobs  # noqa: E402
-from megatrain.compile.lower import lower
-from megatrain.model.presets import get_model  # noqa: E402
-from megatrain.sim import load_profile, simulate  # noqa: E402
+import megatrain.parallel  # noqa: F401  (registers the collective strategies: a record may be of several ranks)
+from megatrain.compile.record import RecordError, program_of
+from megatrain.profiling.compare import kendall_tau_b as kendall_tau
+from megatrain.sim import load_profile, simulate
 
 PREFIX = "megatrain "
 
@@ -44,13 +39,14 @@ def measured_runs(paths: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
-def program_of(label: str, row: dict):
-    """The Program a config ran: the schedule name and knob settings of its label, at the run's model and shape."""
-    name, _, sets = label.partition(":")
-    if name == "auto":
-        raise SystemExit(f"{label!r}: auto's choice is not in its label; leave auto configs out of the transfer check")
-    knobs = resolve_knobs(name, [kv for kv in sets.split(";") if kv])[1]
-    return lower(build_schedule(get_model(row["model"]), row["batch"], row["seq"], knobs))
+def program_of_runs(label: str, row: dict):
+    """The Program a config ran, from its run's program record (never from its label)."""
+    if "record" not in row:
+        raise SystemExit(f"{label!r}: its results have no program record (they predate them); run bench.py again")
+    try:
+        return program_of(row["record"])
+    except RecordError as e:
+        raise SystemExit(f"{label!r}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = measured_runs(a.results)
     labels = list(runs)
     measured = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-    programs = {k: program_of(k, v[0]) for k, v in runs.items()}
+    programs = {k: program_of_runs(k, v[0]) for k, v in runs.items()}
     tokens = {k: v[0]["batch"] * v[0]["seq"] for k, v in runs.items()}
     for k, v in runs.items():  # the rebuilt Program is the one that ran: its shipped prediction matches the run's
         recorded, rebuilt = v[0]["predicted_step_s"], simulate(programs[k], load_profile(a.profile)).step_s
@@ -72,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{recorded:.4f} s: not the Program that ran (other code or knobs)")
     profiles = {a.profile + " (uncalibrated)": load_profile(a.profile)}
     for k in labels:
-        path = Path(a.cal_dir) / f"{slug(PREFIX + k)}.json"
-        if path.is_file():
+        name = runs[k][0].get("calibrated_file")  # bench.py records where it saved the run's profile
+        path = Path(a.cal_dir) / name if name else None
+        if path is not None and path.is_file():
             profiles[f"calibrated on {k}"] = load_profile(path)
     if len(profiles) == 1:
         raise SystemExit(f"no calibrated profile in {a.cal_dir} matches a config of the results")

@@ -24,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatrain.exec.optim import AdamWConfig, adamw_update  # noqa: E402
+from megatrain.exec.optim import AdamWConfig, adamw_update
 
 WAIT_S = 120.0  # the longest any process waits for the others (barrier, results)
 

@@ -166,7 +166,8 @@ def test_the_planner_predicts_each_ranks_host_store(state_dtype):
     two-rank run builds: `ShardedHostStore` of the Program's host layout, per rank). bf16 moments are sliced per rank
     as fp32 ones are (bug B1: the plan kept every rank's whole bf16 m and v)."""
     from megatrain.parallel.shard import ShardedHostStore
-    from megatrain.compile.collectives import for_world, rank_host_plan
+    from megatrain.compile.strategies import rank_host_plan
+    from megatrain.ir.placement import Parallelism
     from megatrain.compile.knobs import knobs_for
     from megatrain.compile.resolve import resolve
 
@@ -175,7 +176,7 @@ def test_the_planner_predicts_each_ranks_host_store(state_dtype):
     # ~13M parameters: large enough that the page alignment of each tile (4 KiB) is far below 1% of the store
     spec = ModelSpec("dp-store", "llama", 4096, 512, 1536, 3, 8, 2, 64)
     knobs = knobs_for("arrival", clip=0.0, grad_wire="bf16", state_dtype=state_dtype)
-    p = for_world(resolve(spec, 2, 16, knobs), 2)
+    p = resolve(spec, 2, 16, knobs, Parallelism(2))
     plan = rank_host_plan(p, backend="cpu")
     one = rank_host_plan(resolve(spec, 2, 16, knobs), backend="cpu")
     for rank in range(2):

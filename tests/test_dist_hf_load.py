@@ -12,7 +12,7 @@ import torch
 from megatrain.io.sharded_hf_load import CheckpointError, load_hf_slices
 from megatrain.parallel.shard import ShardedHostStore
 from megatrain.parallel.world import World
-from megatrain.compile.collectives import for_world
+from megatrain.ir.placement import Parallelism
 from megatrain.compile.knobs import knobs_for
 from megatrain.compile.resolve import resolve
 from megatrain.io.hf_checkpoint import load_hf_tiles, weight_files
@@ -29,7 +29,7 @@ def test_rank_slices_of_a_hf_directory_equal_a_one_process_load(tmp_path, dtype,
     path = tmp_path / "hf"
     hf_model(DEBUG).to(dtype).save_pretrained(path, max_shard_size="100KB")  # several shards + index
     ref = load_hf_tiles(path, DEBUG)  # one process, whole tiles (fp32)
-    layout = for_world(resolve(DEBUG, 2, 16, knobs_for("overlap")), ranks).host_layout
+    layout = resolve(DEBUG, 2, 16, knobs_for("overlap"), Parallelism(ranks)).host_layout
     got, read = {u: [] for u in DEBUG.units()}, []
     for rank in range(ranks):
         store = ShardedHostStore(DEBUG, layout, World(rank=rank, size=ranks))
@@ -49,7 +49,7 @@ def test_a_truncated_shard_fails_before_any_rank_reads(tmp_path):
     hf_model(DEBUG).save_pretrained(path, max_shard_size="100KB")
     shard = max(path.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-8])
-    layout = for_world(resolve(DEBUG, 2, 16, knobs_for("overlap")), 2).host_layout
+    layout = resolve(DEBUG, 2, 16, knobs_for("overlap"), Parallelism(2)).host_layout
     with pytest.raises(CheckpointError) as e:
         load_hf_slices(path, ShardedHostStore(DEBUG, layout, World(rank=1, size=2)))
     assert shard.name in str(e.value), e.value

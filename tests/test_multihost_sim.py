@@ -11,9 +11,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import megatrain.parallel  # noqa: F401  (registers the sharded strategy)
 from megatrain.cli import main
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import knobs_for
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.placement import Parallelism
 from megatrain.plan.memory import GiB
 from megatrain.compile.advice import plan_memory
 from megatrain.compile.lower import lower
@@ -43,8 +46,9 @@ def machine(**changes) -> HardwareProfile:
     return p.with_(**changes)
 
 
-def program(world: int):
-    return lower(build_schedule(SPEC, 2, 16, KNOBS, world=world))
+def program(world: int, hosts: int = 1):
+    """One rank's Program of `world` ranks spread over `hosts` hosts (the placement carries both)."""
+    return lower(build_schedule(SPEC, 2, 16, KNOBS, world=Parallelism(world, hosts)))
 
 
 def durations(result) -> dict:
@@ -65,8 +69,8 @@ def test_a_collective_across_hosts_takes_the_formula_time():
     """4 ranks on 2 hosts: the all-gather of a layer's bf16 weights and the reduce-scatter of its fp32 gradients
     take the network's latency plus bus bytes over min(intra-host bus bandwidth, 2 x inter_host_Bps); the cap
     binds for the larger reduce-scatter only (so both branches of the min are checked)."""
-    p, prog = machine(), program(4)
-    got = durations(simulate(prog, p, hosts=2))
+    p, prog = machine(), program(4, hosts=2)
+    got = durations(simulate(prog, p))
     n = SPEC.unit_params(1)
     for tid, kind, message in (("G1", "G", 2 * n), ("Z1", "Z", 4 * n)):
         assert prog.tasks[tid].bytes == message * 3 // 4  # the Program carries the bus bytes of one rank
@@ -74,7 +78,7 @@ def test_a_collective_across_hosts_takes_the_formula_time():
     g_rate = np.interp(2 * n * 3 // 4, INTRA["sizes"], INTRA["bus_Bps"])
     z_rate = np.interp(4 * n * 3 // 4, INTRA["sizes"], INTRA["bus_Bps"])
     assert g_rate < 2 * p.inter_host_Bps < z_rate  # the test exercises both sides of the min
-    one = durations(simulate(prog, p))  # one host of 4: the intra-host table, its own latency
+    one = durations(simulate(program(4), p))  # one host of 4: the intra-host table, its own latency
     assert one["G1"] == pytest.approx(1e-5 + 2 * n * 3 // 4 / g_rate, rel=1e-12)
 
 
@@ -84,14 +88,14 @@ def test_hosts_slow_the_step_exactly_by_the_collectives_on_the_critical_path():
     Compute-bound: every collective got slower, but most are hidden behind compute; only those on the critical
     path (the first gathers, before any compute, and the last reduce-scatters, after the last backward) delay the
     step, which grows by exactly their extra time."""
-    prog = program(4)
+    prog, prog2 = program(4), program(4, hosts=2)
     fast = machine()
-    one, two = simulate(prog, fast), simulate(prog, fast, hosts=2)
+    one, two = simulate(prog, fast), simulate(prog2, fast)
     assert one.summary.critical_path_s["comm"] > 0.5 * one.step_s
     assert two.step_s > 1.5 * one.step_s
 
     slow = machine(matmul_flops_per_s={"bf16": 1e10, "fp32": 1e10})
-    one, two = simulate(prog, slow), simulate(prog, slow, hosts=2)
+    one, two = simulate(prog, slow), simulate(prog2, slow)
     assert one.summary.critical_path == two.summary.critical_path  # the network did not move the path
     comm = [t for t in prog.tasks if prog.tasks[t].stream == "comm"]
     on_path = [t for t in one.summary.critical_path if t in comm]
@@ -107,12 +111,12 @@ def test_a_rank_shares_host_memory_and_cpu_with_the_ranks_of_its_own_host_only()
     """A CPU update's time scales with the ranks per host, not with the world: 4 ranks on 2 hosts update at half
     the host's rate (2 per host), 4 on one host at a quarter; 2 ranks on 2 hosts (one per host) at the full rate."""
     p = machine(cpu_adam_params_per_s={1: 1e6}, host_memory_Bps=1e12)
-    prog = program(4)
-    params = prog.tasks["U1"].params
+    params = program(4).tasks["U1"].params
     for hosts, per_host in ((1, 4), (2, 2), (4, 1)):
-        assert durations(simulate(prog, p, hosts=hosts))["U1"] == pytest.approx(params / (1e6 / per_host), rel=1e-6)
-    with pytest.raises(SimulationError, match="cannot be spread evenly over 3 host"):
-        simulate(prog, p, hosts=3)
+        got = durations(simulate(program(4, hosts), p))["U1"]
+        assert got == pytest.approx(params / (1e6 / per_host), rel=1e-6)
+    with pytest.raises(ScheduleError, match="cannot be spread evenly over 3 host"):  # the resolver refuses it
+        program(4, hosts=3)
 
 
 def test_one_host_is_the_model_of_before():
@@ -124,7 +128,7 @@ def test_one_host_is_the_model_of_before():
         rates = {t: r / world for t, r in p.cpu_adam_params_per_s.items()}
         ref = p if world == 1 else replace(p, host_memory_Bps=p.host_memory_Bps / world, cpu_adam_params_per_s=rates)
         rows = {r["task"]: (r["start_s"], r["end_s"]) for r in _Engine(prog, ref).run()}
-        for result in (simulate(prog, p), simulate(prog, p, hosts=1)):
+        for result in (simulate(prog, p), simulate(program(world, hosts=1), p)):
             tl = result.timeline
             assert dict(zip(tl.task, zip(tl.start_s, tl.end_s))) == rows
 
@@ -181,17 +185,17 @@ def test_the_comm_queue_issues_gathers_ahead_of_reductions_they_do_not_need():
     B + Z + G in series per layer)."""
     import networkx as nx
 
-    import megatrain.compile.lower as program_module
+    from megatrain.compile.strategies import register_strategy, strategy_of
 
     spec = PRESETS["bench-3b"].with_layers(6)
     schedule = build_schedule(spec, 4, 1024, knobs_for("arrival", clip=0.0), world=2)
     moved = lower(schedule)
-    original = program_module.gathers_before_reductions
-    program_module.gathers_before_reductions = lambda graph, queues: queues["comm"]
+    original = strategy_of(schedule.placement)  # the sharded strategy, its comm order replaced for a moment
+    register_strategy(replace(original, order_comm=lambda graph, queues: queues["comm"]))
     try:
         topological = lower(schedule)
     finally:
-        program_module.gathers_before_reductions = original
+        register_strategy(original)
     assert moved.streams["comm"] != topological.streams["comm"]
     assert sorted(moved.streams["comm"]) == sorted(topological.streams["comm"])
     lowered = nx.DiGraph()  # the moved Program's dependencies: waits and every stream's order

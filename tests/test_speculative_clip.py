@@ -13,6 +13,7 @@ import torch
 from megatrain.exec.optim import AdamWConfig, adamw_undo, adamw_update
 from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError, validate
+from megatrain.ir.facts import StepFacts
 from megatrain.compile.knobs import knobs_for
 from megatrain.compile.lower import lower
 from megatrain.ir.tasks import Task
@@ -90,7 +91,7 @@ def test_the_simulator_prices_speculation_at_nothing_and_a_clipping_step_at_two_
     plain = simulate(lower(build_schedule(spec, 8, 2048, knobs_for("arrival", clip=0))), "h200-measured")
     spec_prog = lower(build_schedule(spec, 8, 2048, knobs_for("arrival", clip=1.0)))
     quiet = simulate(spec_prog, "h200-measured")
-    clipping = simulate(spec_prog, "h200-measured", clip_activates=True)
+    clipping = simulate(spec_prog, "h200-measured", StepFacts(clip_share=1.0))
     assert quiet.summary.step_s == pytest.approx(plain.summary.step_s, rel=0.01)
     # every parameter undone and redone on the host threads after the backward
     assert clipping.summary.step_s - quiet.summary.step_s > 1.5 * spec.num_params / 20e9

@@ -10,7 +10,8 @@ from megatrain.analysis.summary import CAUSE_OF_KIND
 from megatrain.analysis.viz import KIND_COLORS, KIND_NAMES
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.lower import lower
-from megatrain.exec.work import BODIES, PARALLEL_KINDS
+from megatrain.exec.strategies import PARALLEL_KINDS
+from megatrain.exec.work import BODIES
 from megatrain.ir.placement import HOST_COMPONENTS
 from megatrain.ir.streams import STREAMS
 from megatrain.ir.tasks import BY_DEVICE, WAIT_CAUSES, Collective, TaskKind
@@ -24,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_every_task_kind_has_a_body_a_cost_a_stream_a_wait_cause_a_label_and_a_colour():
-    parallel = set().union(*PARALLEL_KINDS.values())
+    parallel = {TaskKind(k) for kinds in PARALLEL_KINDS.values() for k in kinds}
     assert set(BODIES) | parallel == set(TaskKind), "task kinds without an exec body"
     assert set(COSTS) == set(TaskKind), "task kinds without a sim cost"
     for k in TaskKind:

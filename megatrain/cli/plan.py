@@ -72,15 +72,16 @@ def run(args) -> int:
 def _run_world(args, spec, name, knobs) -> int:
     """`plan --gpus N [--hosts H]`: one rank's host and GPU memory, the host's total over its N ranks (what must
     fit in one host's memory) and, over H hosts, the whole job's."""
-    from megatrain.compile.collectives import for_world, rank_host_plan
+    import megatrain.parallel  # noqa: F401  (registers the collective strategies' slicing rules)
+    from megatrain.compile.strategies import rank_host_plan
     from megatrain.ir.dag import ScheduleError
     from megatrain.plan.memory import GiB, plan_gpu_memory
     from megatrain.compile.resolve import resolve
     from megatrain.cli import UserError
-    from megatrain.cli.simulate import check_world
+    from megatrain.cli.simulate import parallelism_of
 
     try:
-        p = for_world(resolve(spec, args.batch, args.seq, knobs), check_world(args))
+        p = resolve(spec, args.batch, args.seq, knobs, parallelism_of(args))
     except ScheduleError as e:
         raise UserError(str(e)) from None
     host_plan, gpu_plan = rank_host_plan(p), plan_gpu_memory(p)

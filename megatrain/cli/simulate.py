@@ -42,10 +42,13 @@ def register(sub) -> None:
                    help="data parallel over this many hosts of --gpus GPUs each (world = hosts x gpus): a rank shares "
                         "its host with --gpus ranks, collectives cross the network (the profile's inter_host_Bps "
                         "and inter_host_latency_s; defaults are assumptions, docs/multigpu.md)")
-    p.add_argument("--clip-activates", action="store_true",
-                   help="speculative clipping (clip > 0 with an arrival placement): predict a step whose gradient "
-                        "norm exceeds the max, so every update is undone and redone (default: a step that does not "
-                        "clip)")
+    p.add_argument("--clip-share", type=float, default=0.0, metavar="SHARE",
+                   help="speculative clipping (clip > 0 with an arrival placement): the share of steps whose gradient "
+                        "norm exceeds the max, so every update is undone and redone. 1: the timeline is of a step "
+                        "that clips; between 0 and 1 the table's step_s is the mean over both kinds of step "
+                        "(default 0: no step clips)")
+    p.add_argument("--clip-activates", dest="clip_share", action="store_const", const=1.0,
+                   help="the same as --clip-share 1: predict a step that clips")
     p.add_argument("--gpu-budget-gib", type=float,
                    help="--schedule auto: the GPU memory the chosen schedule may plan for (default: this GPU's free "
                         "memory less 10%%)")
@@ -139,8 +142,9 @@ def table(rows: list[dict]) -> str:
 
 def row_of(v: Variant, result) -> dict:
     """The comparison row of one simulated variant (a megatrain.sim.SimResult), in seconds."""
-    s = result.summary
-    return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": s.step_s, "tokens/s": s.tokens_per_s,
+    s, mean = result.summary, result.mean_step_s  # mean: over steps that clip and steps that do not (--clip-share)
+    return {"schedule": v.schedule_label, "knobs": v.knobs_label, "step_s": mean,
+            "tokens/s": s.tokens_per_s * s.step_s / mean if mean > 0 else s.tokens_per_s,
             "TFLOP/s": s.model_tflops, "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
             "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
             "GPU peak GiB": s.gpu_peak_bytes / 2**30}
@@ -213,6 +217,13 @@ def check_world(args) -> int:
     return args.gpus * args.hosts
 
 
+def parallelism_of(args):
+    """The run's Parallelism of `--gpus` per host x `--hosts` (what the resolver takes, megatrain/ir/placement.py)."""
+    from megatrain.ir.placement import Parallelism
+
+    return Parallelism(world=check_world(args), hosts=args.hosts)
+
+
 def run(args) -> int:
     import pandas as pd
 
@@ -223,8 +234,15 @@ def run(args) -> int:
     from megatrain.model.presets import get_model
     from megatrain.sim import ProfileError, SimulationError, load_profile, simulate
 
+    import megatrain.parallel  # noqa: F401  (registers the collective strategies' passes and costs)
+    from megatrain.ir.facts import StepFacts
+
     spec = get_model(args.model)
     world = check_world(args)
+    try:
+        facts = StepFacts(clip_share=args.clip_share)
+    except ValueError as e:
+        raise UserError(f"--clip-share: {e}") from None
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:
@@ -245,9 +263,9 @@ def run(args) -> int:
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
-            program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=world))
+            program = lower(build_schedule(spec, args.batch, args.seq, knobs, world=parallelism_of(args)))
             program.name = name
-            result = simulate(program, profile, clip_activates=args.clip_activates, hosts=args.hosts)
+            result = simulate(program, profile, facts)
             notes.update(program.placement.notes)
         except (ScheduleError, SimulationError) as e:
             if len(runs) == 1:

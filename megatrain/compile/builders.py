@@ -11,8 +11,8 @@ and has a one-sentence contract:
     add_updates              each unit's AdamW update, where and when the placement says, and the global norm
     add_gradient_ring        with a gradient ring, an OFFLOAD into a ring tile waits for the readers of its previous unit
     add_checkpoint_offloads  offloaded checkpoints go to the host after the forward and back before the backward
-    add_collectives          (world > 1) all-gathers complete the slots, reduce-scatters sum the gradients
-                             (megatrain/compile/collectives.py)
+    add_strategy_passes      (world > 1) the collective strategy's passes, e.g. all-gathers complete the slots and
+                             reduce-scatters sum the gradients (megatrain/parallel/sharded.py registers them)
     order_queues             the program order: emission order, with state copies and GPU updates moved to anchors
                              (megatrain/compile/order.py)
 
@@ -26,10 +26,10 @@ from dataclasses import replace
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.ir.dag import Schedule
 from megatrain.compile.knobs import DEFAULT_SCHEDULE, ScheduleKnobs, knobs_for
-from megatrain.compile.collectives import add_collectives, for_world
 from megatrain.compile.order import order_queues
-from megatrain.ir.placement import GradLanding, Placement, Timing, UpdateSite, resident_buffer
+from megatrain.ir.placement import GradLanding, Parallelism, Placement, Timing, UpdateSite, resident_buffer
 from megatrain.compile.resolve import resolve
+from megatrain.compile.strategies import add_strategy_passes
 from megatrain.compile.stepgraph import StepGraph, Visit, copy_attrs, work_attrs
 from megatrain.ir.tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, V, W, X, Y
 
@@ -336,7 +336,7 @@ def add_checkpoint_offloads(sg: StepGraph) -> None:
 
 
 PASSES = (add_compute, assign_weight_slots, add_weight_fills, add_gradient_offloads, add_updates,
-          add_gradient_ring, add_checkpoint_offloads, add_collectives, order_queues)
+          add_gradient_ring, add_checkpoint_offloads, add_strategy_passes, order_queues)
 
 
 # ---- entry points -----------------------------------------------------------------------------------------------
@@ -353,13 +353,15 @@ def build_from_placement(placement: Placement, knobs: ScheduleKnobs | None = Non
 
 
 def build_schedule(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs | str = DEFAULT_SCHEDULE,
-                   validate: bool = True, world: int = 1) -> Schedule:
+                   validate: bool = True, world: int | Parallelism = 1) -> Schedule:
     """Resolve the knobs (a named schedule or ScheduleKnobs), build and (by default) validate one step's DAG;
-    `world` > 1: one rank's step of data parallel training, `batch` being the rank's share of the global batch."""
+    `world`: the run's Parallelism (ranks, hosts, strategy), or just its number of ranks on one host. With more than
+    one rank it is one rank's step of data parallel training, `batch` being the rank's share of the global batch."""
     name = knobs if isinstance(knobs, str) else "custom"
     if isinstance(knobs, str):
         knobs = knobs_for(knobs)
-    sched = build_from_placement(for_world(resolve(spec, batch, seq, knobs), world), knobs, name, validate)
+    parallel = world if isinstance(world, Parallelism) else Parallelism(world)
+    sched = build_from_placement(resolve(spec, batch, seq, knobs, parallel), knobs, name, validate)
     if knobs.state_lookahead is not None:
         _report_if_lookahead_changes_nothing(sched, knobs)
     return sched

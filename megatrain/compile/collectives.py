@@ -9,39 +9,19 @@ unit's last backward a REDUCE_SCATTER sums the slot's gradients over the ranks, 
 unit's gradient norm, all-reduced from the slices' squared norms, so clipping and the non-finite skip decide the
 same on every rank); OFFLOAD copies only the slice to the host and the rank's CPU threads update only the slice.
 
-`for_world(placement, N)` makes a one-GPU placement data parallel (refusing what it cannot shard yet); the builder
-pass `add_collectives` adds the G and Z tasks (a no-op at world 1, so one-GPU Programs are unchanged).
+The resolver decides what N ranks support and puts N in the placement (megatrain/compile/resolve.py). This module
+holds the compile-side parts of the "sharded" strategy, which megatrain/parallel/sharded.py registers
+(compile/strategies.py): the builder pass `add_collectives` (the G and Z tasks, the rank's slices), the comm queue
+order `gathers_before_reductions`, and the per-rank slicing of the host plan `sharded_host_plan`.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import networkx as nx
 
-from megatrain.ir.dag import ScheduleError
-from megatrain.ir.placement import Placement, UpdateSite, gpu_buffers, sliced_component_names
+from megatrain.ir.placement import Placement, sliced_component_names
 from megatrain.compile.stepgraph import StepGraph
 from megatrain.ir.placement import padded_numel, shard_numel  # noqa: F401  (re-exported)
 from megatrain.ir.tasks import COMPUTE_KINDS, G, Task, TaskKind, Z
-
-def for_world(p: Placement, world: int) -> Placement:
-    """The placement `p` run data parallel over `world` ranks: each rank runs it on its 1/world of the global
-    batch (`p.batch` is the per-rank batch). Refuses what the sharded store does not support yet."""
-    if world < 1:
-        raise ScheduleError(f"world size {world}: there must be at least one rank")
-    if world == 1:
-        return p
-    gpu = [u.unit for u in p.units if u.update is not UpdateSite.HOST]
-    if gpu:
-        raise ScheduleError(f"data parallel over {world} ranks updates on the host only; this schedule updates "
-                            f"{len(gpu)} unit(s) on the GPU (optimizer gpu/split placements, resident_layers, "
-                            "resident_embeddings). Use optimizer after, overlap or arrival with world > 1")
-    if p.model.tie_word_embeddings:
-        raise ScheduleError(f"{p.model.name} ties its embeddings; data parallel training does not shard a tied "
-                            "head yet. Train it on one GPU")
-    sharded = replace(p, world=world)
-    return replace(sharded, buffers=gpu_buffers(sharded))
-
 
 def add_collectives(sg: StepGraph) -> None:
     """World > 1: each PREFETCH (the rank's slice) is followed by an ALL_GATHER that completes the slot before its
@@ -148,15 +128,10 @@ def gathers_before_reductions(graph: nx.DiGraph, queues: dict[str, list[Task]]) 
     return comm
 
 
-def rank_host_plan(p: Placement, backend: str = "cuda"):
-    """Host memory of one rank of a data-parallel placement (`ir.memory.HostMemoryPlan`): the one-GPU plan with
-    the store's tiles cut to the rank's slices (page-padded); offloaded checkpoints (of the rank's batch), scratch
-    and runtime as one process has them. The node needs `world` times it."""
-    from megatrain.plan.memory import plan_host_memory
-
-    plan = plan_host_memory(replace(p, world=1), backend)
-    if p.world <= 1:
-        return plan
+def sharded_host_plan(p: Placement, plan):
+    """Host memory of one rank of a sharded placement (`plan.memory.HostMemoryPlan`), from the one-GPU `plan`: the
+    store's tiles cut to the rank's slices (page-padded); offloaded checkpoints (of the rank's batch), scratch and
+    runtime as one process has them."""
     spec = p.model
     full = sum(spec.unit_params(u) for u in spec.units())  # untied: the store's tiles are the units
     mine = sum(shard_numel(spec.unit_params(u), p.world) for u in spec.units())

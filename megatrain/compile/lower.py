@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from megatrain.compile.collectives import gathers_before_reductions
+from megatrain.compile.strategies import strategy_of
 from megatrain.ir.dag import Schedule, ScheduleError
 from megatrain.ir.program import Program, ProgramTask
 from megatrain.ir.streams import COPY_STREAMS, OPTIONAL_STREAMS, STREAMS
@@ -39,8 +39,9 @@ def lower(schedule: Schedule) -> Program:
     by_stream: dict[str, list[Task]] = {s: [] for s in STREAMS}
     for t in topo:
         by_stream[stream[t]].append(t)
-    if by_stream.get("comm"):  # data parallel: gathers ahead of reductions they do not need (ir/collectives.py)
-        by_stream["comm"] = gathers_before_reductions(g, by_stream)
+    strategy = strategy_of(schedule.placement) if schedule.placement is not None else None
+    if strategy is not None and by_stream.get("comm"):  # data parallel: the strategy orders its collectives
+        by_stream["comm"] = strategy.order_comm(g, by_stream)
     for s, q in by_stream.items():
         for t in q:
             pos[t] = len(queues[s])

@@ -7,6 +7,11 @@ walks the knob space to prove it); settings that a model's shape clamps are repo
 
 The seven optimizer placements users name are presets of the placement: a timing and a rule for choosing the
 decoder layers updated on the GPU (`OPTIMIZER_PRESETS`).
+
+The run's shape of parallelism (`Parallelism`: ranks, hosts, collective strategy) is resolved here too, and the
+Placement carries it: everything the number of ranks and hosts supports is decided in this module
+(`check_parallelism`, `check_model_shards`, `check_run_for_ranks`), and the store, the checkpoints and the run read
+those checks instead of deciding again.
 """
 from __future__ import annotations
 
@@ -15,7 +20,17 @@ from collections.abc import Callable
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.ir.dag import ScheduleError
 from megatrain.compile.knobs import ScheduleKnobs
-from megatrain.ir.placement import GradLanding, HostLayout, Placement, Timing, UnitPlacement, UpdateSite, gpu_buffers
+from megatrain.ir.placement import (
+    ONE_GPU,
+    GradLanding,
+    HostLayout,
+    Parallelism,
+    Placement,
+    Timing,
+    UnitPlacement,
+    UpdateSite,
+    gpu_buffers,
+)
 
 
 def _layer_selectors() -> dict[str, Callable[[int, int], list[int]]]:
@@ -57,8 +72,10 @@ AUTO_MLP_TILE_ABOVE = 32768
 AUTO_MLP_TILE = 8192
 
 
-def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Placement:
-    """The placement `knobs` mean for `spec` at batch x seq; raises ScheduleError naming the conflicting knobs."""
+def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
+            parallel: Parallelism = ONE_GPU) -> Placement:
+    """The placement `knobs` mean for `spec` at batch x seq, run over `parallel`'s ranks and hosts (`batch` is one
+    rank's share of the global batch); raises ScheduleError naming the conflicting knobs."""
     k, L = knobs, spec.num_layers
     if batch < 1 or seq < 1:
         raise ScheduleError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
@@ -87,6 +104,8 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
         notes.append(f"loss_chunk_tokens={k.loss_chunk_tokens} is above the {tokens_mb} tokens of a micro-batch: "
                      "the loss runs in one chunk")
     mlp_tile_tokens = mlp_tile(k, tokens_mb, notes)
+    check_parallelism(parallel, spec)
+    _check_rank_updates(parallel, len(gpu_layers) + len(resident))
     placement = Placement(
         model=spec, batch=batch, seq=seq, timing=timing, units=units, ring_buffers=ring_buffers,
         recompute_block=recompute_block, micro_batches=k.micro_batches, checkpoint_layers=checkpoint_layers,
@@ -95,7 +114,8 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
         buffers=(), weight_wire=k.weight_wire, grad_wire=k.grad_wire, compute_dtype=k.compute_dtype,
         layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
         loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes),
-        grad_ring=grad_ring, ring_tiles=ring_tiles, state_dtype=k.state_dtype, state_tier=k.state_tier)
+        grad_ring=grad_ring, ring_tiles=ring_tiles, state_dtype=k.state_dtype, state_tier=k.state_tier,
+        world=parallel.world, hosts=parallel.hosts, strategy=parallel.strategy)
     object.__setattr__(placement, "buffers", gpu_buffers(placement))
     return placement
 
@@ -103,6 +123,52 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs) -> Plac
 def resolve_host_layout(spec: ModelSpec, knobs: ScheduleKnobs) -> HostLayout:
     """The host store's layout for a schedule, before any batch shape is known (it does not depend on one)."""
     return resolve(spec, knobs.micro_batches, 1, knobs).host_layout
+
+
+# ---- what ranks and hosts support ------------------------------------------------------------------------------
+def check_parallelism(parallel: Parallelism, spec: ModelSpec | None = None) -> None:
+    """The rank and host counts, and (given `spec`) the model, that data parallelism supports whatever the
+    schedule; ScheduleError naming the knob and the fix otherwise."""
+    world, hosts = parallel.world, parallel.hosts
+    if world < 1:
+        raise ScheduleError(f"world size {world}: there must be at least one rank")
+    if hosts < 1 or world % hosts:
+        raise ScheduleError(f"{world} ranks cannot be spread evenly over {hosts} host(s): the world size must be a "
+                            "multiple of the number of hosts (give --gpus per host)")
+    if world > 1 and spec is not None:
+        check_model_shards(spec)
+
+
+def check_model_shards(spec: ModelSpec) -> None:
+    """A model whose units the ranks can slice: the sharded store, its checkpoints and its HF loads ask here."""
+    if spec.tie_word_embeddings:
+        raise ScheduleError(f"{spec.name} ties its embeddings; data parallel training does not shard a tied "
+                            "head yet. Train it on one GPU")
+
+
+def _check_rank_updates(parallel: Parallelism, gpu_units: int) -> None:
+    """Every rank updates its slices on its host: a unit updated on the GPU would need the whole unit's state."""
+    if parallel.world > 1 and gpu_units:
+        raise ScheduleError(f"data parallel over {parallel.world} ranks updates on the host only; this schedule "
+                            f"updates {gpu_units} unit(s) on the GPU (optimizer gpu/split placements, "
+                            "resident_layers, resident_embeddings). Use optimizer after, overlap or arrival with "
+                            "world > 1")
+
+
+def check_run_for_ranks(world: int, *, auto: bool = False, export_hf: bool = False,
+                        checkpoint_at_end: bool = True) -> None:
+    """The run-level choices `world` ranks support (`megatrain train` under torchrun): `--schedule auto` (each rank
+    would choose on its own, and ranks must run one Program) and an HF export without the final checkpoint (the
+    export reads every rank's slices from it). ScheduleError naming the setting and the fix otherwise."""
+    if world <= 1:
+        return
+    if auto:
+        raise ScheduleError(f"--schedule auto is not supported under torchrun ({world} ranks): choose the schedule "
+                            "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
+    if export_hf and not checkpoint_at_end:
+        raise ScheduleError(f"run.export_hf with {world} ranks exports the final checkpoint (rank 0 reads every "
+                            "rank's slices): set run.checkpoint_at_end=true, or export later with `megatrain "
+                            "export`")
 
 
 def _ring(k: ScheduleKnobs, L: int, notes: list[str]) -> tuple[int, int]:

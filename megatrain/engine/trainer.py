@@ -24,11 +24,13 @@ from megatrain.io.hf_io import state_dict_from_tiles
 from megatrain.exec.optim import AdamWConfig, UpdatePlan
 from megatrain.exec.runtime import Runtime
 from megatrain.exec.store import HostStore
+from megatrain.exec.strategies import host_store
 from megatrain.exec.work import StepWork
 from megatrain.parallel.world import World
 from megatrain.model.init import init_into
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+from megatrain.ir.placement import DEFAULT_STRATEGY
 from megatrain.ir.program import Program
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout
@@ -85,10 +87,8 @@ class StreamedTrainer:
         self.cpu_threads = set_update_threads(self.backend, cpu_threads)
         self.timeout_s = timeout_s
         layout = resolve_host_layout(spec, self.knobs)
-        if self.world.distributed:
-            from megatrain.parallel.shard import ShardedHostStore
-
-            self.store = ShardedHostStore(spec, layout, self.world, self.backend, tiles)
+        if self.world.distributed:  # this rank's share, as the strategy slices it (megatrain/parallel/sharded.py)
+            self.store = host_store(DEFAULT_STRATEGY, spec, layout, self.world, self.backend, tiles)
         else:
             self.store = HostStore(spec, layout, self.backend, tiles)
         # Without tiles: a seeded random init written straight into the store (no second copy of the model), or,

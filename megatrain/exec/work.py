@@ -10,8 +10,6 @@ checkpoints and which go to the host, the layer kernel, the wires and the clippi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
@@ -23,6 +21,9 @@ from megatrain.exec.compute import LayerCompute, StepBatch
 from megatrain.exec.optim import AdamWConfig, UpdatePlan
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.exec.store import HostStore
+# A parallel strategy (megatrain/parallel/) registers the bodies it replaces in exec/strategies.py: exec never
+# imports it.
+from megatrain.exec.strategies import parallel_handlers
 from megatrain.exec.updates import Updates
 
 Body = Callable[[ProgramTask], None]
@@ -37,20 +38,6 @@ def register_body(kind: TaskKind, find: Callable[[StepWork], Body]) -> None:
     if kind in BODIES:
         raise ValueError(f"task kind {kind.name} has a body already")
     BODIES[kind] = find
-
-
-# A parallel strategy (megatrain/parallel/) builds on exec/ and registers the bodies it replaces here: exec never
-# imports it. factory(step_work, world) -> {task kind: body}; `world` is the strategy's own process-group object.
-PARALLEL_HANDLERS: dict[str, Callable[..., dict[str, Body]]] = {}
-PARALLEL_KINDS: dict[str, frozenset[TaskKind]] = {}  # the kinds each strategy's factory gives bodies for
-
-
-def register_parallel_handlers(strategy: str, factory: Callable[..., dict[str, Body]], kinds=None):
-    """Register the task bodies a data-parallel strategy substitutes (called by the strategy's module); `kinds`:
-    the task kinds (or their letters) its factory returns bodies for."""
-    PARALLEL_HANDLERS[strategy] = factory
-    if kinds is not None:
-        PARALLEL_KINDS[strategy] = frozenset(TaskKind(k) for k in kinds)
 
 
 class StepWork:
@@ -71,15 +58,12 @@ class StepWork:
         # keyed by the letter: a ProgramTask's kind is the plain str (a str Enum hashes by its name)
         self.handlers: dict[str, Body] = {k.value: find(self) for k, find in BODIES.items()}
         if program.placement.world > 1:  # data parallel: the strategy's bodies (registered by megatrain/parallel/)
-            strategy = "sharded"
-            if strategy not in PARALLEL_HANDLERS:
-                raise ValueError(f"the Program runs data parallel ({strategy!r} over {program.placement.world} "
-                                 "ranks) and no such strategy is registered: import megatrain.parallel")
+            factory = parallel_handlers(program.placement.strategy, program.placement.world)
             if world is None or world.size != program.placement.world:
                 raise ValueError(f"the Program runs data parallel over {program.placement.world} ranks; pass the "
                                  "World of this process (megatrain.parallel.world.World.from_env)")
             self.handlers.update({TaskKind(k).value: body
-                                  for k, body in PARALLEL_HANDLERS[strategy](self, world).items()})
+                                  for k, body in factory(self, world).items()})
         missing = sorted({t.kind for t in program.tasks.values()} - set(self.handlers))
         if missing:
             raise ValueError(f"the Program has task kinds {missing} that no body is registered for (exec/work.py "

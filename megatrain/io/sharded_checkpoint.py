@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatrain.compile.resolve import check_model_shards
 from megatrain.exec.store import HostStore
+from megatrain.ir.dag import ScheduleError
 from megatrain.io import safetensors_io as stio
 from megatrain.io.checkpoint import (
     FORMAT as STATE_FORMAT,
@@ -67,8 +69,11 @@ def save_sharded(path: str | Path, store: HostStore, world: World, trainer_step:
     """Write this rank's slices (every rank calls it, after `flush()`); returns the checkpoint directory.
     `state`: the run's trainer state (rank 0's is written, as `trainer_state.json`); None writes no state file."""
     path = Path(path)
-    if store.spec.tie_word_embeddings:
-        raise CheckpointError("sharded checkpoints do not hold tied embeddings (data parallel refuses them)")
+    try:
+        check_model_shards(store.spec)  # the resolver decides which models the ranks can slice
+    except ScheduleError as e:
+        raise CheckpointError(f"sharded checkpoints do not hold tied embeddings (data parallel refuses them): {e}") \
+            from None
     tmp = path.with_name(f".tmp-{path.name}")
     if world.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

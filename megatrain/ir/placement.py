@@ -37,6 +37,28 @@ def padded_numel(n: int, world: int) -> int:
 
 
 
+DEFAULT_STRATEGY = "sharded"  # the collective strategy of a data-parallel run (megatrain/parallel/sharded.py)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The run's shape of parallelism, as the resolver takes it: `world` ranks (one per GPU) spread evenly over
+    `hosts` hosts, and the collective strategy that joins them. `resolve()` decides what it supports and the
+    Placement carries it (megatrain/compile/resolve.py)."""
+
+    world: int = 1
+    hosts: int = 1
+    strategy: str = DEFAULT_STRATEGY
+
+    @property
+    def per_host(self) -> int:
+        """Ranks on each host."""
+        return self.world // self.hosts
+
+
+ONE_GPU = Parallelism()
+
+
 class Timing(str, Enum):
     """When the updates of a step's gradients run."""
 
@@ -202,12 +224,19 @@ class Placement:
     loss_chunk_tokens: int  # tokens per chunk of the fused head + loss
     mlp_tile_tokens: int = 0  # tokens per tile of the layers' norm + MLP half; 0 = untiled
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
-    world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/compile/collectives.py)
+    world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/parallel/sharded.py)
     grad_ring: int = 0  # gradient ring tiles in use (0: a landing tile per unit)
     ring_tiles: tuple[tuple[int, int], ...] = ()  # (unit, ring tile) in landing order
     state_dtype: str = "fp32"  # Adam m and v on the host
     state_tier: str = "host"  # "host" | "nvme-moments" | "nvme-all" (planned and simulated only)
+    hosts: int = 1  # the ranks spread evenly over this many hosts (collectives cross the network when > 1)
+    strategy: str = DEFAULT_STRATEGY  # the collective strategy joining the ranks (read only when world > 1)
     _by_unit: dict = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The ranks, hosts and strategy this placement was resolved for."""
+        return Parallelism(self.world, self.hosts, self.strategy)
 
     # ---- per unit -----------------------------------------------------------------------------------------------
     def unit(self, unit: int) -> UnitPlacement:
@@ -306,8 +335,10 @@ class Placement:
             "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
         ]
         if self.world > 1:
-            lines.append(f"data parallel over {self.world} ranks: each owns 1/{self.world} of every unit's host "
-                         "state; slots filled by all-gather, gradients reduce-scattered")
+            hosts = f" on {self.hosts} hosts ({self.world // self.hosts} each)" if self.hosts > 1 else ""
+            lines.append(f"data parallel over {self.world} ranks{hosts}, strategy {self.strategy}: each owns "
+                         f"1/{self.world} of every unit's host state; slots filled by all-gather, gradients "
+                         "reduce-scattered")
         if self.grad_ring or self.state_dtype != "fp32" or self.state_tier != "host":
             order = [f"{unit_text(u)}:{t}" for u, t in self.ring_tiles]  # unit:tile in landing order
             shown = " ".join(order[:8]) + (f" ... {order[-1]}" if len(order) > 8 else "")
@@ -332,7 +363,8 @@ class Placement:
             "layer_kernel": self.layer_kernel, "clip_max_norm": self.clip_max_norm,
             "loss_chunk_tokens": self.loss_chunk_tokens, "mlp_tile_tokens": self.mlp_tile_tokens,
             "notes": list(self.notes),
-            **({"world": self.world} if self.world > 1 else {}),  # one-GPU Programs keep their JSON
+            # one-GPU Programs keep their JSON (and hash); from_dict defaults the three
+            **({"world": self.world, "hosts": self.hosts, "strategy": self.strategy} if self.world > 1 else {}),
             "loss_chunk_tokens": self.loss_chunk_tokens, "notes": list(self.notes),
             "grad_ring": self.grad_ring, "ring_tiles": [list(r) for r in self.ring_tiles],
             "state_dtype": self.state_dtype, "state_tier": self.state_tier,

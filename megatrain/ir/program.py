@@ -11,6 +11,7 @@ Each task kind's stream is part of its definition (ir/tasks.py, TaskKind.stream)
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -117,6 +118,15 @@ class Program:
                 where = f" [{t.slot}->{t.fills}]" if t.fills else f" [{t.slot}]" if t.slot else ""
                 lines.append(f"   {tid}{where}" + (f" <- {' '.join(t.waits)}" if t.waits else ""))
         return "\n".join(lines)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of what the interpreters run: every stream's queue, every task (kind, unit, waits, slot,
+        bytes, FLOPs, ...) and the GPU memory plan; the definition tests/golden/program_hashes.json pins. Placement
+        settings that change no task (the layer kernel, the hosts of a multi-host run) are not in it: a result
+        records those with its knobs (megatrain/compile/record.py)."""
+        d = {"tasks": [asdict(self.tasks[t]) for s in self.streams for t in self.streams[s]],
+             "streams": self.streams, "memory": asdict(self.memory)}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     # -- JSON --
     def to_dict(self) -> dict:

@@ -1,6 +1,6 @@
-"""Data parallelism over the GPUs of one host: process groups and CPU affinity (world.py), the rank's slice of the
-host store (shard.py), and the bodies of the collective tasks (work.py). The schedule side (slicing, the G and Z
-tasks) is megatrain/compile/collectives.py; docs/multigpu.md describes the design."""
+"""Data parallelism: process groups and CPU affinity (world.py), and the collective strategies, one module each
+(sharded.py: each rank owns a slice of every unit). Importing the package registers every strategy's lowering
+passes, costs, task bodies and host store with compile/, sim/ and exec/, which never import parallel/.
+docs/multigpu.md describes the design and how to add a strategy."""
 
-# Importing the package registers its strategies' task bodies with the executor (exec/ never imports parallel/).
-from megatrain.parallel import work as _sharded_work  # noqa: E402,F401
+from megatrain.parallel import sharded  # noqa: F401  (registers the "sharded" strategy)

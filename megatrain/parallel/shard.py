@@ -16,8 +16,8 @@ from megatrain.exec.backend import Backend
 from megatrain.exec.optim import decayed_in
 from megatrain.exec.store import HostStore
 from megatrain.model.init import init_unit
-from megatrain.compile.collectives import shard_numel
-from megatrain.ir.placement import HostLayout
+from megatrain.compile.resolve import check_model_shards
+from megatrain.ir.placement import HostLayout, shard_numel
 from megatrain.model.spec import ModelSpec
 from megatrain.parallel.world import World
 
@@ -27,9 +27,7 @@ class ShardedHostStore(HostStore):
 
     def __init__(self, spec: ModelSpec, layout: HostLayout, world: World, backend: Backend | None = None,
                  tiles: Mapping[int, torch.Tensor] | None = None):
-        if spec.tie_word_embeddings:
-            raise ValueError(f"{spec.name} ties its embeddings; data parallel training does not shard a tied head "
-                             "yet (train it on one GPU)")
+        check_model_shards(spec)  # the resolver's rule (a ScheduleError, which is a ValueError)
         self.world = world
         super().__init__(spec, layout, backend, tiles)
 

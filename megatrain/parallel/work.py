@@ -5,15 +5,15 @@ one-GPU bodies, reading the rank's slices of the host store (megatrain/parallel/
 A slot of an n-element unit holds N equal slices of s elements (N*s >= n, megatrain/compile/collectives.py); rank r's is
 `[r*s, (r+1)*s)`. All collectives run on the `comm` stream thread, in Program order, so every rank issues the same
 sequence. NCCL (CUDA) gathers and reduce-scatters in place; gloo (the CPU backend, CI) has no reduce-scatter, so
-there it all-reduces the slot and keeps the slice: same sums, more bytes.
+there it all-reduces the slot and keeps the slice: same sums, more bytes. megatrain/parallel/sharded.py registers
+these bodies with the executor.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from megatrain.compile.collectives import shard_numel
-from megatrain.exec.work import register_parallel_handlers
+from megatrain.ir.placement import shard_numel
 from megatrain.ir.program import ProgramTask
 from megatrain.parallel.shard import ShardedHostStore
 from megatrain.parallel.world import World
@@ -82,12 +82,3 @@ class ShardedCopies:
         _, s, lo = self._span(t.unit)
         self.store.gradients_landing(t.unit)
         self.store.grad(t.unit).copy_(self._wire(buf.g[lo:lo + s]), non_blocking=True)
-
-
-def _sharded_handlers(work, world: World) -> dict:
-    """The bodies the sharded strategy substitutes in a StepWork: P of the slice, G, Z, and O of the slice."""
-    d = ShardedCopies(world, work.store, work.buffers, work.updates, work.backend)
-    return {"P": d.prefetch, "G": d.gather, "Z": d.reduce_scatter, "O": d.offload}
-
-
-register_parallel_handlers("sharded", _sharded_handlers, kinds="PGZO")

@@ -29,6 +29,7 @@ import pandas as pd
 
 from megatrain.analysis.summary import StepSummary, summarize
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.compile.record import ProgramRecord
 from megatrain.ir.program import Program
 from megatrain.sim import HardwareProfile, load_profile, simulate
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
@@ -199,6 +200,8 @@ class Comparison:
                    "predicted": self.pred_summary.to_dict(), "measured": self.meas_summary.to_dict(),
                    "profile": self.profile.name, "knobs": self.program.knobs,
                    "model": self.program.model.name, "batch": self.program.batch, "seq": self.program.seq}
+        if self.program.knobs is not None:  # what ran, rebuildable (compile/record.py)
+            summary["record"] = ProgramRecord.of(self.program).to_dict()
         paths["summary"].write_text(json.dumps(summary, indent=1, default=float) + "\n")
         if self.calibration is not None:
             paths["profile_calibrated"] = self.calibration.save(d)
@@ -310,3 +313,24 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
             s += (x > 0) - (x < 0) if y > 0 else -((x > 0) - (x < 0)) if y < 0 else 0
     pairs = n * (n - 1) / 2
     return s / pairs if pairs else 1.0
+
+
+def kendall_tau_b(xs: list[float], ys: list[float]) -> float | None:
+    """Kendall's tau-b of two rankings (None with fewer than two items or no untied pair): ties in either ranking
+    are left out of the count and scale the denominator (scripts/bench.py, scripts/calibration_transfer.py)."""
+    n, conc, disc, tx, ty = len(xs), 0, 0, 0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tx += 1
+            elif dy == 0:
+                ty += 1
+            elif (dx > 0) == (dy > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
+    return (conc - disc) / denom if denom else None

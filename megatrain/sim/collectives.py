@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
+from megatrain.ir.placement import Placement
 from megatrain.ir.tasks import Collective
 from megatrain.sim.profile import HardwareProfile
 
@@ -73,6 +75,28 @@ def collective_s(profile: HardwareProfile, kind: Collective | str, nbytes: int) 
     rides = Collective(kind) is Collective.REDUCE_SCATTER  # the unit's squared norm, all-reduced after it
     extra = table(profile, Collective.ALL_REDUCE)["latency_s"] if rides else 0.0
     return t["latency_s"] + extra + (nbytes / bus_Bps(profile, kind, nbytes) if nbytes else 0.0)
+
+
+# strategy name -> fn(profile, world, hosts) -> the profile one rank sees. A collective strategy registers its own
+# (megatrain/parallel/sharded.py registers `rank_share`); sim/ never imports parallel/.
+_RANK_PROFILES: dict[str, Callable[[HardwareProfile, int, int], HardwareProfile]] = {}
+
+
+def register_rank_profile(strategy: str, fn: Callable[[HardwareProfile, int, int], HardwareProfile]) -> None:
+    """Register how a collective strategy's rank sees its host and network (called by the strategy's module)."""
+    _RANK_PROFILES[strategy] = fn
+
+
+def rank_profile(profile: HardwareProfile, placement: Placement) -> HardwareProfile:
+    """The profile one rank of `placement` sees (its world, hosts and strategy); one rank: `profile` itself.
+    ValueError for a strategy that nobody registered."""
+    if placement.world <= 1 and placement.hosts <= 1:
+        return profile
+    fn = _RANK_PROFILES.get(placement.strategy)
+    if fn is None:
+        raise ValueError(f"the Program runs {placement.world} ranks with collective strategy "
+                         f"{placement.strategy!r}, whose costs are not registered; import megatrain.parallel first")
+    return fn(profile, placement.world, placement.hosts)
 
 
 def rank_share(profile: HardwareProfile, world: int, hosts: int = 1) -> HardwareProfile:

@@ -25,8 +25,9 @@ import simpy
 
 from megatrain.analysis.summary import StepSummary, summarize
 from megatrain.analysis.timeline import make_timeline
+from megatrain.ir.facts import NO_CLIP, StepFacts
 from megatrain.ir.program import STREAMS, Program
-from megatrain.sim.collectives import rank_share
+from megatrain.sim.collectives import rank_profile
 from megatrain.sim.costs import CostModel
 from megatrain.sim.hostmem import HostMemory
 from megatrain.sim.profile import HardwareProfile, load_profile
@@ -44,10 +45,21 @@ class SimResult:
     summary: StepSummary
     program: Program
     profile: HardwareProfile
+    facts: StepFacts = NO_CLIP
+    other_step_s: float | None = None  # 0 < clip_share < 1 with speculative clipping: the step that clips
 
     @property
     def step_s(self) -> float:
+        """Seconds of the simulated step (its Timeline's)."""
         return self.summary.step_s
+
+    @property
+    def mean_step_s(self) -> float:
+        """Seconds per step over the run: the step that does not clip and the one that does, weighted by
+        `facts.clip_share` (the simulated step's own time when only one kind of step occurs)."""
+        if self.other_step_s is None:
+            return self.step_s
+        return (1 - self.facts.clip_share) * self.step_s + self.facts.clip_share * self.other_step_s
 
 
 class _Engine:
@@ -151,25 +163,31 @@ def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
         return []
 
 
-def simulate(program: Program, profile: HardwareProfile | str = "h200", clip_activates: bool = False,
-             hosts: int = 1) -> SimResult:
+def simulate(program: Program, profile: HardwareProfile | str = "h200", facts: StepFacts = NO_CLIP) -> SimResult:
     """Predict one training step of `program` on `profile` (a HardwareProfile, a shipped name or a JSON path).
 
-    clip_activates: with speculative clipping (exact clipping, arrival timing), predict a step whose global norm
-    exceeds the max, so every update is undone and redone (CLIP_REDO); by default the step that does not clip.
+    The ranks and hosts are the Program's (`placement.world`, `.hosts`): a data-parallel rank shares host memory
+    bandwidth and CPU with the ranks of its host, and with several hosts its collectives cross the network; the
+    placement's collective strategy registered how (sim/collectives.py `rank_profile`).
 
-    hosts: a data-parallel Program's ranks (`placement.world`) spread evenly over this many hosts: a rank shares
-    host memory bandwidth and CPU with the ranks of its host only, and its collectives cross the network
-    (sim/collectives.py). 1 (the default) is the one-host model.
+    facts: what the run knows about its steps (ir/facts.py). With speculative clipping (exact clipping, arrival
+    timing) the Timeline is of a step that clips (every update undone and redone, CLIP_REDO) when
+    `facts.clip_share` is 1, else of a step that does not; for a share strictly between 0 and 1 the other step is
+    simulated too, and `SimResult.mean_step_s` weighs both.
 
-    Returns SimResult(timeline, summary, program, profile); the Timeline has source="predicted".
+    Returns SimResult(timeline, summary, program, profile, facts); the Timeline has source="predicted".
     Raises SimulationError when the Program cannot run to the end.
     """
     try:
-        profile = rank_share(load_profile(profile), program.placement.world, hosts)  # ranks share their host
+        profile = rank_profile(load_profile(profile), program.placement)  # ranks share their host
     except ValueError as e:
         raise SimulationError(str(e)) from None
     check_program(program)
-    rows = _Engine(program, profile, clip_activates).run()
+    speculative = program.placement.speculative_clip
+    clips = speculative and facts.clip_share >= 1.0
+    rows = _Engine(program, profile, clips).run()
+    other = None
+    if speculative and 0.0 < facts.clip_share < 1.0:  # the run mixes both kinds of step
+        other = max((r["end_s"] for r in _Engine(program, profile, True).run()), default=0.0)  # as summarize
     timeline = make_timeline(rows, source="predicted")
-    return SimResult(timeline, summarize(timeline, program), program, profile)
+    return SimResult(timeline, summarize(timeline, program), program, profile, facts, other)

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 from megatrain.compile.knobs import DEFAULT_SCHEDULE, NAMED_SCHEDULES, resolve_knobs
+from megatrain.compile.resolve import check_run_for_ranks
 from megatrain.ir.dag import ScheduleError
 from megatrain.plan.machine import gpu_memory
 from megatrain.tomlfile import read_toml
@@ -93,10 +94,10 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
     the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that re-checks it
     after the warm-up (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
     kept. Without run.profile it uses this machine's profile, measured quickly first when there is none."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks > 1:  # each rank would choose (and re-choose) on its own, and ranks must run one Program
-        raise ConfigError(f"--schedule auto is not supported under torchrun ({ranks} ranks): choose the schedule "
-                          "first (`megatrain simulate --schedule auto --gpus N ...`) and pass it to every rank")
+    try:  # each rank would choose (and re-choose) on its own, and ranks must run one Program (the resolver says so)
+        check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
 
     # Only `auto` needs these: the simulator and the candidates (tune), the profiler and torch (autoswitch).
     from megatrain.train.autoswitch import choose_before_run, schedule_overrides

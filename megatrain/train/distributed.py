@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from dataclasses import replace
 
+from megatrain.compile.resolve import check_run_for_ranks
+from megatrain.ir.dag import ScheduleError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.parallel.world import World
 
@@ -21,9 +23,10 @@ def config_for_rank(cfg: RunConfig, world: World) -> RunConfig:
     if not world.distributed:
         return cfg
     run = cfg.run
-    if run.export_hf and not run.checkpoint_at_end:
-        raise ConfigError(f"run.export_hf with {world.size} ranks exports the final checkpoint (rank 0 reads every "
-                          "rank's slices): set run.checkpoint_at_end=true, or export later with `megatrain export`")
+    try:  # what a run of world.size ranks supports is decided by the resolver's module
+        check_run_for_ranks(world.size, export_hf=run.export_hf, checkpoint_at_end=run.checkpoint_at_end)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
     if world.rank == 0:
         return cfg
     scratch = tempfile.mkdtemp(prefix=f"megatrain-rank{world.rank}-")

@@ -64,6 +64,7 @@ from megatrain.train.metrics import (
     host_rss_bytes,
     reset_gpu_peak,
 )
+from megatrain.compile.record import ProgramRecord
 from megatrain.train.outputs import report_lines, write_timelines
 from megatrain.train.preflight import preflight
 from megatrain.train.result import RunSummary
@@ -188,6 +189,7 @@ class _Training:
             raise self.ckpt.stopped(self.trainer.step_count, str(e)) from e
         # 5. the prediction of the same Program
         self.program = self.trainer.program(self.batch, self.seq)
+        ProgramRecord.of(self.program).save(run_dir)  # what ran, rebuildable (compile/record.py)
         for note in self.program.placement.notes:
             self.log(f"note: {note}")
         self.predicted = None

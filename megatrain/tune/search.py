@@ -20,6 +20,7 @@ from typing import Iterable
 
 import pandas as pd
 
+import megatrain.parallel  # noqa: F401  (registers the collective strategies: the search simulates world > 1)
 from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.compile.knobs import ScheduleKnobs
