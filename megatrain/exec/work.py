@@ -10,6 +10,8 @@ checkpoints and which go to the host, the layer kernel, the wires and the clippi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
