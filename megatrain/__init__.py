@@ -7,6 +7,7 @@ Every public name below is imported on first use (PEP 562 `__getattr__`): `impor
 `--help` / `--version` do not pay for pandas, networkx, simpy or torch until something needs them.
 """
 from __future__ import annotations
+import importlib
 
 __version__ = "0.1.0"
 
@@ -39,7 +40,6 @@ __all__ = ["__version__", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
 
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # the next access is a plain attribute

@@ -16,6 +16,8 @@ import math
 import types
 import typing
 from typing import Any
+import dataclasses
+import json
 
 
 class SettingError(ValueError):
@@ -94,7 +96,6 @@ def check_setting(key: str, value: Any, t: Any) -> Any:
 
 def toml_value(v: Any) -> str:
     """A scalar setting as TOML text (the inverse of reading it back with `tomllib`)."""
-    import json
 
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -105,7 +106,6 @@ def toml_value(v: Any) -> str:
 
 def field_types(cls) -> dict[str, Any]:
     """{field name: resolved type} of a dataclass (annotations may be strings under `from __future__`)."""
-    import dataclasses
 
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

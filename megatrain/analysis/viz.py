@@ -18,6 +18,7 @@ from megatrain.ir.program import Program
 from megatrain.ir.streams import STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.analysis.summary import gpu_memory_curve
+from matplotlib.figure import Figure
 
 Timelines = Union[pd.DataFrame, Sequence[pd.DataFrame], Mapping[str, pd.DataFrame]]
 
@@ -136,7 +137,6 @@ def gantt(timelines: Timelines, path: str | Path | None = None, layout: str = "s
     layout="stacked": all timelines on one time axis, one block of stream rows each (compare a predicted and a
     measured step task by task); layout="side": one panel per timeline, side by side, on a shared time axis.
     """
-    from matplotlib.figure import Figure
 
     rows = labelled(timelines)
     if layout not in ("stacked", "side"):

@@ -18,6 +18,7 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain import __version__
 
     parser = argparse.ArgumentParser(
@@ -34,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _is_user_error(e: Exception) -> bool:
     """Whether `e` is a user mistake (one line, exit 2). The error types are imported only once one was raised, the
     torch-free ones first: `plan` and `simulate` never need torch, not even to report a mistake."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.dag import ScheduleError
     from megatrain.model.spec import SpecError
     from megatrain.train.config_values import ConfigError
 
     if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
         return True
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.io.checkpoint import CheckpointError
     from megatrain.data.batches import DataError
     from megatrain.io.safetensors_io import SafetensorsFormatError
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_user_error(e):
             print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
             return 2
+        # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
         from megatrain.train.errors import TrainingError
 
         if isinstance(e, TrainingError):  # the run started and stopped on its own: what happened, how to go on

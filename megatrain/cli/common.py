@@ -20,6 +20,7 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
 
 def write_schedule_file(path: Path, knobs) -> Path:
     """A schedule file (`[schedule]` table: name plus every knob) that reproduces `knobs`."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.settings import toml_value
 
     lines = ["[schedule]", 'name = "overlap"  # the base; every knob is set below']

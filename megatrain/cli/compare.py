@@ -45,6 +45,7 @@ def register(sub) -> None:
 
 
 def _profile_for(args, spec, device: str, first_knobs, out: Path):
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.profiling import ProfileRequest, measure_profile
     from megatrain.sim import ProfileError, load_profile
 
@@ -62,9 +63,11 @@ def _profile_for(args, spec, device: str, first_knobs, out: Path):
 
 
 def run(args) -> int:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     import pandas as pd
     import torch
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.model.init import init_tiles
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import resolve_knobs
@@ -95,6 +98,7 @@ def run(args) -> int:
     for v, _, knobs in resolved:
         check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
     if args.measure_profile:
+        # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
         from megatrain.profiling.calibrate import profile_host_reserve
 
         check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, resolved[0][2], device,

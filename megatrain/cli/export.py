@@ -4,6 +4,8 @@
     megatrain export runs/ft-1/checkpoints/step_00000500 out/ft-500 --dtype fp32
 """
 from __future__ import annotations
+from pathlib import Path
+import time
 
 
 def register(sub) -> None:
@@ -17,9 +19,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import time
-    from pathlib import Path
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.io.checkpoint import CheckpointError
     from megatrain.train.export import export_checkpoint
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from megatrain.cli.common import add_run_arguments
+import textwrap
 
 
 def machine_memory(host_gib: float | None = None, gpu_gib: float | None = None) -> tuple[int | None, int | None]:
     """(host bytes, GPU bytes) to check a plan against: the --host-gib / --gpu-gib given, else this machine's usable
     host memory (megatrain/plan/machine.py: cgroup and ulimit limits included, said in one line when one binds)
     and its GPU's total memory (None without CUDA)."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.plan.machine import gpu_memory, host_memory
 
     if host_gib:
@@ -23,8 +25,8 @@ def machine_memory(host_gib: float | None = None, gpu_gib: float | None = None) 
 
 def knob_lines(knobs) -> list[str]:
     """The knobs by group (placement, step shape, numerics: megatrain/compile/knobs.py), one line each, wrapped."""
-    import textwrap
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.compile.knobs import knobs_by_group
 
     lines = ["knobs:"]
@@ -47,6 +49,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.plan.memory import GiB, format_plan
     from megatrain.compile.advice import fit_report, plan_memory
@@ -72,6 +75,7 @@ def run(args) -> int:
 def _run_world(args, spec, name, knobs) -> int:
     """`plan --gpus N [--hosts H]`: one rank's host and GPU memory, the host's total over its N ranks (what must
     fit in one host's memory) and, over H hosts, the whole job's."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     import megatrain.parallel  # noqa: F401  (registers the collective strategies' slicing rules)
     from megatrain.compile.strategies import rank_host_plan
     from megatrain.ir.dag import ScheduleError

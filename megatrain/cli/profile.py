@@ -67,8 +67,10 @@ ADVICE = ("lower --batch / --seq, or profile on a machine with more memory; `meg
 
 
 def run(args) -> int:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     import torch
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.model.presets import get_model
     from megatrain.profiling import ProfileRequest, measure_profile
@@ -95,6 +97,7 @@ def run(args) -> int:
         raise UserError("--cpu-threads must be at least 1")
     if not args.wait_timeout > 0:
         raise UserError("--wait-timeout must be a positive number of seconds")
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.profiling import bench
 
     bench.WAIT_TIMEOUT_S = args.wait_timeout  # read by every bounded wait of the measurement
@@ -125,6 +128,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rec = None
     if ranks > 1:  # every rank measures the collectives; then rank 0 alone measures the rest
+        # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
         from megatrain.profiling.collectives import measure_launch, report
 
         rank, rec = measure_launch(device, knobs.weight_wire, args.wait_timeout, args.quick)
@@ -133,6 +137,7 @@ def run(args) -> int:
         print(report(rec))
     cal = measure_profile(req)
     if rec is not None:
+        # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
         from megatrain.profiling.collectives import with_collectives
 
         cal = replace(cal, profile=with_collectives(cal.profile, rec), measurements=dict(cal.measurements,
@@ -154,6 +159,7 @@ def _check_rank_device(args, device: str, ranks: int) -> None:
 
 def _collectives_only(args, device: str, knobs, ranks: int) -> int:
     """`--collectives-only` (every rank): measure the collectives; rank 0 writes them into `--base`'s fields."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.profiling.calibrate import Calibration
     from megatrain.profiling.collectives import measure_launch, report, with_collectives
     from megatrain.profiling.machine import this_machine

@@ -90,6 +90,7 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
         key, values = (s.strip() for s in item.split("=", 1))
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if key != "schedule":
+            # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
             from megatrain.compile.knobs import parse_knob_value
 
             for v in vals:
@@ -152,6 +153,7 @@ def row_of(v: Variant, result) -> dict:
 
 def write_artefacts(directory: Path, result, config: dict, plots: bool = True) -> None:
     """timeline_sim.csv / .json, trace.json, gantt.png, summary.json, config.json of one variant."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.analysis.viz import gantt, write_chrome_trace
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -189,6 +191,7 @@ def _choose(args, spec, profile, out: Path) -> Path:
     """`--schedule auto`: the fastest predicted schedule that fits the GPU budget and keeps the numerics of the
     --set knobs (megatrain/tune/auto.py, the rule every `auto` follows); printed with the next best, and written as
     a schedule file. The host is not checked: the prediction is for the profile's machine."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
     from megatrain.tune.auto import BudgetError, auto_budget, choose_auto
@@ -219,14 +222,17 @@ def check_world(args) -> int:
 
 def parallelism_of(args):
     """The run's Parallelism of `--gpus` per host x `--hosts` (what the resolver takes, megatrain/ir/placement.py)."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.placement import Parallelism
 
     return Parallelism(world=check_world(args), hosts=args.hosts)
 
 
 def run(args) -> int:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     import pandas as pd
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.compile.builders import build_schedule
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import resolve_knobs
@@ -234,6 +240,7 @@ def run(args) -> int:
     from megatrain.model.presets import get_model
     from megatrain.sim import ProfileError, SimulationError, load_profile, simulate
 
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     import megatrain.parallel  # noqa: F401  (registers the collective strategies' passes and costs)
     from megatrain.ir.facts import StepFacts
 
@@ -248,6 +255,7 @@ def run(args) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.profiling.machine import mismatch_line
 
     mine = f"runs/profile-{spec.name}.json"

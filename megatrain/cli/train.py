@@ -18,6 +18,7 @@ A run writes runs/<name>/: config.toml (every key), train.log, metrics.jsonl, ch
 
 
 def register(sub) -> None:
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.train.command import add_train_arguments, run_from_args
 
     p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)",

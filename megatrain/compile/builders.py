@@ -32,6 +32,7 @@ from megatrain.compile.resolve import resolve
 from megatrain.compile.strategies import add_strategy_passes
 from megatrain.compile.stepgraph import StepGraph, Visit, copy_attrs, work_attrs
 from megatrain.ir.tasks import NORM, B, F, O, P, R, S, Task, TaskKind, U, V, W, X, Y
+from megatrain.compile.lower import lower
 
 
 # ---- passes -----------------------------------------------------------------------------------------------------
@@ -371,7 +372,6 @@ def _report_if_lookahead_changes_nothing(sched: Schedule, knobs: ScheduleKnobs) 
     """state_lookahead moves state copies in the program order, but dependencies (the state-buffer ring, one weight
     buffer, a short model) can fix the queues regardless: then the placement's notes say so, rather than the knob
     silently doing nothing. Only the stream queues count (what the interpreters follow)."""
-    from megatrain.compile.lower import lower
 
     p = sched.placement
     default = resolve(p.model, p.batch, p.seq, replace(knobs, state_lookahead=None))

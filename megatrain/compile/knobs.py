@@ -90,6 +90,8 @@ from megatrain.settings import SettingError, check_setting, field_types, parse_s
 from megatrain.model.spec import DTYPE_BYTES
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import WIRE_DTYPES
+from megatrain.tomlfile import read_toml
+from pathlib import Path
 
 # Presets of a timing and a rule for the GPU-updated layers (megatrain/ir/placement.py: OPTIMIZER_PRESETS).
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
@@ -261,9 +263,6 @@ def resolve_knobs(schedule: str = DEFAULT_SCHEDULE,
                   overrides: list[str] | dict | None = None) -> tuple[str, ScheduleKnobs]:
     """Knobs from a named schedule or a TOML file (a [schedule] table: `name` plus knobs), then `knob=value`
     overrides. Returns (display name, knobs)."""
-    from pathlib import Path
-
-    from megatrain.tomlfile import read_toml
 
     if schedule in NAMED_SCHEDULES:
         name, knobs = schedule, NAMED_SCHEDULES[schedule]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from tokenizers import Tokenizer
 
 BYTE_VOCAB_SIZE = 256
 BYTES = "bytes"  # the data.tokenizer value that asks for byte-level tokens
@@ -123,7 +124,6 @@ def _vocab(path: Path) -> dict:
 
 def load_tokenizer(path: str | Path):
     """A `tokenizers.Tokenizer` from a local tokenizer.json, or from a directory holding one (no network)."""
-    from tokenizers import Tokenizer
 
     path = Path(path)
     if path.is_dir():

@@ -35,6 +35,7 @@ from megatrain.ir.placement import HostLayout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.exec.backend import PAGE, Backend, CpuBackend
 from megatrain.model.layout import UnitLayout, unit_layout
+from megatrain.ir.placement import host_component_names
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -289,8 +290,6 @@ class HostStore:
 
     # ---- accounting ----------------------------------------------------------------------------------------------
     def _regions(self) -> dict[str, HostRegion | None]:
-        from megatrain.ir.placement import host_component_names
-
         names = host_component_names(self.layout)
         return {
             names["master"]: self._master,

@@ -34,6 +34,7 @@ from megatrain.io.hf_io import CheckpointError
 from megatrain.model.layout import UnitLayout, unit_layout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec, load_hf_config
 from megatrain.io import safetensors_io as stio
+from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -203,8 +204,6 @@ def _check_finite(file: Path, items, tile: torch.Tensor, offset: int) -> None:
 
 
 def _read_unit_tensors(file: Path, items, tile: torch.Tensor, offset: int) -> None:
-    from safetensors import safe_open
-
     converted = [(s, name, info) for s, name, info in items if info.dtype != torch.float32]
     for s, name, info in items:
         if info.dtype == torch.float32:  # same dtype: read the bytes straight into the tile

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import hashlib
 
 DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -162,7 +163,6 @@ def read_into(path: str | Path, info: TensorInfo, out: torch.Tensor) -> torch.Te
 
 def file_sha256(path: str | Path, chunk_bytes: int = 16 * 2**20) -> str:
     """SHA-256 of a file, read in chunks (constant memory)."""
-    import hashlib
 
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from megatrain.model.spec import DTYPE_BYTES, EMBED, HEAD, ModelSpec
+from megatrain.ir.tasks import S, U
+from megatrain.ir.tasks import unit_text
 
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # a wire knob's word -> the torch dtype it moves
 SHARD_ALIGN = 1024  # elements: one 4 KiB page of fp32; a rank's slice of a unit is whole pages
@@ -263,7 +265,6 @@ class Placement:
     def landing_readers(self, unit: int) -> list:
         """The tasks that read `unit`'s gradients from its host landing tile: its host update, or the state copy S
         of a GPU update; a tied head's tile is read by the embedding's update too (it adds the lm_head gradient)."""
-        from megatrain.ir.tasks import S, U
 
         readers = [S(unit) if self.unit(unit).update is UpdateSite.GPU_STREAMED else U(unit)]
         if unit == HEAD and self.model.tie_word_embeddings:
@@ -311,7 +312,6 @@ class Placement:
 
     def describe(self) -> str:
         """A few lines saying what lives where: the placement as `megatrain plan` / `simulate` print it."""
-        from megatrain.ir.tasks import unit_text
 
         def units_of(pred) -> str:
             chosen = [u.unit for u in self.units if pred(u)]

@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from megatrain.ir.tasks import Collective
 from megatrain.sim.profile import HardwareProfile
+from megatrain.parallel.world import World
+import os
 
 KiB, MiB = 2**10, 2**20
 KINDS = {c.value: c.label for c in Collective}  # the operations measured, by letter (ir/tasks.py `Collective`)
@@ -103,9 +105,6 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
     """Every rank of a torchrun launch: join the world (`World.from_env`), measure the collectives, leave it.
     Returns (rank, record); only rank 0 logs. The rank's core pinning (World.from_env) is undone afterwards, so
     that rank 0 measures the rest of a profile on all the cores, as one process would."""
-    import os
-
-    from megatrain.parallel.world import World
 
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     world = World.from_env("cuda" if device == "cuda" else "cpu", timeout_s)

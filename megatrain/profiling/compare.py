@@ -34,6 +34,11 @@ from megatrain.ir.program import Program
 from megatrain.sim import HardwareProfile, load_profile, simulate
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.profiling.overhead import with_spans
+from megatrain.analysis.viz import gantt, write_chrome_trace
+from megatrain.data.batches import synthetic_batches
+from megatrain.engine.trainer import StreamedTrainer
+from megatrain.exec.optim import AdamWConfig
+from megatrain.model.init import init_tiles
 
 
 def task_group(kind: str, unit) -> str:
@@ -47,9 +52,6 @@ def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, s
                   name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
     """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
     measured Timeline of every step."""
-    from megatrain.exec.optim import AdamWConfig
-    from megatrain.data.batches import synthetic_batches
-    from megatrain.engine.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -76,10 +78,6 @@ def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], bat
     On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
     exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
     trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
-    from megatrain.exec.optim import AdamWConfig
-    from megatrain.model.init import init_tiles
-    from megatrain.data.batches import synthetic_batches
-    from megatrain.engine.trainer import StreamedTrainer
 
     if steps < 2:
         raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -185,7 +183,6 @@ class Comparison:
     def write(self, directory: str | Path, plots: bool = True) -> dict[str, Path]:
         """timeline_sim.csv, timeline_measured.csv (every step), tasks.csv, by_group.csv, compare.json,
         trace.json (predicted and measured stacked, one process each) and gantt.png (side by side)."""
-        from megatrain.analysis.viz import gantt, write_chrome_trace
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)

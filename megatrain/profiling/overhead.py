@@ -18,6 +18,9 @@ from megatrain.exec.backend import Backend
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.ir.program import Program
 from megatrain.model.spec import ModelSpec
+from megatrain.data.batches import synthetic_batches
+from megatrain.engine.trainer import StreamedTrainer
+from megatrain.exec.optim import AdamWConfig
 
 
 def ready_times(step: pd.DataFrame, program: Program) -> dict[str, float]:
@@ -62,9 +65,6 @@ def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleK
                          steps: int, cpu_threads: int | None = None) -> dict:
     """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
     the first), the global norm's ready-to-done time, and the measured timelines."""
-    from megatrain.exec.optim import AdamWConfig
-    from megatrain.data.batches import synthetic_batches
-    from megatrain.engine.trainer import StreamedTrainer
 
     cut = spec.with_layers(min(spec.num_layers, 2))
     optim = AdamWConfig(lr=1e-5)

@@ -18,6 +18,7 @@ from megatrain.exec.backend import Backend, ExecError
 from megatrain.exec.optim import AdamWConfig, adamw_update
 from megatrain.profiling import bench
 from megatrain.profiling.bench import Background, Worker, median
+import threading
 
 _CFG = AdamWConfig(lr=1e-4, weight_decay=0.1)
 
@@ -143,7 +144,6 @@ def measure_host_wait(backend: Backend, cpu: Worker, compute: Worker, wait_s: fl
     immediate. Measured as the host's wake-up time minus the device's finish time of a timed spin kernel."""
     if not backend.device.type == "cuda":
         return 0.0
-    import time
 
     lates = []
     for _ in range(reps):
@@ -179,7 +179,6 @@ def measure_update_under_compute(cpu: Worker, update, compute: Worker, body, bud
 def measure_fresh_thread(backend: Backend, body, threads: int = 4) -> dict:
     """The first call of `body` in a new thread against later calls there. The runtime starts new issuing threads
     for every step (exec/runtime.py), and a thread's first parallel CPU op starts its OpenMP team."""
-    import threading
 
     firsts, laters = [], []
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatrain.io.checkpoint import CheckpointError, CheckpointManager, rng_state, unit_key
 from megatrain.train.errors import DivergedError, TrainingError
+from megatrain.io.sharded_checkpoint import save_sharded
 
 
 class SessionCheckpoints:
@@ -32,7 +33,6 @@ class SessionCheckpoints:
         if self.world is None or not self.world.distributed:
             tiles = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
             return self.save(step, tiles, state, store.units, done_steps)
-        from megatrain.io.sharded_checkpoint import save_sharded
 
         try:
             path = save_sharded(self.manager.step_path(step), store, self.world, step, state)

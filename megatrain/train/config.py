@@ -29,6 +29,8 @@ from megatrain.model.presets import PRESETS
 from megatrain.settings import field_types, toml_value
 from megatrain.tomlfile import read_toml
 from megatrain.train.config_values import ConfigError, at_least, check_type, one_of, parse_override, positive
+from megatrain.compile.resolve import resolve
+from megatrain.model.presets import get_model
 
 DATA_FORMATS = ("auto", "text", "bin", "jsonl")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -67,7 +69,6 @@ class ModelConfig:
 
     def spec(self):
         """The ModelSpec this section describes (with `num_layers` applied)."""
-        from megatrain.model.presets import get_model
 
         spec = get_model(self.name)
         if self.num_layers:
@@ -262,7 +263,6 @@ class RunConfig:
     def placement(self):
         """The resolved placement of the run's schedule (megatrain.ir.placement.resolve): ConfigError if the
         knobs conflict for this model and batch."""
-        from megatrain.compile.resolve import resolve
 
         try:
             return resolve(self.model.spec(), *self.step_shape(), self.step_knobs())

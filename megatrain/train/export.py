@@ -32,6 +32,9 @@ from megatrain.data.tokenization import (
     load_tokenizer,
     resolve_tokenizer,
 )
+from megatrain.io.sharded_checkpoint import tile_reader
+from megatrain.model.presets import PRESETS
+import time
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -87,7 +90,6 @@ def export_weights(out: str | Path, spec: ModelSpec, tiles, config: dict, *, dty
                    tokenizer: TokenizerChoice | None = None, provenance: dict | None = None,
                    overwrite: bool = False) -> Path:
     """Export per-unit fp32 tiles of a run whose resolved config (RunConfig.to_dict()) is `config`."""
-    from megatrain.model.presets import PRESETS
 
     model, data = config.get("model", {}), config.get("data", {})
     name = str(model.get("name", ""))
@@ -120,7 +122,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
         spec = ModelSpec.from_dict(state["spec"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_FILE} does not describe a megatrain training checkpoint ({e})") from None
-    from megatrain.io.sharded_checkpoint import tile_reader
 
     try:  # either format: a one-process checkpoint or the slices of every rank, one unit at a time
         tile = tile_reader(path)
@@ -139,12 +140,10 @@ def export_run(cfg, spec, trainer, world, tokenizer: TokenizerChoice, run_dir: P
                overwrite: bool, log) -> Path:
     """`run.export_hf` at the end of a run (rank 0 only): the store's master, or with several ranks every rank's
     slices of the final checkpoint (`checkpoint`, written just before; dist/run.py requires it)."""
-    import time
 
     t0 = time.perf_counter()
     tiles = trainer.store.master
     if world.distributed:
-        from megatrain.io.sharded_checkpoint import tile_reader
 
         tiles = tile_reader(checkpoint)
     path = export_weights(cfg.run.export_hf, spec, tiles, cfg.to_dict(), tokenizer=tokenizer, overwrite=overwrite,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from tqdm import tqdm
 
 LOG_FILE = "train.log"
 
@@ -61,7 +62,6 @@ class RunLog:
         if self._sink is not None:
             self._sink(line)
         elif self._bar is not None:
-            from tqdm import tqdm
 
             tqdm.write(line)  # above the bar, which is redrawn below it
         else:
@@ -83,7 +83,6 @@ class RunLog:
         nothing."""
         if not enabled or self._sink is not None or not is_terminal():
             return _NoBar()
-        from tqdm import tqdm
 
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc=desc)
         return self._bar

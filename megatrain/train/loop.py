@@ -73,6 +73,13 @@ from megatrain.train.rundir import RunLock, fresh_run_dir
 from megatrain.train.signals import StopRequest
 from megatrain.train.skips import Skip, SkipTracker
 from megatrain.train.weights import fill_weights
+from megatrain.analysis.summary import summarize
+from megatrain.engine.trainer import StreamedTrainer
+from megatrain.exec.backend import ExecError
+from megatrain.exec.optim import AdamWConfig
+from megatrain.profiling.live import calibrate_training_run
+from megatrain.sim import simulate
+from megatrain.train.distributed import join
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
            "evaluate"]
@@ -92,7 +99,6 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     `--schedule auto` choice (training/autoswitch.AutoChoice), re-checked once after the warm-up. Raises TrainingError
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
-    from megatrain.train.distributed import join
 
     world, cfg, log, trackers = join(cfg.validate(), _backend_name(cfg.run.device), log, trackers)  # torchrun
     summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
@@ -194,7 +200,6 @@ class _Training:
             self.log(f"note: {note}")
         self.predicted = None
         if self.profile is not None:
-            from megatrain.sim import simulate
 
             self.predicted = simulate(self.program, self.profile)
             p = self.predicted.summary
@@ -202,9 +207,6 @@ class _Training:
                      f"GPU idle {100 * p.gpu_idle_frac:.1f}%")
 
     def _build_trainer(self) -> None:
-        from megatrain.exec.optim import AdamWConfig
-        from megatrain.engine.trainer import StreamedTrainer
-
         o = self.cfg.optimizer
         optim = AdamWConfig(lr=lr_schedule(o, self.cfg.run.steps), betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay)
@@ -251,7 +253,6 @@ class _Training:
 
     def _step(self, step: int):
         """One optimizer step; an executor failure (a hung or failing task) ends the run with a TrainingError."""
-        from megatrain.exec.backend import ExecError
 
         ids, targets = self._next_batch()
         try:
@@ -260,8 +261,6 @@ class _Training:
             raise self.ckpt.stopped(self.trainer.step_count, f"step {step} failed: {e}") from e
 
     def _loop(self) -> RunSummary:
-        from megatrain.analysis.summary import summarize
-
         cfg, run, trainer = self.cfg, self.cfg.run, self.trainer
         start = since = trainer.step_count  # since: the first step of the Program that runs (auto may switch)
         summary = RunSummary(self.run_dir, start, start, predicted=self.predicted,
@@ -348,7 +347,6 @@ class _Training:
         for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
             self.log(line)
         if self.predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
-            from megatrain.profiling.live import calibrate_training_run
 
             summary.calibration = calibrate_training_run(self.run_dir, self.program, self.predicted,
                                                          self.profile_name, timelines, since, self.log)

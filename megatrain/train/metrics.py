@@ -32,6 +32,11 @@ import json
 import math
 import os
 from pathlib import Path
+from megatrain.train.tensorboard import ScalarWriter
+import errno
+import pandas as pd
+import psutil
+import torch
 
 METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipped_units", "tokens", "step_s", "tokens_per_s",
                "model_tflops", "gpu_idle_pct", "host_rss_gib", "gpu_mem_gib", "elapsed_s")
@@ -45,14 +50,12 @@ __all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics", "
 # ---- memory readings ---------------------------------------------------------------------------------------------
 def host_rss_bytes() -> int:
     """Resident set size of this process."""
-    import psutil
 
     return psutil.Process().memory_info().rss
 
 
 def gpu_peak_bytes(device) -> int | None:
     """Peak bytes torch allocated on a CUDA device since the last `reset_gpu_peak` (None for a CPU device)."""
-    import torch
 
     if getattr(device, "type", str(device)) != "cuda":
         return None
@@ -60,8 +63,6 @@ def gpu_peak_bytes(device) -> int | None:
 
 
 def reset_gpu_peak(device) -> None:
-    import torch
-
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -80,7 +81,6 @@ class MetricsWriteError(OSError):
 
 def explain_os_error(e: OSError) -> str:
     """A short reason for a failed write: "the disk is full", "no permission", or the OS's words."""
-    import errno
 
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "the disk is full"
@@ -156,14 +156,12 @@ def _step_of(line: str) -> int | None:
 
 def open_tensorboard(directory: str | Path):
     """A writer of TensorBoard scalar event files in `directory` (megatrain/train/tensorboard.py)."""
-    from megatrain.train.tensorboard import ScalarWriter
 
     return ScalarWriter(directory)
 
 
 def read_metrics(path: str | Path):
     """metrics.jsonl as a pandas DataFrame, one row per step (for notebooks and tests)."""
-    import pandas as pd
 
     rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     return pd.DataFrame(rows, columns=list(METRIC_KEYS))

@@ -3,14 +3,13 @@ Gantt chart) and the summary lines (loss, skipped updates, predicted against mea
 from __future__ import annotations
 
 from pathlib import Path
+from megatrain.analysis.summary import one_step
+from megatrain.analysis.viz import gantt, write_chrome_trace
+import pandas as pd
 
 
 def write_timelines(run_dir: Path, timelines: list, predicted, profile_name: str | None, program, title: str) -> None:
     """timeline_measured.csv (the kept steps), timeline_sim.csv, trace.json and gantt.png of the last step."""
-    import pandas as pd
-
-    from megatrain.analysis.summary import one_step
-    from megatrain.analysis.viz import gantt, write_chrome_trace
 
     measured = pd.concat(timelines, ignore_index=True)
     measured.to_csv(run_dir / "timeline_measured.csv", index=False)

@@ -15,6 +15,10 @@ from pathlib import Path
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.data.batches import open_data
 from megatrain.train.fit import check_memory
+from megatrain.compile.builders import build_schedule
+from megatrain.io.hf_checkpoint import check_hf_dir
+from megatrain.profiling.machine import mismatch_line
+from megatrain.sim import ProfileError, load_profile
 
 
 @dataclass
@@ -31,7 +35,6 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
               log: Callable[[str], None]) -> Preflight:
     """Run every check of the module docstring; the first failure raises (ScheduleError, MemoryFitError,
     DataError, ConfigError, CheckpointError), with nothing allocated and nothing written."""
-    from megatrain.compile.builders import build_schedule
 
     build_schedule(spec, batch, seq, knobs)  # ScheduleError: a rule of the knobs is broken
     plan, lines = check_memory(spec, batch, seq, knobs, backend)
@@ -47,7 +50,6 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
     if cfg.run.simulate:
         profile_name = cfg.run.profile or ("h200-measured" if backend == "cuda" else "cpu")
         profile = load_profile_checked(profile_name)
-        from megatrain.profiling.machine import mismatch_line
 
         out = f"{cfg.run.out_dir}/profiles/{spec.name}-{backend}.json"
         line = mismatch_line(profile, Path(profile_name).stem, f"megatrain profile --quick --model {cfg.model.name} "
@@ -56,7 +58,6 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
         if line:
             log(line)
     if cfg.model.pretrained:
-        from megatrain.io.hf_checkpoint import check_hf_dir
 
         check_hf_dir(cfg.model.name, spec, strict=not cfg.model.num_layers)
     return Preflight(plan, data, profile, Path(profile_name).stem if profile_name else None)
@@ -64,7 +65,6 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
 
 def load_profile_checked(name: str):
     """The simulator's hardware profile; a missing or malformed file is a ConfigError, not a traceback."""
-    from megatrain.sim import ProfileError, load_profile
 
     try:
         return load_profile(name)

@@ -22,6 +22,8 @@ from megatrain.io.checkpoint import (
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.data.batches import DataError
 from megatrain.train.lr import lr_change_note
+from megatrain.io.sharded_checkpoint import load_store
+from megatrain.train.rundir import set_aside_newer
 
 # Spec fields that name a model rather than shape it: a run may resume after its HF directory was renamed.
 _NAMING_FIELDS = ("name",)
@@ -65,7 +67,6 @@ def restore(trainer, resume: dict, cfg,
             log: Callable[[str], None]) -> tuple[Path, int, int]:
     """Read the checkpoint `resume_state` checked into the trainer's store; (path, step, tokens seen). A learning
     rate that differs from the checkpoint's run at this step is stated (`lr.lr_change_note`)."""
-    from megatrain.io.sharded_checkpoint import load_store
 
     store, t0 = trainer.store, time.perf_counter()
     # Either format into a one-process store or this rank's slices (verified already by resume_state).
@@ -88,7 +89,6 @@ def restore(trainer, resume: dict, cfg,
 def branch_off(manager: CheckpointManager, resume: dict, cfg, run_dir: Path, log: Callable[[str], None]) -> None:
     """After a restore, in the run directory's owner: say when the schedule changed, and move the checkpoints and
     metrics newer than the resumed step aside (a resume from an older checkpoint starts a new branch)."""
-    from megatrain.train.rundir import set_aside_newer
 
     if resume["state"].get("schedule") != cfg.schedule.name:
         log(f"note: resuming a run of schedule {resume['state'].get('schedule')!r} with {cfg.schedule.name!r} (the "

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from megatrain.train.config import ConfigError
+import fcntl
 
 LOCK_FILE = ".lock"
 ABANDONED = "abandoned"
@@ -38,8 +39,6 @@ class RunLock:
     """An exclusive, non-blocking lock on a run directory, held until `release()` (or the process ends)."""
 
     def __init__(self, run_dir: Path):
-        import fcntl
-
         self.path = Path(run_dir) / LOCK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

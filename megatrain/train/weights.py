@@ -7,23 +7,23 @@ bytes of its slices, `dist/hf_load.py`). The streaming copies are refreshed afte
 from __future__ import annotations
 
 import time
+from megatrain.io.hf_checkpoint import load_hf_into
+from megatrain.io.sharded_hf_load import load_hf_slices
+from megatrain.model.init import init_into
 
 
 def fill_weights(model, spec, store, world) -> str:
     """Fill `store` as `model` (a ModelConfig) says; returns the log line that says what was loaded, how fast."""
     t0 = time.perf_counter()
     if model.pretrained and world.distributed:
-        from megatrain.io.sharded_hf_load import load_hf_slices
 
         load_hf_slices(model.name, store, strict=not model.num_layers)
         what = f"loaded from {model.name} (this rank's slices)"
     elif model.pretrained:
-        from megatrain.io.hf_checkpoint import load_hf_into
 
         load_hf_into(model.name, spec, store.master, strict=not model.num_layers)
         what = f"loaded from {model.name}"
     else:
-        from megatrain.model.init import init_into
 
         if world.distributed:  # this rank's slices (megatrain/parallel/shard.py)
             store.init_slices(model.seed, model.init_std)
