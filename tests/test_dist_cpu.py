@@ -244,7 +244,8 @@ def test_ranks_that_lowered_different_programs_stop_before_the_first_collective(
 def test_sharded_checkpoints_resume_on_one_or_two_ranks(tmp_path):
     """2 steps, a checkpoint, 2 more steps: saved by 2 ranks and resumed by 1 process, saved by 1 process and
     resumed by 2 ranks, both equal to 4 uninterrupted steps of one process with 2 micro-batches."""
-    from megatrain.io.sharded_checkpoint import CheckpointError, load_sharded
+    from megatrain.io.sharded_checkpoint import load_sharded
+    from megatrain.io.errors import CheckpointError
     from megatrain.engine.trainer import StreamedTrainer
 
     schedule, clip = "overlap", 0.5

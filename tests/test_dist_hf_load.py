@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.io.sharded_hf_load import CheckpointError, load_hf_slices
+from megatrain.io.errors import CheckpointError
+from megatrain.io.sharded_hf_load import load_hf_slices
 from megatrain.parallel.shard import ShardedHostStore
 from megatrain.parallel.world import World
 from megatrain.ir.placement import Parallelism

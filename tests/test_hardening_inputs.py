@@ -18,7 +18,7 @@ from megatrain.model.presets import PRESETS
 from megatrain.model.spec import SpecError, load_hf_config
 from megatrain.train import metrics as metrics_module
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import CheckpointError
+from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError, load_config
 from megatrain.train.errors import TrainingError
 from megatrain.io.hf_checkpoint import export_hf, weight_files

@@ -12,7 +12,8 @@ import torch
 from megatrain.cli import main
 from megatrain.model.init import init_tiles
 from megatrain.model.presets import PRESETS
-from megatrain.io.checkpoint import CheckpointError, CheckpointManager
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.errors import CheckpointError
 from megatrain.train.config import load_config
 from megatrain.train.errors import DivergedError
 from megatrain.io.hf_checkpoint import export_hf, load_hf_tiles

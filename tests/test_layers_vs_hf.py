@@ -18,12 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
-from megatrain.io.hf_io import (
-    CheckpointError,
-    forward_logits,
-    state_dict_from_tiles,
-    tiles_from_state_dict,
-)
+from megatrain.io.hf_io import forward_logits, state_dict_from_tiles, tiles_from_state_dict
+from megatrain.io.errors import CheckpointError
 from megatrain.exec.layers import decoder_layer, layer_backward
 from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin

@@ -22,7 +22,8 @@ from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.train import fit
 from megatrain.train import loop as training
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import CheckpointError, CheckpointManager
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.errors import CheckpointError
 from megatrain.train.command import (
     add_train_arguments,
     config_from_args,

@@ -43,7 +43,7 @@ def _is_user_error(e: Exception) -> bool:
     if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
         return True
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
-    from megatrain.io.checkpoint import CheckpointError
+    from megatrain.io.errors import CheckpointError
     from megatrain.data.batches import DataError
     from megatrain.io.safetensors_io import SafetensorsFormatError
 

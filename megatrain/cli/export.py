@@ -21,7 +21,7 @@ def register(sub) -> None:
 def run(args) -> int:
 
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
-    from megatrain.io.checkpoint import CheckpointError
+    from megatrain.io.errors import CheckpointError
     from megatrain.train.export import export_checkpoint
 
     if Path(args.out).exists() and not args.overwrite:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.io.hf_io import CheckpointError
+from megatrain.io.errors import CheckpointError
 from megatrain.model.spec import EMBED, HEAD
 from megatrain.io import safetensors_io as stio
 from megatrain.io.rng import (  # re-exported: a checkpoint's trainer state holds them

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.io.hf_io import CheckpointError
+from megatrain.io.errors import CheckpointError
 from megatrain.model.layout import UnitLayout, unit_layout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec, load_hf_config
 from megatrain.io import safetensors_io as stio

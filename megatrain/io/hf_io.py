@@ -16,10 +16,7 @@ from megatrain.exec.head import embed_forward, head_logits
 from megatrain.exec.layers import decoder_layer
 from megatrain.model.layout import unit_layout
 from megatrain.exec.rope import rope_cos_sin
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model spec (missing tensor, wrong shape); the message names it."""
+from megatrain.io.errors import CheckpointError
 
 
 def _getter(get: Callable[[str], Tensor] | Mapping[str, Tensor]) -> Callable[[str], Tensor]:

@@ -35,16 +35,8 @@ from megatrain.io import safetensors_io as stio
 from megatrain.io.checkpoint import (
     FORMAT as STATE_FORMAT,
 )
-from megatrain.io.checkpoint import (
-    STATE_FILE,
-    VERSION,
-    CheckpointError,
-    _state_text,
-    key_unit,
-    load_checkpoint,
-    read_state,
-    unit_key,
-)
+from megatrain.io.checkpoint import STATE_FILE, VERSION, _state_text, key_unit, load_checkpoint, read_state, unit_key
+from megatrain.io.errors import CheckpointError
 from megatrain.parallel.world import World
 
 MANIFEST = "manifest.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.io.hf_io import CheckpointError
+from megatrain.io.errors import CheckpointError
 from megatrain.model.layout import unit_layout
 from megatrain.io import safetensors_io as stio
 from megatrain.io.hf_checkpoint import _check, _source_name, weight_files

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from megatrain.io.checkpoint import CheckpointError, CheckpointManager, rng_state, unit_key
+from megatrain.io.checkpoint import CheckpointManager, rng_state, unit_key
+from megatrain.io.errors import CheckpointError
 from megatrain.train.errors import DivergedError, TrainingError
 from megatrain.io.sharded_checkpoint import save_sharded
 

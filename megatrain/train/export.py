@@ -23,7 +23,8 @@ import torch
 
 from megatrain.model.spec import ModelSpec
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from megatrain.io.checkpoint import STATE_FILE, CheckpointManager
+from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError
 from megatrain.io.hf_checkpoint import PROVENANCE_FILE, export_hf
 from megatrain.data.tokenization import (

@@ -46,7 +46,8 @@ import torch
 from megatrain.parallel.world import World
 from megatrain.plan.memory import GiB
 from megatrain.train.autoswitch import schedule_overrides, switch_after_warmup
-from megatrain.io.checkpoint import CheckpointError, CheckpointManager, check_writable
+from megatrain.io.checkpoint import CheckpointManager, check_writable
+from megatrain.io.errors import CheckpointError
 from megatrain.train.checkpointing import SessionCheckpoints, trainer_state
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.train.errors import TrainingError
@@ -61,7 +62,6 @@ from megatrain.train.metrics import (
     MetricsWriteError,
     format_step_line,
     gpu_peak_bytes,
-    host_rss_bytes,
     reset_gpu_peak,
 )
 from megatrain.compile.record import ProgramRecord
@@ -80,6 +80,7 @@ from megatrain.exec.optim import AdamWConfig
 from megatrain.profiling.live import calibrate_training_run
 from megatrain.sim import simulate
 from megatrain.train.distributed import join
+from megatrain.plan.machine import process_rss_bytes
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
            "evaluate"]
@@ -216,7 +217,7 @@ class _Training:
         self.trainer.schedule_name = self.cfg.schedule.name
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
-                 f"{self.plan.host.store_bytes / GiB:.3f} GiB); process RSS {host_rss_bytes() / GiB:.2f} GiB")
+                 f"{self.plan.host.store_bytes / GiB:.3f} GiB); process RSS {process_rss_bytes() / GiB:.2f} GiB")
 
     # -- checkpoints --
     def _save(self, step: int) -> Path:
@@ -290,7 +291,7 @@ class _Training:
                     record = dict(zip(METRIC_KEYS, (
                         step, r.loss, eval_loss, r.update.lr, r.grad_norm, bool(skips), self.skips.unit_count(skips),
                         r.tokens, r.time_s, tps, flops_per_token * tps / 1e12, 100 * measured.gpu_idle_frac,
-                        host_rss_bytes() / GiB, None if gpu is None else gpu / GiB, time.perf_counter() - t_start)))
+                        process_rss_bytes() / GiB, None if gpu is None else gpu / GiB, time.perf_counter() - t_start)))
                     summary.losses.append(r.loss)
                     summary.tokens += r.tokens
                     self.tokens_seen += r.tokens

@@ -35,7 +35,6 @@ from pathlib import Path
 from megatrain.train.tensorboard import ScalarWriter
 import errno
 import pandas as pd
-import psutil
 import torch
 
 METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipped_units", "tokens", "step_s", "tokens_per_s",
@@ -43,17 +42,11 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipp
 
 GiB = 2**30
 
-__all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics", "host_rss_bytes",
+__all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics",
            "gpu_peak_bytes", "reset_gpu_peak", "open_tensorboard"]
 
 
 # ---- memory readings ---------------------------------------------------------------------------------------------
-def host_rss_bytes() -> int:
-    """Resident set size of this process."""
-
-    return psutil.Process().memory_info().rss
-
-
 def gpu_peak_bytes(device) -> int | None:
     """Peak bytes torch allocated on a CUDA device since the last `reset_gpu_peak` (None for a CPU device)."""
 

@@ -11,14 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatrain.io.checkpoint import (
-    STATE_FILE,
-    CheckpointError,
-    CheckpointManager,
-    key_unit,
-    set_rng_state,
-    verify_checkpoint,
-)
+from megatrain.io.checkpoint import STATE_FILE, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
+from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.data.batches import DataError
 from megatrain.train.lr import lr_change_note
