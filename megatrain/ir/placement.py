@@ -383,6 +383,28 @@ class Placement:
                    **{k: tuple(v) if k in tuples else v for k, v in d.items()})
 
 
+class OfPlacement:
+    """The shape of the step a record's `placement` describes (a Program, a memory plan): model, batch, seq."""
+
+    placement: Placement
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.placement.model
+
+    @property
+    def batch(self) -> int:
+        return self.placement.batch
+
+    @property
+    def seq(self) -> int:
+        return self.placement.seq
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
 def gpu_buffers(p: Placement) -> tuple[Buffer, ...]:
     """The GPU buffer table: the weight ring, the embedding's and head's buffers (or their resident buffers),
     state buffers, kept-gradient buffers and resident layers' buffers, with their sizes.

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatrain.model.spec import ModelSpec
 from megatrain.ir.dag import Schedule, ScheduleError
-from megatrain.ir.placement import Placement
+from megatrain.ir.placement import OfPlacement, Placement
 from megatrain.ir.streams import OPTIONAL_STREAMS, STREAMS  # noqa: F401  (re-exported: defined in ir/streams.py)
 from megatrain.ir.tasks import Task
 
@@ -69,7 +69,7 @@ class ProgramTask:
 
 
 @dataclass
-class Program:
+class Program(OfPlacement):
     """Per-stream ordered queues of tasks, their cross-stream waits and the GPU memory plan."""
 
     placement: Placement
@@ -79,22 +79,6 @@ class Program:
     memory: GpuMemoryPlan
     knobs: dict | None = None  # the schedule knobs it was built from, for display only (interpreters never read it)
     _index: dict[str, tuple[str, int]] = field(default=None, repr=False, compare=False)
-
-    @property
-    def model(self) -> ModelSpec:
-        return self.placement.model
-
-    @property
-    def batch(self) -> int:
-        return self.placement.batch
-
-    @property
-    def seq(self) -> int:
-        return self.placement.seq
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
 
     @property
     def stream_names(self) -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from megatrain.model.spec import ModelSpec
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.program import GpuMemoryPlan
-from megatrain.ir.placement import BufferKind, Placement, host_component_names
+from megatrain.ir.placement import BufferKind, OfPlacement, Placement, host_component_names
 
 GiB = 2**30
 
@@ -123,7 +123,7 @@ class HostMemoryPlan:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class MemoryPlan(OfPlacement):
     placement: Placement
     host: HostMemoryPlan
     gpu: GpuMemoryPlan
@@ -132,14 +132,6 @@ class MemoryPlan:
     @property
     def spec(self) -> ModelSpec:
         return self.placement.model
-
-    @property
-    def batch(self) -> int:
-        return self.placement.batch
-
-    @property
-    def seq(self) -> int:
-        return self.placement.seq
 
 
 def plan_host_memory(p: Placement, backend: str = "cuda") -> HostMemoryPlan:
