@@ -198,8 +198,8 @@ def test_a_filesystem_turning_read_only_or_full_mid_run_deletes_no_checkpoint(tm
     monkeypatch.setattr(stio, "_write", write)
     monkeypatch.setattr("builtins.open", probe_open)
 
-    def breaks_after_step_4(record):
-        if record.get("step") == 4:
+    def breaks_after_step_4(record):  # the record of step 5: after step 4's checkpoint, before step 6's
+        if record.get("step") == 5:
             broken["on"] = True
 
     lines = []
@@ -249,7 +249,8 @@ def test_a_full_disk_after_the_final_checkpoint_does_not_fail_the_run(tmp_path, 
     assert not (run / "gantt.png").exists() and not (run / "trace.json").exists()
     assert not [p for p in run.iterdir() if p.is_file() and p.stat().st_size == 0], "no 0-byte files"
     warned = [line for line in lines if "gantt.png" in line]
-    assert len(warned) == 1 and "disk is full" in warned[0] and "step_00000006" in warned[0], warned
+    assert len(warned) == 1 and "disk is full" in warned[0] and "trace.json" in warned[0], warned
+    assert "training finished" in warned[0]
     assert (run / "timeline_measured.csv").stat().st_size > 0  # what could be written was
 
 

@@ -14,15 +14,22 @@ at any moment before the rename leaves the previous checkpoints exactly as they 
 directory is ignored by `latest()` and removed by the next save. After a successful save only the newest
 `keep_last` checkpoints are kept.
 
-Checksums: each tensor file's SHA-256 is computed as it is written (no second read) and stored in the state file,
-which carries a checksum of its own content (the unit list included). `verify_checkpoint` checks them all, and
-`load` refuses non-finite values, naming the tensor: flipped bytes, a truncated or edited file, a shortened unit
-list are a clear CheckpointError at resume, never a silent start from damaged weights. (Version-1 checkpoints,
-written before checksums, load without them.)
+Checksums: each file's SHA-256 is computed as it is written and stored in the state file (a sharded checkpoint's
+manifest.json among them), which carries a checksum of its own content (the unit list included). Before a new
+checkpoint is published it is read back and checked against them; `verify_checkpoint` checks them before anything
+of a checkpoint is used, and `load` refuses non-finite values, naming the tensor: flipped bytes, a truncated or
+edited file, a shortened unit list are a CheckpointError naming the file and the newest complete checkpoint to
+resume from, never a silent start from damaged weights. A checkpoint verified once by this process is not read
+again while its files are unchanged (size, mtime, inode). (Version-1 checkpoints, written before checksums, load
+without them; version 2 did not yet list a sharded checkpoint's manifest.)
 
-Pruning renames a doomed checkpoint to a hidden temporary name before deleting it, so a kill mid-delete leaves
-nothing `latest()` could take for a checkpoint; such leftovers (and `step_*` directories without a state file)
-are removed by the next save.
+Nothing the user owns is deleted because it failed verification: `resolve("latest")` skips a damaged newer
+checkpoint (saying so) and leaves it in place; a `step_*` directory without a state file is left alone.
+
+Retention: only after the new checkpoint is published and verified are the checkpoints beyond `keep_last` deleted;
+a save that failed (read-only or full file system) deletes nothing. Pruning renames a doomed checkpoint to a hidden
+temporary name before deleting it, so a kill mid-delete leaves nothing `latest()` could take for a checkpoint;
+such hidden leftovers are removed by the next save. A checkpoint that cannot be deleted is kept, with a warning.
 
 Tiles are written straight from the buffers they live in (no second copy of the store in memory) and read back
 straight into the destination buffers (`load(..., dest=store_tile)`), so saving and resuming a model that
@@ -35,6 +42,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,12 +59,14 @@ from megatrain.io.rng import (  # re-exported: a checkpoint's trainer state hold
 
 KINDS = ("master", "adam_m", "adam_v")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"  # a sharded checkpoint's description of its rank files (sharded_checkpoint.py)
 FORMAT = "megatrain-checkpoint"
-VERSION = 2  # 2: checksums of every file and of the state (1 is still read)
+# 2: checksums of every file and of the state; 3: a sharded checkpoint's manifest among them (1 and 2 still read)
+VERSION = 3
 _TMP_PREFIX = ".tmp-"
 
 __all__ = ["CheckpointError", "CheckpointManager", "LoadedCheckpoint", "KINDS", "unit_key", "key_unit",
-           "rng_state", "set_rng_state", "check_writable", "verify_checkpoint", "read_state"]
+           "rng_state", "set_rng_state", "check_writable", "verify_checkpoint", "read_state", "newest_complete"]
 
 
 def unit_key(unit: int) -> str:
@@ -77,10 +87,12 @@ def _step_dir_name(step: int) -> str:
 
 
 # ---- writability -----------------------------------------------------------------------------------------------
-def _explain(e: OSError, path: Path, what: str) -> str:
+def explain_os_error(e: OSError, path: Path, what: str) -> str:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk is full while {what} {path}"
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if e.errno == errno.EROFS:
+        return f"the file system is read-only while {what} {path}"
+    if e.errno in (errno.EACCES, errno.EPERM):
         return f"no permission to write {path} while {what} it ({e.strerror})"
     return f"could not write {path} while {what} it ({e})"
 
@@ -100,17 +112,26 @@ def check_writable(directory: str | Path) -> Path:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint directory {directory} is not writable: {_explain(e, directory, 'probing')}; "
-                              "choose another run.out_dir or fix its permissions") from None
+        why = explain_os_error(e, directory, "probing")
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {why}; choose another run.out_dir "
+                              "or fix its permissions") from None
     return directory
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_durable(path: Path, text: str) -> None:
+    """Write a small text file of a checkpoint (state, manifest) and fsync it."""
+    with open(path, "w") as f:
+        stio._write(f, text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---- save / load -----------------------------------------------------------------------------------------------
@@ -130,11 +151,18 @@ TileSource = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
 class CheckpointManager:
     """Saves, lists, loads and prunes the checkpoints in one directory."""
 
-    def __init__(self, directory: str | Path, keep_last: int = 3):
+    def __init__(self, directory: str | Path, keep_last: int = 3, log: Callable[[str], None] | None = None):
         if keep_last < 0:
             raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps all)")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.log = log  # notes and warnings (a damaged checkpoint skipped, one that could not be pruned); else stderr
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+        else:
+            print(line, file=sys.stderr)
 
     # -- listing --
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -155,16 +183,33 @@ class CheckpointManager:
         return ckpts[-1][1] if ckpts else None
 
     def resolve(self, resume: str) -> Path:
-        """The checkpoint a `run.resume` value names: "latest" (of this directory) or a checkpoint path."""
+        """The verified checkpoint a `run.resume` value names: "latest" (the newest of this directory that passes
+        verification; a damaged newer one is skipped with a note and left in place) or a checkpoint path (refused
+        when damaged, naming the newest complete one)."""
         if resume == "latest":
-            path = self.latest()
-            if path is None:
+            ckpts = self.checkpoints()
+            if not ckpts:
                 raise CheckpointError(f"run.resume='latest' but {self.directory} holds no complete checkpoint; "
                                       "start without resume, or give a checkpoint directory")
-            return path
+            failures = []
+            for _, path in reversed(ckpts):
+                try:
+                    _verify(path)
+                except CheckpointError as e:
+                    failures.append(str(e))
+                    continue
+                if failures:
+                    self._say(f"note: run.resume='latest': {len(failures)} newer checkpoint(s) fail verification and "
+                              f"are left as they are (newest: {failures[0]}); resuming from the newest verified "
+                              f"one, {path}")
+                return path
+            raise CheckpointError(f"run.resume='latest' but no checkpoint in {self.directory} passes verification "
+                                  f"(the newest: {failures[0]}); they are left as they are: restore a good copy, or "
+                                  "start without resume")
         path = Path(resume)
         if not (path / STATE_FILE).is_file():
             raise CheckpointError(f"run.resume={resume!r} is not a checkpoint directory (no {STATE_FILE} in it)")
+        verify_checkpoint(path)
         return path
 
     # -- save --
@@ -216,34 +261,40 @@ class CheckpointManager:
                 stio.write_safetensors(tmp / f"{kind}.safetensors", entries, {"kind": kind, "step": str(step)},
                                        digest=digest)
                 files[f"{kind}.safetensors"] = digest.hexdigest()
-            state_text = _state_text({"format": FORMAT, "version": VERSION, "step": step, "units": units,
-                                      "files": files, "state": state})
+            state_text = checksummed_text({"format": FORMAT, "version": VERSION, "step": step, "units": units,
+                                           "files": files, "state": state})
             # The state file is written last: a directory with it is complete.
-            with open(tmp / STATE_FILE, "w") as f:
-                stio._write(f, state_text)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            write_durable(tmp / STATE_FILE, state_text)
+            fsync_dir(tmp)
+            what = "verifying"
+            # Read back before it may count as a checkpoint (and before retention may delete an older one).
+            read_state(tmp)
+            check_files(tmp, files, STATE_FILE)
             what = "publishing"
             old = None
             if final.exists():  # re-saving a step: move the old one aside, then swap
                 old = self.directory / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
                 final.rename(old)
             tmp.rename(final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
+            remember_verified(final)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            prev = self.latest()
-            kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
-            raise CheckpointError(
-                f"checkpoint step {step} was not saved: {_explain(e, tmp, what)}. {kept[0].upper()}{kept[1:]}"
-            ) from e
+            why = (explain_os_error(e, tmp, what) if isinstance(e, OSError)
+                   else f"it did not read back as written ({e})")
+            prev = newest_complete(self.directory)
+            kept = f"The newest complete checkpoint {prev} is intact" if prev else "No earlier checkpoint exists"
+            raise CheckpointError(f"checkpoint step {step} was not saved: {why}. Nothing was deleted. {kept}"
+                                  ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.prune()
+        try:  # retention: only now that the new checkpoint is published and verified
+            self.prune()
+        except CheckpointError as e:
+            self._say(f"warning: {e}")
         return final
 
     def step_path(self, step: int) -> Path:
@@ -252,25 +303,32 @@ class CheckpointManager:
 
     def prune(self, keep_last: int | None = None) -> list[Path]:
         """Delete all but the newest `keep_last` (default: the manager's; 0 keeps all) checkpoints; returns what
-        was deleted. Each is first renamed to a hidden name, so a kill mid-delete leaves no half checkpoint."""
+        was deleted. Each is first renamed to a hidden name, so a kill mid-delete leaves no half checkpoint. Call
+        it only after a new checkpoint was saved and verified (`save` does). One that cannot be deleted is kept:
+        CheckpointError naming it, after the others were dealt with."""
         keep = self.keep_last if keep_last is None else keep_last
         if keep == 0:
             return []
-        doomed = [p for _, p in self.checkpoints()[:-keep]]
-        for p in doomed:
+        deleted, failed = [], []
+        for _, p in self.checkpoints()[:-keep]:
             gone = self.directory / f"{_TMP_PREFIX}deleting-{p.name}"
-            p.rename(gone)
+            try:
+                p.rename(gone)
+            except OSError as e:
+                failed.append(f"{p} ({e.strerror or e})")
+                continue
             shutil.rmtree(gone, ignore_errors=True)
-        return doomed
+            deleted.append(p)
+        if failed:
+            raise CheckpointError(f"could not delete old checkpoint(s) {', '.join(failed)}: kept (more than "
+                                  f"run.keep_last={keep} until they can be deleted)")
+        return deleted
 
     def _remove_stale_tmp(self) -> None:
-        """Leftovers of killed saves and prunes: hidden temporaries, and step directories without a state file
-        (which no save creates: a save publishes complete directories only)."""
+        """Leftovers of killed saves and prunes: hidden temporaries only. A `step_*` directory without a state
+        file is not one (a save publishes complete directories only): it is the user's and stays."""
         for p in self.directory.glob(f"{_TMP_PREFIX}*"):
             if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-        for p in self.directory.glob("step_*"):
-            if p.is_dir() and not (p / STATE_FILE).exists():
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- load --
@@ -287,10 +345,21 @@ class CheckpointManager:
         return load_checkpoint(path, dest, verify)
 
 
-def _state_text(meta: dict) -> str:
-    """The state file's text: `meta` plus "checksum", the SHA-256 of `meta` in canonical JSON."""
-    body = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-    return json.dumps({**meta, "checksum": hashlib.sha256(body.encode()).hexdigest()}, indent=1)
+def _canonical_sha256(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checksummed_text(meta: dict) -> str:
+    """A state file's (or manifest's) text: `meta` plus "checksum", the SHA-256 of `meta` in canonical JSON."""
+    return json.dumps({**meta, "checksum": _canonical_sha256(meta)}, indent=1)
+
+
+def check_own_checksum(meta: dict, file: Path) -> dict:
+    """`meta` (read from `file`, written by `checksummed_text`) without its "checksum", which must match."""
+    meta = dict(meta)
+    if meta.pop("checksum", None) != _canonical_sha256(meta):
+        raise CheckpointError(f"{file} does not match its checksum: the file was damaged or edited")
+    return meta
 
 
 def read_state(path: str | Path) -> dict:
@@ -307,11 +376,7 @@ def read_state(path: str | Path) -> dict:
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
         raise CheckpointError(f"{state_path} is not a {FORMAT} checkpoint (format {got[0]!r}, version {got[1]!r})")
     if meta["version"] >= 2:
-        claimed = meta.pop("checksum", None)
-        actual = hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        if claimed != actual:
-            raise CheckpointError(f"{state_path} does not match its checksum: the file was damaged or edited; "
-                                  "resume from another checkpoint")
+        meta = check_own_checksum(meta, state_path)
     try:
         meta["step"], meta["units"] = int(meta["step"]), [int(u) for u in meta["units"]]
         if not isinstance(meta["state"], dict):
@@ -321,32 +386,104 @@ def read_state(path: str | Path) -> dict:
     return meta
 
 
-def verify_checkpoint(path: str | Path) -> dict:
-    """Check a checkpoint without allocating: the state file, and every tensor file present, complete (header
-    against size) and matching its SHA-256. Returns the state file's content; CheckpointError naming the file."""
-    path = Path(path)
-    meta = read_state(path)
-    # Version 2 lists its tensor files (an ordinary checkpoint's three kinds, a sharded one's rank files).
-    names = list(meta.get("files", {})) if meta["version"] >= 2 else [f"{kind}.safetensors" for kind in KINDS]
-    for name in names:
+def check_files(path: Path, files: Mapping[str, str | None], listed_in: str) -> None:
+    """Every file of `files` ({name: SHA-256, or None for no checksum}) present in checkpoint `path`, a
+    safetensors file complete (header against size), and matching its SHA-256; CheckpointError naming the file."""
+    for name, expected in files.items():
         file = path / name
-        try:
-            stio.read_header(file)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} has no {file.name}") from None
-        except stio.SafetensorsFormatError as e:
-            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
-        expected = meta.get("files", {}).get(file.name) if meta["version"] >= 2 else None
-        if meta["version"] >= 2 and stio.file_sha256(file) != expected:
-            raise CheckpointError(f"{file} does not match the checksum in {STATE_FILE}: the file was damaged "
-                                  "(flipped or missing bytes); resume from another checkpoint")
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name} (listed in {listed_in})")
+        if name.endswith(".safetensors"):
+            try:
+                stio.read_header(file)
+            except stio.SafetensorsFormatError as e:
+                raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+        if expected is not None and stio.file_sha256(file) != expected:
+            raise CheckpointError(f"{file} does not match the checksum in {listed_in}: the file was damaged or "
+                                  "edited (flipped, missing or changed bytes)")
+
+
+# Checkpoints this process verified, with the signature of their files then: unchanged, they are not hashed again
+# (a resume verifies when it resolves, checks and loads; a failed save names the newest complete checkpoint).
+_verified: dict[Path, tuple] = {}
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        return tuple(sorted((p.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                            for p in path.iterdir() for st in (p.stat(),)))
+    except OSError:
+        return None
+
+
+def was_verified(path: Path) -> bool:
+    """Whether this process verified checkpoint `path` and none of its files changed since."""
+    sig = _signature(path)
+    return sig is not None and _verified.get(path.resolve()) == sig
+
+
+def remember_verified(path: Path) -> None:
+    """Record checkpoint `path` as verified, as its files are now (call it right after verifying)."""
+    _verified[path.resolve()] = _signature(path)
+
+
+def _verify(path: Path) -> dict:
+    """verify_checkpoint without naming the newest complete checkpoint on failure."""
+    meta = read_state(path)
+    if was_verified(path):
+        return meta
+    if meta["version"] >= 2:  # version 2 and up list their files: the three kinds, or a sharded one's files
+        files = meta.get("files", {})
+        if not isinstance(files, dict):
+            raise CheckpointError(f"{path / STATE_FILE} is damaged: 'files' is not an object")
+        if meta.get("layout") == "sharded" and meta["version"] >= 3 and MANIFEST not in files:
+            raise CheckpointError(f"{path / STATE_FILE} lists no checksum of {MANIFEST}; the file was edited")
+        check_files(path, files, STATE_FILE)
+    else:
+        check_files(path, {f"{kind}.safetensors": None for kind in KINDS}, STATE_FILE)
+    remember_verified(path)
     return meta
+
+
+def newest_complete(directory: Path, exclude: Path | None = None) -> Path | None:
+    """The newest checkpoint of `directory` (other than `exclude`) that passes verification, or None."""
+    skip = exclude.resolve() if exclude is not None else None
+    for _, p in reversed(CheckpointManager(directory).checkpoints()):
+        if p.resolve() == skip:
+            continue
+        try:
+            _verify(p)
+        except CheckpointError:
+            continue
+        return p
+    return None
+
+
+def resume_hint(damaged: Path) -> str:
+    """What to do about the damaged checkpoint `damaged`: which checkpoint of its directory to resume from."""
+    newest = newest_complete(damaged.parent, exclude=damaged)
+    if newest is None:
+        return f"no other checkpoint in {damaged.parent} passes verification; {damaged} is left as it is"
+    return (f"the newest complete checkpoint is {newest}: resume from it (--resume {newest}); {damaged} is left "
+            "as it is")
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check a checkpoint without allocating: the state file, and every file it lists (tensor files, a sharded
+    checkpoint's manifest) present, complete (header against size) and matching its SHA-256. Returns the state
+    file's content; CheckpointError naming the file and the newest complete checkpoint to resume from."""
+    path = Path(path)
+    try:
+        return _verify(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {resume_hint(path)}") from None
 
 
 def load_checkpoint(path: str | Path, dest: Callable[[str, int], torch.Tensor] | None = None,
                     verify: bool = True) -> LoadedCheckpoint:
     """Read one checkpoint directory (see `CheckpointManager.load`); `verify=False` skips the checksums (a
-    caller that ran `verify_checkpoint` already). Non-finite values are refused, naming the tensor."""
+    caller that ran `verify_checkpoint` already; verifying again costs nothing while the files are unchanged).
+    Non-finite values are refused, naming the tensor."""
     path = Path(path)
     meta = verify_checkpoint(path) if verify else read_state(path)
     units = meta["units"]

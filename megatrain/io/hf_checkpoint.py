@@ -13,7 +13,9 @@ Export: `export_hf(path, spec, tiles)` writes `config.json` (`spec.to_hf_config(
 config.json when there is one, so bos/eos/pad token ids and other fields the spec does not model survive), bf16
 (or fp32) safetensors shards of at most `max_shard_bytes` and `model.safetensors.index.json` (a single shard is
 `model.safetensors`, as `save_pretrained` writes it), one tensor converted at a time, into a temporary directory
-that is renamed into place when complete. `transformers` `from_pretrained` loads the result.
+that is renamed into place when complete. `transformers` `from_pretrained` loads the result. Weights the export
+dtype cannot hold (fp16 overflows above 65504) are refused before anything is written, naming the largest; no
+export ever holds an inf its own loader would refuse.
 
 Tied embeddings: with `tie_word_embeddings`, a checkpoint's lm_head (usually absent) is the embedding; export
 writes no lm_head. A destination tile may leave out the head's lm_head part (the host store keeps the tied
@@ -303,6 +305,40 @@ def _copy_tokenizer(tokenizer: str | Path, dest: Path) -> None:
             shutil.copy2(tokenizer / name, dest / name)
 
 
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _check_range(spec: ModelSpec, names, cache: _UnitCache, dtype: torch.dtype) -> None:
+    """Refuse (before anything is written) weights that `dtype` turns into inf, naming the largest one."""
+    worst, worst_name, over = 0.0, "", 0
+    for unit, local, _ in names:
+        flat = cache.tensor(unit, local).reshape(-1)
+        if not flat.numel():
+            continue
+        i = int(flat.abs().argmax())
+        value = float(flat[i])
+        if torch.isinf(flat[i].to(dtype)):
+            over += 1
+        if abs(value) > abs(worst):
+            worst, worst_name = value, spec.hf_name(unit, local)
+    if over:
+        name = _DTYPE_NAMES.get(dtype, str(dtype))
+        raise CheckpointError(
+            f"the weights do not fit {name}: tensor {worst_name!r} holds {worst:.4g}, beyond {name}'s largest finite "
+            f"value {torch.finfo(dtype).max:.0f} ({over} tensor(s) do); nothing was written. Export with --dtype bf16 "
+            "(fp32's range) or fp32")
+
+
+def _converted(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in the export dtype; a value that overflows it (bf16 near fp32's largest) is refused, never written as
+    inf (the export would not load)."""
+    out = t.to(dtype)
+    if not stio.all_finite(out):
+        raise CheckpointError(f"tensor {name!r} holds values {dtype} cannot hold (they would be written as inf); "
+                              "export with --dtype fp32")
+    return out
+
+
 def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtype = torch.bfloat16,
               max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
               copy_tokenizer_from: str | Path | None = None, *, source: str | Path | None = None,
@@ -333,8 +369,10 @@ def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtyp
                 continue
             names.append((unit, local, tuple(shape)))
     cache = _UnitCache(spec, tiles)
+    if torch.finfo(dtype).max < torch.finfo(torch.float32).max:  # fp16: check every value before writing
+        _check_range(spec, names, cache, dtype)
     entries = [stio.Entry(spec.hf_name(u, local), shape, dtype,
-                          (lambda u=u, local=local: cache.tensor(u, local).to(dtype)))
+                          (lambda u=u, local=local: _converted(spec.hf_name(u, local), cache.tensor(u, local), dtype)))
                for u, local, shape in names]
     shards: list[list[stio.Entry]] = [[]]
     size = 0

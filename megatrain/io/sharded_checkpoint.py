@@ -5,14 +5,20 @@ A checkpoint directory holds
     rank<r>.safetensors   rank r's slices: "master/<unit>", "adam_m/<unit>", "adam_v/<unit>" (fp32, s elements each,
                           the last rank's padded with zeros)
     manifest.json         world, each unit's elements and slice length, AdamW step counts, the trainer's step, the
-                          SHA-256 of every rank file
+                          SHA-256 of every rank file, and a checksum of its own content
 
 A one-process store (world 1) writes the same format with one file of whole tiles, so a checkpoint of N ranks resumes
 on M ranks for any N, M: each rank reads, per unit and kind, only the bytes of its own element range, from the
-files whose slices overlap it. Written into a temporary directory that rank 0 renames once every rank's file and
-the manifest are complete. Given the run's trainer state, rank 0 also writes `trainer_state.json` (the ordinary
-checkpoint's state file, listing the rank files with their SHA-256), so `megatrain train`'s checkpoint listing,
-verification and `--resume` treat both formats alike.
+files whose slices overlap it. Written into a temporary directory that rank 0 renames once every rank's file (read
+back and checked against its SHA-256 by its rank) and the manifest are complete; a failure on any rank is known to
+every rank (no rank waits for one that gave up) and leaves the earlier checkpoints as they were. Given the run's
+trainer state, rank 0 also writes `trainer_state.json` (the ordinary checkpoint's state file, listing the rank files
+and the manifest with their SHA-256), so `megatrain train`'s checkpoint listing, verification and `--resume` treat
+both formats alike.
+
+Nothing of a checkpoint is used before it is verified (`verify_sharded`: every checksum, the manifest's step against
+the state file's, each slice length against its rank file): an edited manifest or slice is a CheckpointError naming
+the file and the newest complete checkpoint, never weights read at the wrong offsets or a resume at the wrong step.
 
 `load_store` is the one place that decides how a checkpoint fills a store: an ordinary one-process checkpoint
 (`training/checkpoint.py`, whole tiles per kind) or a sharded one, into a one-process store or a rank's slices.
@@ -35,12 +41,30 @@ from megatrain.io import safetensors_io as stio
 from megatrain.io.checkpoint import (
     FORMAT as STATE_FORMAT,
 )
-from megatrain.io.checkpoint import STATE_FILE, VERSION, _state_text, key_unit, load_checkpoint, read_state, unit_key
+from megatrain.io.checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    VERSION,
+    explain_os_error,
+    remember_verified,
+    check_files,
+    check_own_checksum,
+    checksummed_text,
+    fsync_dir,
+    key_unit,
+    load_checkpoint,
+    read_state,
+    resume_hint,
+    unit_key,
+    verify_checkpoint,
+    was_verified,
+    write_durable,
+)
 from megatrain.io.errors import CheckpointError
 from megatrain.parallel.world import World
 
-MANIFEST = "manifest.json"
 FORMAT = "megatrain-sharded-checkpoint"
+MANIFEST_VERSION = 2  # 2: a checksum of its own content (1, without, is read when a state file vouches for it)
 KINDS = {"master": HostStore.master, "adam_m": HostStore.exp_avg, "adam_v": HostStore.exp_avg_sq}
 
 
@@ -51,15 +75,28 @@ def _span(store: HostStore, world: World, unit: int) -> tuple[int, int]:
     return 0, store.master(unit).numel()
 
 
-def _barrier(world: World) -> None:
+def _agree(world: World, value, path: Path) -> list:
+    """Every rank's `value` ((name, sha256) or an error line), on every rank; if any rank reported an error, every
+    rank raises the same CheckpointError (and rank 0 removes the temporary directory `path`)."""
+    values = [value]
     if world.distributed:
-        dist.barrier(group=world.host_group)
+        values = [None] * world.size
+        dist.all_gather_object(values, value, group=world.host_group)
+    errors = [(r, v) for r, v in enumerate(values) if isinstance(v, str)]
+    if errors:
+        if world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        r, error = errors[0]
+        raise CheckpointError(f"rank {r}: {error}" if world.distributed else error)
+    return values
 
 
 def save_sharded(path: str | Path, store: HostStore, world: World, trainer_step: int,
                  state: dict | None = None) -> Path:
     """Write this rank's slices (every rank calls it, after `flush()`); returns the checkpoint directory.
-    `state`: the run's trainer state (rank 0's is written, as `trainer_state.json`); None writes no state file."""
+    `state`: the run's trainer state (rank 0's is written, as `trainer_state.json`); None writes no state file.
+    A failure on any rank (a full or read-only disk, a file that does not read back as written) is a
+    CheckpointError on every rank; nothing is published then, and an earlier checkpoint of the same step stays."""
     path = Path(path)
     try:
         check_model_shards(store.spec)  # the resolver decides which models the ranks can slice
@@ -67,37 +104,68 @@ def save_sharded(path: str | Path, store: HostStore, world: World, trainer_step:
         raise CheckpointError(f"sharded checkpoints do not hold tied embeddings (data parallel refuses them): {e}") \
             from None
     tmp = path.with_name(f".tmp-{path.name}")
+    ready = None
     if world.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(world)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            ready = explain_os_error(e, tmp, "creating")
+    _agree(world, ready, tmp)
     entries = [stio.Entry(f"{kind}/{unit_key(u)}", (get(store, u).numel(),), torch.float32,
                           lambda get=get, u=u: get(store, u))
                for kind, get in KINDS.items() for u in store.units]
-    digest = hashlib.sha256()
     name = f"rank{world.rank}.safetensors"
-    stio.write_safetensors(tmp / name, entries, {"rank": str(world.rank), "world": str(world.size)}, digest=digest)
-    files = [None] * world.size
-    if world.distributed:
-        dist.all_gather_object(files, (name, digest.hexdigest()), group=world.host_group)
-    else:
-        files = [(name, digest.hexdigest())]
+    try:
+        digest = hashlib.sha256()
+        stio.write_safetensors(tmp / name, entries, {"rank": str(world.rank), "world": str(world.size)},
+                               digest=digest)
+        check_files(tmp, {name: digest.hexdigest()}, "what was written")  # read back before it counts
+        mine = (name, digest.hexdigest())
+    except OSError as e:
+        mine = explain_os_error(e, tmp / name, "writing")
+    except CheckpointError as e:
+        mine = f"it did not read back as written ({e})"
+    files = _agree(world, mine, tmp)
+    published = None
     if world.rank == 0:
-        manifest = {"format": FORMAT, "version": 1, "world": world.size, "trainer_step": trainer_step,
-                    "units": [unit_key(u) for u in store.units],
-                    "numel": {unit_key(u): store.layouts[u].numel for u in store.units},
-                    "slice": {unit_key(u): store.master(u).numel() for u in store.units},
-                    "steps": {unit_key(u): n for u, n in store.steps.items()}, "files": dict(files)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if state is not None:  # last: a directory with a state file is a complete checkpoint
-            (tmp / STATE_FILE).write_text(_state_text({
-                "format": STATE_FORMAT, "version": VERSION, "step": trainer_step, "units": list(store.units),
-                "files": dict(files), "layout": "sharded", "state": state}))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    _barrier(world)
+        try:
+            published = _publish(path, tmp, store, world, trainer_step, state, dict(files))
+        except OSError as e:
+            published = explain_os_error(e, tmp, "writing")
+        except CheckpointError as e:
+            published = f"it did not read back as written ({e})"
+    _agree(world, published, tmp)
     return path
+
+
+def _publish(path: Path, tmp: Path, store: HostStore, world: World, trainer_step: int, state: dict | None,
+             files: dict[str, str]) -> None:
+    """Rank 0, once every rank file is written and checked: the manifest, the state file, then the rename."""
+    manifest = {"format": FORMAT, "version": MANIFEST_VERSION, "world": world.size, "trainer_step": trainer_step,
+                "units": [unit_key(u) for u in store.units],
+                "numel": {unit_key(u): store.layouts[u].numel for u in store.units},
+                "slice": {unit_key(u): store.master(u).numel() for u in store.units},
+                "steps": {unit_key(u): n for u, n in store.steps.items()}, "files": files}
+    text = checksummed_text(manifest)
+    write_durable(tmp / MANIFEST, text)
+    listed = {**files, MANIFEST: hashlib.sha256(text.encode()).hexdigest()}
+    check_files(tmp, {MANIFEST: listed[MANIFEST]}, "what was written")
+    if state is not None:  # last: a directory with a state file is a complete checkpoint
+        write_durable(tmp / STATE_FILE, checksummed_text({
+            "format": STATE_FORMAT, "version": VERSION, "step": trainer_step, "units": list(store.units),
+            "files": listed, "layout": "sharded", "state": state}))
+        read_state(tmp)  # the state file read back (the rank files and the manifest were checked already)
+    fsync_dir(tmp)
+    old = None
+    if path.exists():  # re-saving a step: move the old one aside, then swap (it stays if the swap fails)
+        old = path.with_name(f".tmp-old-{path.name}-{os.getpid()}")
+        path.rename(old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    remember_verified(path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -106,11 +174,12 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def load_store(path: str | Path, store: HostStore, world: World) -> int:
-    """Fill `store` (a one-process store or this rank's slices) from checkpoint `path` of either format; returns
-    the trainer step it was saved at. Every rank reads only the bytes of its own slices."""
+    """Fill `store` (a one-process store or this rank's slices) from checkpoint `path` of either format, verified
+    first (free when this process verified it already); returns the trainer step it was saved at. Every rank reads
+    only the bytes of its own slices."""
     if not is_sharded(path) and not hasattr(store, "shard"):  # one process, one-process format: unchanged
         kinds = {"master": store.master, "adam_m": store.exp_avg, "adam_v": store.exp_avg_sq}
-        loaded = load_checkpoint(path, dest=lambda kind, u: kinds[kind](u), verify=False)
+        loaded = load_checkpoint(path, dest=lambda kind, u: kinds[kind](u), verify=True)
         for u in store.units:
             store.refresh_stream(u)
         store.steps = {key_unit(k): int(n) for k, n in loaded.state["optimizer_steps"].items()}
@@ -118,19 +187,70 @@ def load_store(path: str | Path, store: HostStore, world: World) -> int:
     return load_sharded(path, store, world)
 
 
+def verify_sharded(path: str | Path) -> dict:
+    """The manifest of sharded checkpoint `path`, after verifying everything: the state file and every file it
+    lists (when there is a state file), the manifest's own checksum, its step against the state's, the rank files
+    against the manifest's checksums, and each slice length against its rank file. CheckpointError naming the file
+    and the newest complete checkpoint."""
+    path = Path(path)
+    try:
+        return _verify_sharded(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {resume_hint(path)}") from None
+
+
+def _verify_sharded(path: Path) -> dict:
+    meta = verify_checkpoint(path) if (path / STATE_FILE).is_file() else None
+    file = path / MANIFEST
+    try:
+        m = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a sharded megatrain checkpoint ({file.name}: {e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") not in (1, MANIFEST_VERSION):
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
+        raise CheckpointError(f"{file}: format {got[0]!r} version {got[1]!r}, expected {FORMAT!r}")
+    if m["version"] >= 2:
+        m = check_own_checksum(m, file)
+    elif meta is None:  # version 1 alone: nothing vouches for it
+        raise CheckpointError(f"{file} carries no checksum and there is no {STATE_FILE}: it cannot be verified")
+    try:
+        world, step, files = int(m["world"]), int(m["trainer_step"]), m["files"]
+        slices, numel, units = m["slice"], m["numel"], m["units"]
+        if not isinstance(files, dict) or not isinstance(slices, dict) or not isinstance(numel, dict):
+            raise TypeError("'files', 'slice' and 'numel' must be objects")
+        if sorted(files) != sorted(f"rank{r}.safetensors" for r in range(world)):
+            raise ValueError(f"'files' {sorted(files)} are not the files of {world} rank(s)")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {e})") from None
+    if meta is not None and step != meta["step"]:
+        raise CheckpointError(f"{file} says step {step}, {STATE_FILE} says {meta['step']}: one was edited")
+    if not was_verified(path):
+        check_files(path, files, MANIFEST)
+        remember_verified(path)
+    for r in range(world):  # each slice as long as the manifest says: else reads would land at wrong offsets
+        rank_file = path / f"rank{r}.safetensors"
+        try:  # headers only: cheap, and a version-1 manifest has no checksum
+            infos = stio.read_header(rank_file)[0]
+        except (OSError, stio.SafetensorsFormatError) as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+        for key in units:
+            for kind in KINDS:
+                info = infos.get(f"{kind}/{key}")
+                if info is None or info.shape != (int(slices.get(key, -1)),):
+                    raise CheckpointError(f"{rank_file}: {kind}/{key} is {info.shape if info else 'missing'}, "
+                                          f"{file.name} says slices of {slices.get(key)}; one was edited")
+    return m
+
+
 def _sources(path: Path) -> dict:
-    """Where the slices of checkpoint `path` are: {world, numel, slice (per unit key), steps, step, file(kind, key,
-    r) -> (file, tensor name)}. A one-process checkpoint is a sharded one of world 1 with other file names."""
+    """Where the slices of checkpoint `path` are, verified first: {world, numel, slice (per unit key), steps, step,
+    file(kind, key, r) -> (file, tensor name)}. A one-process checkpoint is a sharded one of world 1 with other
+    file names."""
     if is_sharded(path):
-        try:
-            m = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is not a sharded megatrain checkpoint ({e})") from None
-        if m.get("format") != FORMAT:
-            raise CheckpointError(f"{path / MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
+        m = verify_sharded(path)
         return {**m, "step": m["trainer_step"],
                 "file": lambda kind, key, r: (path / f"rank{r}.safetensors", f"{kind}/{key}")}
-    meta = read_state(path)
+    meta = verify_checkpoint(path)
     infos = stio.read_header(path / "master.safetensors")[0]
     numel = {key: int(info.shape[0]) for key, info in infos.items()}
     return {"world": 1, "numel": numel, "slice": numel, "steps": meta["state"]["optimizer_steps"],

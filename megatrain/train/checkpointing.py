@@ -1,20 +1,21 @@
-"""The checkpoints of a running session: saving with one retry, and the errors that end a run.
+"""The checkpoints of a running session: saving, and the errors that end a run.
 
-A checkpoint that cannot be written (disk full, permissions) is retried once after deleting all but the newest
-complete checkpoint (making room without ever losing the newest one); if that fails too, the run ends with a
-TrainingError naming the newest complete checkpoint and how to resume. The previous checkpoints are never
-touched by a failed save (`CheckpointManager.save` is atomic).
+A checkpoint that cannot be written (a disk that is full or turned read-only, permissions) ends the run with one
+line (a TrainingError) naming the newest complete (verified) checkpoint and how to resume. A failed save deletes
+nothing: not to make room (a file system that is full now may hold the user's only good copy), and retention runs
+only after a new checkpoint was saved and verified (`CheckpointManager.save`, atomic). An old checkpoint that
+cannot be pruned is kept, with a warning; the run goes on.
 
-One process writes the one-process format (`checkpoint.py`); the ranks of a data-parallel run write one sharded
-checkpoint together (`dist/checkpoint.py`: each rank its slices, rank 0 the manifest and the state file, then
-prunes); a failed sharded save ends the run without the retry (the ranks would have to agree on it).
+One process writes the one-process format (`io/checkpoint.py`); the ranks of a data-parallel run write one sharded
+checkpoint together (`io/sharded_checkpoint.py`: each rank its slices, rank 0 the manifest and the state file, then
+prunes); a failure on any rank is a failure on every rank.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-from megatrain.io.checkpoint import CheckpointManager, rng_state, unit_key
+from megatrain.io.checkpoint import CheckpointManager, newest_complete, rng_state, unit_key
 from megatrain.io.errors import CheckpointError
 from megatrain.train.errors import DivergedError, TrainingError
 from megatrain.io.sharded_checkpoint import save_sharded
@@ -25,6 +26,8 @@ class SessionCheckpoints:
 
     def __init__(self, manager: CheckpointManager, log: Callable[[str], None], world=None):
         self.manager, self.log = manager, log
+        if manager.log is None:  # its notes (a damaged checkpoint skipped by resume "latest") go to the run's log
+            manager.log = log
         self.world = world  # megatrain.parallel.world.World; None or one rank: the one-process format
         self.last: Path | None = None
         self.step: int | None = None
@@ -37,10 +40,14 @@ class SessionCheckpoints:
 
         try:
             path = save_sharded(self.manager.step_path(step), store, self.world, step, state)
-            if self.world.rank == 0:
+        except CheckpointError as e:
+            raise self.stopped(done_steps, f"checkpoint step {step} was not saved: {e}. Nothing was deleted") \
+                from None
+        if self.world.rank == 0:  # retention: only after the new checkpoint was written and verified
+            try:
                 self.manager.prune()
-        except (CheckpointError, OSError) as e:
-            raise self.stopped(done_steps, f"checkpoint step {step} was not saved: {e}") from e
+            except CheckpointError as e:
+                self.log(f"warning: {e}")
         self.last, self.step = path, step
         return path
 
@@ -48,27 +55,21 @@ class SessionCheckpoints:
         """Write checkpoint `step` (see the module docstring); TrainingError when it cannot be written."""
         try:
             path = self.manager.save(step, tiles, state, units=units)
-        except CheckpointError as first:
-            if len(self.manager.checkpoints()) < 2:
-                raise self.stopped(done_steps, str(first)) from first
-            self.log(f"{first}; retrying after deleting all but the newest checkpoint")
-            self.manager.prune(keep_last=1)
-            try:
-                path = self.manager.save(step, tiles, state, units=units)
-            except CheckpointError as second:
-                raise self.stopped(done_steps, str(second)) from second
+        except CheckpointError as e:  # nothing deleted, nothing retried (the module docstring)
+            raise self.stopped(done_steps, str(e)) from None
         self.last, self.step = path, step
         return path
 
     def stopped(self, done_steps: int, what: str) -> TrainingError:
-        """The error that ends the run after a failure: what happened, the newest checkpoint, how to resume."""
-        newest = self.manager.latest()
+        """The error that ends the run after a failure, one line: what happened, what was kept (the newest complete
+        checkpoint), how to resume."""
+        newest = newest_complete(self.manager.directory)
         if newest is None:
-            where = "There is no checkpoint of this run; fix the cause and start it again from the beginning"
+            where = "There is no complete checkpoint of this run; fix the cause and start it again from the beginning"
         else:
-            where = (f"The newest complete checkpoint is {newest}: fix the cause and continue "
+            where = (f"Every checkpoint was kept; the newest complete one is {newest}: fix the cause and continue "
                      "with --resume (steps after it run again)")
-        return TrainingError(f"the run stopped after step {done_steps}: {what}. {where}")
+        return TrainingError(f"the run stopped after step {done_steps}: {what.rstrip('.')}. {where}")
 
     def diverged(self, step: int, consecutive: int, limit: int) -> DivergedError:
         """The error of a run whose last `consecutive` steps all skipped their update."""

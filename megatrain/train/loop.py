@@ -65,7 +65,7 @@ from megatrain.train.metrics import (
     reset_gpu_peak,
 )
 from megatrain.compile.record import ProgramRecord
-from megatrain.train.outputs import report_lines, write_timelines
+from megatrain.train.outputs import report_lines, write_timelines, written_after_training
 from megatrain.train.preflight import preflight
 from megatrain.train.result import RunSummary
 from megatrain.train.resume import branch_off, restore, resume_state
@@ -344,13 +344,14 @@ class _Training:
         if timelines:
             write_timelines(self.run_dir, timelines, self.predicted, self.profile_name,
                             self.program, f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} "
-                                          f"x seq {self.seq}")
+                                          f"x seq {self.seq}", log=self.log)
         for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
             self.log(line)
         if self.predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
-
-            summary.calibration = calibrate_training_run(self.run_dir, self.program, self.predicted,
-                                                         self.profile_name, timelines, since, self.log)
+            summary.calibration = written_after_training(  # a full disk now does not fail the finished run
+                self.log, [self.run_dir / "profile_calibrated.json"],
+                lambda: calibrate_training_run(self.run_dir, self.program, self.predicted, self.profile_name,
+                                               timelines, since, self.log))
         return summary
 
     def _write_metrics(self, record: dict) -> MetricsWriteError | None:

@@ -1,25 +1,77 @@
 """What a run leaves at its end besides checkpoints and the export (export.py): the timelines (CSV, Chrome trace,
-Gantt chart) and the summary lines (loss, skipped updates, predicted against measured)."""
+Gantt chart) and the summary lines (loss, skipped updates, predicted against measured).
+
+These outputs are written after training, when the checkpoint and the metrics already hold what matters: one that
+cannot be written (a full or read-only disk) is a one-line warning, never a failed run, and leaves no empty or
+partial file behind (each is written under a hidden temporary name and renamed into place when complete).
+"""
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from megatrain.analysis.summary import one_step
-from megatrain.analysis.viz import gantt, write_chrome_trace
+
 import pandas as pd
 
+from megatrain.analysis.summary import one_step
+from megatrain.analysis.viz import gantt, write_chrome_trace
+from megatrain.io.checkpoint import explain_os_error
 
-def write_timelines(run_dir: Path, timelines: list, predicted, profile_name: str | None, program, title: str) -> None:
-    """timeline_measured.csv (the kept steps), timeline_sim.csv, trace.json and gantt.png of the last step."""
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _write_each(run_dir: Path, writers: dict[str, Callable[[Path], object]], log: Callable[[str], None]) -> None:
+    """Write each output `name` of `run_dir` with `writers[name](temporary path)`, renamed into place when
+    complete; those that fail (OSError) are removed and named in one warning line."""
+    failed: list[str] = []
+    reason = ""
+    for name, write in writers.items():
+        tmp = run_dir / f".tmp-{os.getpid()}-{name}"  # the suffix stays: matplotlib picks the format from it
+        try:
+            write(tmp)
+            os.replace(tmp, run_dir / name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            failed.append(name)
+            reason = reason or explain_os_error(e, run_dir / name, "writing")
+    if failed:
+        log(f"WARNING: could not write {', '.join(failed)} ({reason}); the training finished and its checkpoints "
+            "and metrics are kept")
+
+
+def written_after_training(log: Callable[[str], None], outputs: list[Path], write: Callable[[], object]):
+    """`write()`'s result, or None (with one warning line, and the files `outputs` it may have left half written
+    removed) when it fails with an OSError: for an output written after training (e.g. the calibrated profile)."""
+    try:
+        return write()
+    except OSError as e:
+        for p in outputs:
+            p.unlink(missing_ok=True)
+        log(f"WARNING: could not write {', '.join(p.name for p in outputs)} "
+            f"({explain_os_error(e, outputs[0], 'writing')}); the training finished and its checkpoints and metrics "
+            "are kept")
+        return None
+
+
+def write_timelines(run_dir: Path, timelines: list, predicted, profile_name: str | None, program, title: str,
+                    log: Callable[[str], None] = _stderr) -> None:
+    """timeline_measured.csv (the kept steps), timeline_sim.csv, trace.json and gantt.png of the last step; any
+    that cannot be written is named in one warning line (`log`)."""
 
     measured = pd.concat(timelines, ignore_index=True)
-    measured.to_csv(run_dir / "timeline_measured.csv", index=False)
     last = int(measured["step"].max())
     pair = {f"measured (step {last})": one_step(measured, last)}
+    writers: dict[str, Callable[[Path], object]] = {
+        "timeline_measured.csv": lambda p: measured.to_csv(p, index=False)}
     if predicted is not None:
-        predicted.timeline.to_csv(run_dir / "timeline_sim.csv", index=False)
+        writers["timeline_sim.csv"] = lambda p: predicted.timeline.to_csv(p, index=False)
         pair = {f"predicted ({profile_name})": predicted.timeline, **pair}
-    write_chrome_trace(run_dir / "trace.json", pair, program)
-    gantt(pair, run_dir / "gantt.png", title=title)
+    writers["trace.json"] = lambda p: write_chrome_trace(p, pair, program)
+    writers["gantt.png"] = lambda p: gantt(pair, p, title=title)
+    _write_each(run_dir, writers, log)
 
 
 def report_lines(s, profile_name: str | None, skipped_unit_updates: int = 0) -> list[str]:
