@@ -153,7 +153,9 @@ def test_truncated_checkpoint_file_is_a_clear_error(tmp_path):
         mgr.load()
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         mgr.resolve(str(tmp_path))
-    assert mgr.resolve("latest") == path
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* passes verification .*truncated"):
+        mgr.resolve("latest")  # "latest" is the newest verified one (issue 22); the damaged one stays
+    assert f.is_file()
 
 
 KILL_SCRIPT = textwrap.dedent("""

@@ -113,10 +113,10 @@ def test_leftovers_of_a_killed_prune_are_removed_by_the_next_save(tmp_path):
     tiles = init_tiles(DEBUG)
     kinds = {"master": tiles, "adam_m": tiles, "adam_v": tiles}
     manager.save(1, kinds, {})
-    (tmp_path / "ckpt" / "step_00000000").mkdir()  # a kill mid-delete: no state file left
-    (tmp_path / "ckpt" / ".tmp-deleting-step_00000001").mkdir()
+    (tmp_path / "ckpt" / "step_00000000").mkdir()  # no state file: not a save's (issue 22: the user's, it stays)
+    (tmp_path / "ckpt" / ".tmp-deleting-step_00000001").mkdir()  # a kill mid-delete
     manager.save(2, kinds, {})
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000000", "step_00000002"]
 
 
 def test_a_renamed_hf_directory_still_resumes(tmp_path):

@@ -237,7 +237,10 @@ class CheckpointManager:
 
         final = self.directory / _step_dir_name(step)
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-        check_writable(self.directory)
+        try:
+            check_writable(self.directory)
+        except CheckpointError as e:
+            raise self._not_saved(step, str(e)) from None
         self._remove_stale_tmp()
         needed = sum(getters[k](u).numel() * getters[k](u).element_size() for k in KINDS for u in units)
         free = shutil.disk_usage(self.directory).free
@@ -282,12 +285,8 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         except (OSError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            why = (explain_os_error(e, tmp, what) if isinstance(e, OSError)
-                   else f"it did not read back as written ({e})")
-            prev = newest_complete(self.directory)
-            kept = f"The newest complete checkpoint {prev} is intact" if prev else "No earlier checkpoint exists"
-            raise CheckpointError(f"checkpoint step {step} was not saved: {why}. Nothing was deleted. {kept}"
-                                  ) from None
+            raise self._not_saved(step, explain_os_error(e, tmp, what) if isinstance(e, OSError)
+                                  else f"it did not read back as written ({e})") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -296,6 +295,11 @@ class CheckpointManager:
         except CheckpointError as e:
             self._say(f"warning: {e}")
         return final
+
+    def _not_saved(self, step: int, why: str) -> CheckpointError:
+        prev = newest_complete(self.directory)
+        kept = f"The newest complete checkpoint {prev} is intact" if prev else "No earlier checkpoint exists"
+        return CheckpointError(f"checkpoint step {step} was not saved: {why}. Nothing was deleted. {kept}")
 
     def step_path(self, step: int) -> Path:
         """The directory checkpoint `step` is published as."""
