@@ -13,6 +13,7 @@ issue's case); the first test checks that the window matters at all in these sha
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import partial
 
 import pytest
@@ -234,3 +235,20 @@ def test_the_planner_counts_the_mask_when_one_is_built():
     n, a = 2 * 256, 2
     extra = 256 * 256 * a + n * 2 * a * (spec.q_dim - spec.kv_dim)
     assert {m: windowed[m] - full[m] for m in full} == {m: extra for m in full}
+
+
+@pytest.mark.parametrize("source_window, spec_window", [(4, 4), (None, None), ("absent", 4096), ("absent", None)])
+def test_export_writes_the_window_back(tmp_path, source_window, spec_window):
+    """The export's config.json carries the spec's window, null included (an absent key is 4096 to transformers),
+    whatever the source directory's config.json said."""
+    from megatrain.io.hf_checkpoint import hf_config_for
+
+    src = {k: v for k, v in MISTRAL_CFG.items() if k != "sliding_window"}
+    if source_window != "absent":
+        src["sliding_window"] = source_window
+    (tmp_path / "config.json").write_text(json.dumps(src))
+    spec = dataclasses.replace(spec_from_hf_config(MISTRAL_CFG), sliding_window=spec_window)
+    cfg = hf_config_for(spec, torch.bfloat16, source=tmp_path)
+    assert "sliding_window" in cfg and cfg["sliding_window"] == spec_window
+    assert transformers.AutoConfig.for_model(**cfg).sliding_window == spec_window
+    assert spec_from_hf_config(cfg) == dataclasses.replace(spec, dtype="bfloat16")
