@@ -164,7 +164,8 @@ class LlamaFamily:
     # Refused fields beyond `hf.UNSUPPORTED_FIELDS` (field, accepted values, what it does): transformers' Llama
     # reads attention_bias; it ignores sliding_window and layer_types, which a Llama config carries only by mistake.
     unsupported_fields: tuple[tuple[str, tuple, str], ...] = (
-        ("attention_bias", (False,), "biases on the attention projections of a llama model (model_type qwen2 has q/k/v biases)"),
+        ("attention_bias", (False,), "biases on the attention projections of a llama model "
+                                     "(model_type qwen2 has q/k/v biases)"),
         ("sliding_window", (), "sliding windows in a llama model (transformers' Llama ignores the field; "
                                "model_type mistral has them)"),
         ("use_sliding_window", (False,), "sliding windows in a llama model (model_type qwen2 has them)"),
