@@ -55,7 +55,7 @@ def test_old_rope_scaling_type_key_and_linear():
     ({**LLAMA3_V4, "model_type": "gpt2"}, "model_type 'gpt2'"),
     ({**LLAMA3_V4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({**LLAMA3_V5, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "rope_type 'longrope'"),
-    ({**LLAMA3_V4, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({**LLAMA3_V4, "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({**LLAMA3_V4, "num_key_value_heads": 3}, "not a multiple"),
 ])
 def test_unsupported_configs_are_refused_clearly(cfg, words):

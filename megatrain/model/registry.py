@@ -8,6 +8,7 @@ Everything else asks the family of a spec (`spec.family`, `family_of(model_type)
     HF config     from_hf_config, to_hf_config                 (torch-free)
     cost models   unit_forward_flops, tiled_mlp_flops, layer_working_set, signature   (torch-free)
     init          init_rule                                    (torch-free)
+    optional      has_sliding_window (whether a spec may carry `sliding_window`; False when absent)
     layer math    layer() -> a module with `decoder_layer` and `rope_cos_sin` (imports torch; loaded on first use)
 
 Units may differ in size within a model: `layer_kind` names the kind of each decoder layer, and the GPU ring sizes
@@ -47,8 +48,9 @@ class Family(Protocol):
         """FLOPs a backward adds when the layer's norm + MLP half runs in tiles (it recomputes that half)."""
 
     def layer_working_set(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool,
-                          mlp_tile_tokens: int) -> dict[str, int]:
-        """GPU bytes of one layer's backward task at each moment that can be the peak (the planner's model)."""
+                          mlp_tile_tokens: int, seq: int = 0) -> dict[str, int]:
+        """GPU bytes of one layer's backward task at each moment that can be the peak (the planner's model);
+        `tokens` per micro-batch, `seq` per sequence (what a (T, T) attention mask is sized by)."""
 
     def signature(self, spec: ModelSpec) -> str:
         """The shape of the model's units, independent of name and depth (profile compute tables are keyed by it)."""

@@ -53,21 +53,16 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     dtype: str = "float32"
+    # Each query attends to the `sliding_window` latest tokens (itself included) in every layer; None: the whole
+    # causal context. Only families with `has_sliding_window` (Mistral, Qwen2) read and write it.
+    sliding_window: int | None = None
 
     def __post_init__(self):
-        family_of(self.model_type)  # a SpecError naming the registered families
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise SpecError(
-                f"rope_type {self.rope_scaling.rope_type!r} is not supported; use one of "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)} (or remove rope_scaling from config.json)"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise SpecError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise SpecError(f"{name} must be positive, got {getattr(self, name)}")
+        family = family_of(self.model_type)  # a SpecError naming the registered families
+        check_spec_values(self)
+        if self.sliding_window is not None and not getattr(family, "has_sliding_window", False):
+            raise SpecError(f"sliding_window={self.sliding_window}: the {self.model_type} family has no sliding-window "
+                            "attention (transformers' model ignores it too); use model_type mistral or drop it")
 
     @property
     def family(self) -> Family:
@@ -167,7 +162,12 @@ class ModelSpec:
         return replace(self, num_layers=num_layers, name=f"{self.name}-L{num_layers}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-able fields; `sliding_window` only when set, so that the JSON of a spec without one (every preset,
+        every checkpoint written before windows existed) is what it always was."""
+        d = asdict(self)
+        if d["sliding_window"] is None:
+            del d["sliding_window"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpec:
@@ -178,6 +178,60 @@ class ModelSpec:
     def to_hf_config(self) -> dict:
         """A transformers 4.x-shaped config.json that `from_pretrained` reads."""
         return self.family.to_hf_config(self)
+
+
+# The spec fields' names in config.json, for messages (the rest are spelled the same).
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads"}
+
+
+def _named(field_name: str) -> str:
+    hf_name = _HF_NAMES.get(field_name)
+    return f"{field_name} (config.json: {hf_name})" if hf_name else field_name
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_spec_values(spec: ModelSpec) -> None:
+    """Refuse a spec whose numbers no model can have, naming the field (a SpecError): non-positive sizes, head
+    counts that do not divide, an odd head_dim (rotate-half RoPE pairs dimension i with i + head_dim/2), a
+    non-positive rms_norm_eps or rope_theta (NaN in the first step, blamed on nothing), RoPE scaling that divides
+    by zero or is not implemented, a sliding window of no token. Every spec passes here, however it was built
+    (config.json, a preset, a checkpoint's or a Program's JSON)."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise SpecError(f"{_named(name)}={v!r} must be a positive integer")
+    if spec.num_heads % spec.num_kv_heads:
+        raise SpecError(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads="
+                        f"{spec.num_kv_heads}: every key/value head must serve the same number of query heads")
+    if spec.head_dim % 2:
+        raise SpecError(f"head_dim={spec.head_dim} must be even (rotary embeddings rotate dimension pairs)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        v = getattr(spec, name)
+        if not _is_number(v) or v <= 0:
+            raise SpecError(f"{name}={v!r} must be a positive number (config.json: {name}"
+                            f"{' or rope_parameters.rope_theta' if name == 'rope_theta' else ''})")
+    rs = spec.rope_scaling
+    if rs.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise SpecError(f"rope_type {rs.rope_type!r} is not supported; use one of {', '.join(SUPPORTED_ROPE_TYPES)} "
+                        "(or remove rope_scaling from config.json)")
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        v = getattr(rs, name)
+        if not _is_number(v) or v <= 0:
+            raise SpecError(f"rope_scaling.{name}={v!r} must be a positive number")
+    if rs.rope_type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise SpecError(f"rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed low_freq_factor="
+                        f"{rs.low_freq_factor} (llama3 RoPE blends between them)")
+    if spec.dtype not in DTYPE_BYTES:
+        raise SpecError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    w = spec.sliding_window
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+        raise SpecError(f"sliding_window={w!r} must be a positive integer (the tokens a query sees, itself "
+                        "included), or null for full causal attention")
 
 
 # Sizes are asked for per task and per copy by the builders; a spec is frozen, so they are computed once.
@@ -205,7 +259,11 @@ def spec_from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         family = family_of(cfg.get("model_type"))
     except SpecError as e:
         raise SpecError(f"config.json: {e}") from None
-    return ModelSpec(name=name, **family.from_hf_config(cfg))
+    fields = family.from_hf_config(cfg)
+    try:
+        return ModelSpec(name=name, **fields)
+    except SpecError as e:
+        raise SpecError(f"config.json: {e}") from None
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:

@@ -55,7 +55,7 @@ def layer_working_set(p: Placement) -> dict[str, int]:
     out: dict[str, int] = {}
     for layer in largest.values():
         moments = spec.family.layer_working_set(spec, layer, a, n, p.weight_wire != p.compute_dtype,
-                                                p.mlp_tile_tokens)
+                                                p.mlp_tile_tokens, seq=p.seq)
         for moment, nbytes in moments.items():
             out[moment] = max(out.get(moment, 0), nbytes)
     return out

@@ -6,12 +6,14 @@ buffer; a weight whose dtype differs from the activations (fp32 master streamed,
 used, and that cast is the only copy.
 
 The math follows transformers' `LlamaDecoderLayer` op for op (pre-norm, RMSNorm in fp32, rotate-half RoPE,
-SDPA causal attention, SwiGLU), so that in fp32 our outputs match HF's to matmul rounding.
+SDPA causal attention, SwiGLU), so that in fp32 our outputs match HF's to matmul rounding. A sliding window
+(Mistral, Qwen2: `spec.sliding_window`) is a banded additive mask on the same SDPA call (`window_mask`).
 
 At long sequences the post-attention half (RMSNorm + SwiGLU) runs in sequence tiles (`mlp_tile_tokens`): its
 (B, T, ffn) intermediates exist for one tile at a time, in the forward and in the backward (`TiledNormMLP`, which
 saves only its input and recomputes each tile in its backward). Attention goes through SDPA with `is_causal=True`
-and no mask, which on CUDA in bf16 is the flash kernel: O(T) memory, no (T, T) tensor.
+and no mask, which on CUDA in bf16 is the flash kernel: O(T) memory, no (T, T) tensor; a sliding window shorter
+than T adds one (T, T) mask per layer call (the memory-efficient kernel; the planner counts the mask).
 
 This is the family's layer math (`LlamaFamily.layer()`): `decoder_layer` and `rope_cos_sin`. How the executor
 differentiates it (recompute from the checkpoint, local backward) and compiles it is the executor's
@@ -27,11 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatrain.model.llama.rope import apply_rope, rope_cos_sin
+from megatrain.model.llama.shape import masked_window
 
 if TYPE_CHECKING:
     from megatrain.model.spec import ModelSpec
 
-__all__ = ["decoder_layer", "rope_cos_sin", "rms_norm", "attention", "TiledNormMLP"]
+__all__ = ["decoder_layer", "rope_cos_sin", "rms_norm", "attention", "window_mask", "TiledNormMLP"]
 
 # SDPA grew `enable_gqa` in torch 2.5: K/V heads are shared by query groups inside the kernel instead of being
 # materialized n_rep times (HF does the same when no mask is passed).
@@ -51,8 +54,25 @@ def _linear(x: Tensor, w: Mapping[str, Tensor], name: str, bias: bool = False) -
     return F.linear(x, weight, b)
 
 
+def window_mask(seq: int, window: int, device, dtype: torch.dtype) -> Tensor:
+    """Additive (T, T) mask of causal sliding-window attention, as transformers' `sliding_window_causal_mask_function`:
+    query q sees key k iff q - window < k <= q (the `window` latest tokens, itself included); 0 where seen, -inf
+    elsewhere, in the compute dtype. Every row sees at least its diagonal, so no softmax row is empty.
+
+    The (T, T) view sits in rows padded to a multiple of 16 elements: CUDA's memory-efficient SDPA kernel wants
+    the mask's row stride aligned and would otherwise copy the whole mask into a padded one (the planner counts
+    the padded rows: `LlamaFamily.layer_working_set`)."""
+    padded = -(-seq // 16) * 16
+    q = torch.arange(seq, device=device)[:, None]  # (T, 1)
+    k = torch.arange(padded, device=device)[None, :]  # (1, Tp)
+    seen = (k <= q) & (k > q - window)  # (T, Tp); columns >= T are future keys, never seen
+    mask = torch.zeros((seq, padded), device=device, dtype=dtype).masked_fill_(~seen, float("-inf"))
+    return mask[:, :seq]  # (T, T), row stride Tp
+
+
 def attention(w: Mapping[str, Tensor], h: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec) -> Tensor:
-    """Causal grouped-query self-attention of the normalized input h (B, T, d) -> (B, T, d)."""
+    """Causal grouped-query self-attention of the normalized input h (B, T, d) -> (B, T, d); with a sliding window
+    (`spec.sliding_window` shorter than T) each query sees only the window's latest keys (`window_mask`)."""
     B, T, _ = h.shape
     hd, n_rep = spec.head_dim, spec.num_heads // spec.num_kv_heads
     bias = spec.qkv_bias  # Qwen2: q/k/v have biases, o_proj does not
@@ -61,7 +81,14 @@ def attention(w: Mapping[str, Tensor], h: Tensor, cos: Tensor, sin: Tensor, spec
     v = _linear(h, w, "self_attn.v_proj", bias).view(B, T, spec.num_kv_heads, hd).transpose(1, 2)  # (B, nkv, T, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # HF passes scaling=head_dim**-0.5 explicitly; so do we, so that the scale is the same float.
-    if n_rep == 1:
+    if masked_window(spec, T):
+        # A mask rules out the flash kernel (CUDA takes the memory-efficient one, O(T) beyond the mask itself);
+        # K/V are expanded to every query head as HF does with a mask, since not every masked kernel takes GQA.
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+        mask = window_mask(T, spec.sliding_window, h.device, q.dtype)  # (T, T), broadcast over B and heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5)
+    elif n_rep == 1:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
     elif _SDPA_HAS_GQA:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=True)

@@ -90,7 +90,7 @@ class LlamaFamily:
         return 6.0 * batch * seq * spec.hidden_size * self.ffn_size(spec, unit)
 
     def layer_working_set(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool,
-                          mlp_tile_tokens: int) -> dict[str, int]:
+                          mlp_tile_tokens: int, seq: int = 0) -> dict[str, int]:
         """GPU bytes of one layer's BACKWARD task (recompute from its checkpoint + local backward) at the moments
         that can be the peak, beyond the buffers, the checkpoints and the RoPE tables. Per micro-batch of n tokens,
         a = bytes of the compute dtype, what the recompute saves for the backward (eager layer, `layer.py`):
@@ -110,6 +110,11 @@ class LlamaFamily:
         every query head (2a*q). Each adds the layer's weights cast to the compute dtype (`cast_weights`: the
         weight wire differs) and the weight gradients autograd returns (a per parameter), and the tiled MLP its
         fp32 weight-gradient sums.
+
+        A sliding window shorter than the sequence (`masked_window`; `seq` tokens a sequence) adds, at both
+        moments, the (T, T) mask in the compute dtype (rows padded to 16 elements: `layer.window_mask`), which SDPA
+        saves for its backward, and with grouped KV heads the K and V expanded to every query head (a*2(q - kv) per
+        token more than the grouped ones).
         """
         a, n = act_bytes, tokens
         d, f, q, kv, nh = spec.hidden_size, self.ffn_size(spec, unit), spec.q_dim, spec.kv_dim, spec.num_heads
@@ -127,13 +132,17 @@ class LlamaFamily:
         gqa_expand = 2 * a * q if spec.num_kv_heads != spec.num_heads else 0
         flash = 4 * q + 4 * nh + gqa_expand + a * (q + 2 * kv)
         attention = n * (norm + attn + around + a * d + a * q + flash)
-        return {"mlp": mlp + weights, "attention": attention + weights}
+        window = 0
+        if masked_window(spec, seq):
+            window = seq * (-(-seq // 16) * 16) * a + n * 2 * a * (q - kv)
+        return {"mlp": mlp + weights + window, "attention": attention + weights + window}
 
     def signature(self, spec: ModelSpec) -> str:
         """Two models that share it have the same per-layer (and embedding / head) compute times."""
         bias = "-qkvbias" if spec.qkv_bias else ""
+        window = f"-sw{spec.sliding_window}" if spec.sliding_window is not None else ""  # a masked attention kernel
         return (f"{spec.model_type}-d{spec.hidden_size}-f{spec.intermediate_size}-h{spec.num_heads}x{spec.head_dim}"
-                f"-kv{spec.num_kv_heads}-v{spec.vocab_size}{bias}")
+                f"-kv{spec.num_kv_heads}-v{spec.vocab_size}{bias}{window}")
 
     # ---- init ----------------------------------------------------------------------------------------------------
     def init_rule(self, name: str, shape: tuple[int, ...]) -> str:
@@ -148,12 +157,33 @@ class LlamaFamily:
         c = {**self.hf_defaults, **{k: v for k, v in cfg.items() if v is not None}}
         hf.check_values(c)
         self.check_hf_options(c)
-        return hf.spec_fields(c, model_type=self.name, qkv_bias=self.qkv_bias_of(c))
+        # `c` drops nulls so that defaults fill them; the window reads the file itself, where null means "none"
+        return hf.spec_fields(c, model_type=self.name, qkv_bias=self.qkv_bias_of(c),
+                              sliding_window=self.sliding_window_of({**c, **cfg}))
+
+    # Refused fields beyond `hf.UNSUPPORTED_FIELDS` (field, accepted values, what it does): transformers' Llama
+    # reads attention_bias; it ignores sliding_window and layer_types, which a Llama config carries only by mistake.
+    unsupported_fields: tuple[tuple[str, tuple, str], ...] = (
+        ("attention_bias", (False,), "biases on the attention projections of a llama model "
+                                     "(model_type qwen2 has q/k/v biases)"),
+        ("sliding_window", (), "sliding windows in a llama model (transformers' Llama ignores the field; "
+                               "model_type mistral has them)"),
+        ("use_sliding_window", (False,), "sliding windows in a llama model (model_type qwen2 has them)"),
+    )
+    # Whether a spec of this family may carry a sliding window (`ModelSpec.sliding_window`).
+    has_sliding_window = False
 
     def check_hf_options(self, c: dict) -> None:
-        """Refuse options of the family's config that megatrain does not implement."""
-        if c.get("attention_bias"):
-            raise SpecError("attention_bias=true on a llama config is not supported; Qwen2 configs get q/k/v biases")
+        """Refuse options of the family's config that megatrain does not implement (`unsupported_fields`)."""
+        hf.check_unsupported(c, self.unsupported_fields)
+        types = hf.layer_types_of(c)
+        if types and any(t != "full_attention" for t in types):
+            raise SpecError("config.json: layer_types names sliding_attention layers; a llama model has none "
+                            "(model_type mistral or qwen2 has sliding windows)")
+
+    def sliding_window_of(self, c: dict) -> int | None:
+        """The window of every layer (None: full causal attention); a Llama has none."""
+        return None
 
     def qkv_bias_of(self, c: dict) -> bool:
         """Whether q/k/v projections have biases (never, for Llama)."""
@@ -172,6 +202,12 @@ class LlamaFamily:
 
     def __repr__(self) -> str:
         return f"<model family {self.name}>"
+
+
+def masked_window(spec: ModelSpec, seq: int) -> bool:
+    """Whether attention over sequences of `seq` tokens runs with the sliding-window mask: a window shorter than
+    the sequence (a window of at least `seq` tokens sees the whole causal context: plain causal attention)."""
+    return spec.sliding_window is not None and spec.sliding_window < seq
 
 
 def _check_layer(spec: ModelSpec, unit: int) -> None:
