@@ -62,7 +62,7 @@ def test_an_export_onto_or_above_a_run_is_refused_and_deletes_nothing(two_runs, 
     assert rc == 2 and err.count("\n") == 1, err
     assert _snapshot(two_runs / "runs") == before  # not one file lost or changed
     if overwrite:
-        assert "--overwrite only replaces" in err or "holds a megatrain run or checkpoint" in err, err
+        assert "not a megatrain export" in err or "holds a megatrain run or checkpoint" in err, err
 
 
 def test_an_export_inside_a_checkpoint_is_refused(two_runs, capsys, monkeypatch):

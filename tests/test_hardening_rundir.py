@@ -33,31 +33,42 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# A run whose pre-run check (preflight) takes `delay` seconds, as a 20 MB JSONL would; prints its run directory.
+# A run of the name "same"; with "wait", its pre-run check (preflight) lasts until the file `go` exists (as a slow
+# check of a 20 MB JSONL would), with "signal" it creates `go` when it is done. Prints its run directory.
 _DRIVER = textwrap.dedent("""
     import sys, time
+    from pathlib import Path
     from megatrain.train import loop
     from megatrain.train.config import load_config
-    delay, out_dir = float(sys.argv[1]), sys.argv[2]
+    mode, out_dir, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     checks = loop.preflight
     def slow_preflight(*a, **k):
-        time.sleep(delay)
+        for _ in range(1200):
+            if go.exists():
+                break
+            time.sleep(0.05)
         return checks(*a, **k)
-    loop.preflight = slow_preflight
+    if mode == "wait":
+        loop.preflight = slow_preflight
     cfg = load_config(None, [f"run.out_dir={out_dir}", "run.name=same", "run.steps=2", "run.eval_every=0",
                              "run.checkpoint_every=2", "run.progress=false", "run.simulate=false",
                              "data.batch_size=2", "data.seq_len=32", "schedule.compute_dtype=fp32"])
-    print("run_dir", loop.run_training(cfg, log=lambda line: print(line, flush=True)).run_dir, flush=True)
+    try:
+        print("run_dir", loop.run_training(cfg, log=lambda line: print(line, flush=True)).run_dir, flush=True)
+    finally:
+        go.touch()
 """)
 
 
 def test_two_runs_started_together_with_one_name_get_two_directories(tmp_path):
+    """The first run is inside its slow pre-run check for the whole of the second run."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", _DRIVER]
-    slow = subprocess.Popen(cmd + ["4", str(tmp_path / "runs")], stdout=subprocess.PIPE, text=True, env=env)
+    args = [str(tmp_path / "runs"), str(tmp_path / "go")]
+    slow = subprocess.Popen(cmd + ["wait"] + args, stdout=subprocess.PIPE, text=True, env=env)
     first = slow.stdout.readline()  # its config line: printed once it chose its directory, before the slow check
     assert first.startswith("config:"), first
-    fast = subprocess.run(cmd + ["0", str(tmp_path / "runs")], capture_output=True, text=True, env=env, timeout=300)
+    fast = subprocess.run(cmd + ["signal"] + args, capture_output=True, text=True, env=env, timeout=300)
     rest, _ = slow.communicate(timeout=300)
     assert slow.returncode == 0 and fast.returncode == 0, fast.stderr
     dirs = [line.split(" ", 1)[1] for line in (rest + fast.stdout).splitlines() if line.startswith("run_dir ")]
@@ -81,13 +92,14 @@ def test_a_fresh_run_skips_a_directory_another_process_holds(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [
-    "data.path=/nonexistent/data.jsonl",  # a pre-run check (data)
+    "data.path={tmp}/bad.jsonl",         # a pre-run check (data: not JSON lines)
     "schedule.state_tier=nvme-moments",   # refused when the store is built
 ])
 def test_a_fresh_run_refused_before_it_starts_leaves_nothing_and_says_so(tmp_path, bad):
+    (tmp_path / "bad.jsonl").write_text("this is not JSON\n")
     lines = []
     with pytest.raises(Exception):
-        run_training(tiny(tmp_path, bad), log=lines.append)
+        run_training(tiny(tmp_path, bad.format(tmp=tmp_path)), log=lines.append)
     assert not (tmp_path / "runs").exists(), _snapshot(tmp_path / "runs").keys()  # not even run.out_dir
     assert "nothing was written" in lines[-1], lines
 

@@ -64,16 +64,16 @@ def check_export_target(path: str | Path, overwrite: bool = False) -> bool:
     """Refuse (CheckpointError, one line) an export target that would replace or endanger anything but an earlier
     export (module docstring); returns whether `path` exists and will be replaced."""
     path = Path(path)
-    holder = _inside_checkpoint(path)
-    if holder is not None:
-        raise CheckpointError(f"export directory {path} is inside checkpoint {holder}, which pruning or a resume may "
-                              "delete; choose a directory outside the run's checkpoints")
-    if not path.exists() and not path.is_symlink():
-        return False
     top = _top_marker(path)
     if top is not None:
         raise CheckpointError(f"export directory {path} holds a megatrain run or checkpoint ({top}); an export never "
                               "replaces one: choose a new directory outside every run")
+    holder = _inside_checkpoint(path)
+    if holder is not None:
+        raise CheckpointError(f"export directory {path} is inside checkpoint directory {holder}, which pruning or a resume may "
+                              "delete; choose a directory outside the run's checkpoints")
+    if not path.exists() and not path.is_symlink():
+        return False
     if not overwrite:
         raise CheckpointError(f"export directory {path} already exists; choose a new directory, or pass --overwrite "
                               "(overwrite=True) to replace an earlier export")
