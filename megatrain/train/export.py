@@ -73,17 +73,14 @@ def check_run_export_target(out: str | Path, run_dir: str | Path) -> bool:
         raise ConfigError(f"run.export_hf={str(out)!r} is the run directory {run_dir} or above it; the export would "
                           "replace the run: choose a directory outside it (e.g. beside it)")
     try:
-        replace = check_export_target(out, overwrite=True)
-    except CheckpointError as e:
-        raise ConfigError(f"run.export_hf={str(out)!r}: {e}") from None
-    if not replace:
-        return False
-    try:
         made_by = json.loads((out / PROVENANCE_FILE).read_text()).get("run_dir")
     except (OSError, ValueError, AttributeError):
         made_by = None
-    if made_by is not None and Path(made_by).resolve() == run_dir.resolve():
-        return True
+    if not out.exists() or (made_by is not None and Path(made_by).resolve() == run_dir.resolve()):
+        try:  # a new directory, or an export of this run: also free of runs and outside every checkpoint
+            return check_export_target(out, overwrite=True)
+        except CheckpointError as e:
+            raise ConfigError(f"run.export_hf={str(out)!r}: {e}") from None
     raise ConfigError(f"run.export_hf={str(out)!r} already exists and is not an export of this run "
                       f"({run_dir}); the export at the end would fail after the whole run. Choose a new "
                       "directory or remove it")
