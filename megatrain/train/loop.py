@@ -2,16 +2,17 @@
 
     summary = run_training(load_config("run.toml", ["optimizer.lr=3e-4"]))
 
-What a run does, in this order (nothing is allocated before the checks that can fail cheaply):
+What a run does, in this order (nothing is allocated before the checks that can fail cheaply; the run directory is
+claimed, locked, first, and written only after step 4, so a refusal up to there leaves nothing: `rundir.py`):
 
 1. schedule rules (the same `build_schedule` as `megatrain plan`) and the memory check: the planner's host and GPU
    bytes against this machine (`check_memory`); a run that does not fit stops here with the numbers and the knobs
    that help;
 2. data: opened (memory-mapped) and every token id checked against the vocabulary; the hardware profile read;
    a Hugging Face directory's every tensor checked present with its shape (headers only);
-3. run directory `run.out_dir/run.name` (`rundir.py`: a fresh run takes the next free `name-1`...; the directory
-   is locked while the run uses it; a resume from an older checkpoint moves the newer ones aside), the checkpoint
-   to resume verified (checksums, units, model), checkpoint directory proven writable, export target free;
+3. the checkpoint to resume verified (checksums, units, model, the moments' dtype) in the run directory
+   `run.out_dir/run.name` (`rundir.py`: a fresh run takes the next free `name-1`...; a resume from an older
+   checkpoint moves the newer ones aside after step 4), checkpoint directory proven writable, export target free;
 4. the host store, weights written into it in place (seeded init or a Hugging Face directory, one unit at a time),
    or a checkpoint read into it (`run.resume`);
 5. the simulator's prediction of the step (`run.simulate`);

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from megatrain.io.errors import CheckpointError
 from megatrain.io.export_target import RUN_LOCK_FILE
 from megatrain.train.config import ConfigError
 import fcntl
@@ -50,8 +51,8 @@ class RunLock:
         try:
             self._lock()
         except OSError as e:
-            raise ConfigError(f"cannot use run directory {self.run_dir}: {e.strerror or e}; choose another "
-                              "run.out_dir / run.name, or fix its permissions") from None
+            raise CheckpointError(f"run directory {self.run_dir} is not writable ({e.strerror or e}); choose another "
+                                  "run.out_dir / run.name, or fix its permissions") from None
 
     def _lock(self) -> None:
         while True:  # retried when another process removed the directory or the lock file meanwhile (forget())
