@@ -4,7 +4,6 @@
     megatrain export runs/ft-1/checkpoints/step_00000500 out/ft-500 --dtype fp32
 """
 from __future__ import annotations
-from pathlib import Path
 import time
 
 
@@ -14,18 +13,18 @@ def register(sub) -> None:
                    help="a checkpoint directory (runs/NAME/checkpoints/step_...) or a run directory (its latest)")
     p.add_argument("out", metavar="OUT", help="the Hugging Face directory to write (must not exist)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="weight dtype (default bf16)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is an earlier megatrain export (nothing else is ever replaced)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
 
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
-    from megatrain.io.errors import CheckpointError
+    from megatrain.io.export_target import check_export_target
     from megatrain.train.export import export_checkpoint
 
-    if Path(args.out).exists() and not args.overwrite:
-        raise CheckpointError(f"{args.out} already exists; choose another directory or pass --overwrite")
+    check_export_target(args.out, args.overwrite)  # before reading anything: only an earlier export is replaced
     t0 = time.perf_counter()
     out, prov = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite)
     tok = prov.get("tokenizer") or {}

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from megatrain.io.errors import CheckpointError
+from megatrain.io.export_target import PROVENANCE_FILE, check_export_target
 from megatrain.model.layout import UnitLayout, unit_layout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec, load_hf_config
 from megatrain.io import safetensors_io as stio
@@ -47,7 +48,6 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 GENERATION_FILE = "generation_config.json"  # copied from the source model directory
-PROVENANCE_FILE = "megatrain_export.json"  # what an export was made from (the run, the checkpoint step)
 # Source config.json fields that the spec re-derives, or that are wrong for another dtype / layer count.
 _DERIVED = ("architectures", "torch_dtype", "dtype", "rope_parameters", "rope_scaling", "rope_theta",
             "transformers_version", "_name_or_path")
@@ -359,8 +359,7 @@ def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtyp
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"export dtype {dtype} is not one of {FLOAT_DTYPES}")
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise CheckpointError(f"export directory {path} already exists; choose another or pass overwrite=True")
+    check_export_target(path, overwrite)  # only an earlier export is ever replaced (io/export_target.py)
     # Tensor order: forward order of units; a tied head writes no lm_head.
     names: list[tuple[int, str, tuple[int, ...]]] = []
     for unit in spec.units():

@@ -11,8 +11,11 @@ generation_config.json, and the files of the tokenizer the data was tokenized wi
 training/tokenization.py, applied to the config the checkpoint was written with); byte-level data ships no
 tokenizer. Only the fp32 master is read from a checkpoint (one unit at a time), not the AdamW moments.
 
-Every export also holds megatrain_export.json (the run directory, the checkpoint, the step). A resumed run may
-replace an export of its own run directory at its end; any other existing directory is refused up front.
+Every export also holds megatrain_export.json (the run directory, the checkpoint, the step). Nothing but an earlier
+export is ever replaced (io/export_target.py): a target that is, holds or sits above a run or checkpoint directory
+(any run's), or sits inside a checkpoint, is refused, and `--overwrite` replaces only a directory holding
+megatrain_export.json. A resumed run may replace an export of its own run directory at its end; any other existing
+directory is refused up front, before the run.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from megatrain.io import safetensors_io as stio
 from megatrain.io.checkpoint import STATE_FILE, CheckpointManager
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError
-from megatrain.io.hf_checkpoint import PROVENANCE_FILE, export_hf
+from megatrain.io.export_target import PROVENANCE_FILE, check_export_target
+from megatrain.io.hf_checkpoint import export_hf
 from megatrain.data.tokenization import (
     TokenizerChoice,
     TokenizerError,
@@ -39,7 +43,7 @@ import time
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-__all__ = ["DTYPES", "export_checkpoint", "export_weights", "export_run", "find_checkpoint", "check_export_target"]
+__all__ = ["DTYPES", "export_checkpoint", "export_weights", "export_run", "find_checkpoint", "check_run_export_target"]
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -59,21 +63,27 @@ def find_checkpoint(path: str | Path) -> Path:
                           "checkpoint in checkpoints/")
 
 
-def check_export_target(out: str | Path, run_dir: str | Path) -> bool:
-    """Whether `out` already holds an export of this run (the end of the run replaces it). Any other existing
-    path is a ConfigError now, not after the whole run."""
-    out = Path(out)
-    if not out.exists():
-        return False
+def check_run_export_target(out: str | Path, run_dir: str | Path) -> bool:
+    """`run.export_hf` checked before the run: whether `out` holds an export of this run (the end of the run
+    replaces it). The run's own directory or one above it, any other existing path, and a target
+    `io.export_target.check_export_target` refuses are a ConfigError now, not after the whole run."""
+    out, run_dir = Path(out), Path(run_dir)
+    where = out.resolve()
+    if where == run_dir.resolve() or where in run_dir.resolve().parents:
+        raise ConfigError(f"run.export_hf={str(out)!r} is the run directory {run_dir} or above it; the export would "
+                          "replace the run: choose a directory outside it (e.g. beside it)")
     try:
         made_by = json.loads((out / PROVENANCE_FILE).read_text()).get("run_dir")
     except (OSError, ValueError, AttributeError):
         made_by = None
-    if made_by is not None and Path(made_by).resolve() == Path(run_dir).resolve():
-        return True
+    if not out.exists() or (made_by is not None and Path(made_by).resolve() == run_dir.resolve()):
+        try:  # a new directory, or an export of this run: also free of runs and outside every checkpoint
+            return check_export_target(out, overwrite=True)
+        except CheckpointError as e:
+            raise ConfigError(f"run.export_hf={str(out)!r}: {e}") from None
     raise ConfigError(f"run.export_hf={str(out)!r} already exists and is not an export of this run "
-                          f"({Path(run_dir)}); the export at the end would fail after the whole run. Choose a new "
-                          "directory or remove it")
+                      f"({run_dir}); the export at the end would fail after the whole run. Choose a new "
+                      "directory or remove it")
 
 
 def _config_defaults(choice: TokenizerChoice, eos_token: str) -> dict:

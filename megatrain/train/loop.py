@@ -2,16 +2,17 @@
 
     summary = run_training(load_config("run.toml", ["optimizer.lr=3e-4"]))
 
-What a run does, in this order (nothing is allocated before the checks that can fail cheaply):
+What a run does, in this order (nothing is allocated before the checks that can fail cheaply; the run directory is
+claimed, locked, first, and written only after step 4, so a refusal up to there leaves nothing: `rundir.py`):
 
 1. schedule rules (the same `build_schedule` as `megatrain plan`) and the memory check: the planner's host and GPU
    bytes against this machine (`check_memory`); a run that does not fit stops here with the numbers and the knobs
    that help;
 2. data: opened (memory-mapped) and every token id checked against the vocabulary; the hardware profile read;
    a Hugging Face directory's every tensor checked present with its shape (headers only);
-3. run directory `run.out_dir/run.name` (`rundir.py`: a fresh run takes the next free `name-1`...; the directory
-   is locked while the run uses it; a resume from an older checkpoint moves the newer ones aside), the checkpoint
-   to resume verified (checksums, units, model), checkpoint directory proven writable, export target free;
+3. the checkpoint to resume verified (checksums, units, model, the moments' dtype) in the run directory
+   `run.out_dir/run.name` (`rundir.py`: a fresh run takes the next free `name-1`...; a resume from an older
+   checkpoint moves the newer ones aside after step 4), checkpoint directory proven writable, export target free;
 4. the host store, weights written into it in place (seeded init or a Hugging Face directory, one unit at a time),
    or a checkpoint read into it (`run.resume`);
 5. the simulator's prediction of the step (`run.simulate`);
@@ -52,7 +53,7 @@ from megatrain.train.checkpointing import SessionCheckpoints, trainer_state
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.train.errors import TrainingError
 from megatrain.train.evaluate import evaluate
-from megatrain.train.export import check_export_target, export_run
+from megatrain.train.export import check_run_export_target, export_run
 from megatrain.train.fit import MemoryFitError, check_memory, machine_capacity
 from megatrain.train.log import RunLog, compile_note, config_line
 from megatrain.train.lr import lr_schedule
@@ -69,7 +70,7 @@ from megatrain.train.outputs import report_lines, write_timelines, written_after
 from megatrain.train.preflight import preflight
 from megatrain.train.result import RunSummary
 from megatrain.train.resume import branch_off, restore, resume_state
-from megatrain.train.rundir import RunLock, fresh_run_dir
+from megatrain.train.rundir import RunLock, claim_run_dir
 from megatrain.train.signals import StopRequest
 from megatrain.train.skips import Skip, SkipTracker
 from megatrain.train.weights import fill_weights
@@ -147,8 +148,10 @@ class _Training:
         self.batch, self.seq = cfg.step_shape()
         self.backend_name = _backend_name(run.device)
 
-        # Where this session writes (chosen, not yet created); the config printed first is the one it runs with.
-        run_dir = run.run_dir if run.resume else fresh_run_dir(run.run_dir)
+        # Where this session writes: claimed (locked, created if needed) before any check or write (rundir.py), so
+        # two runs never share a directory; the config printed first is the one it runs with.
+        self.lock = claim_run_dir(run.run_dir, fresh=not run.resume)
+        run_dir = self.lock.run_dir
         if run_dir != run.run_dir:
             cfg = self.cfg = replace(cfg, run=replace(run, name=run_dir.name))
             run = cfg.run
@@ -160,33 +163,15 @@ class _Training:
         if self.world is not None and self.world.distributed:
             self.log(f"data parallel: {self.world.size} ranks, batch {cfg.data.batch_size} x {self.accum} per rank "
                      f"({self.world.size * self.batch} sequences a step); rank 0 logs and writes the outputs")
-
-        # 1-2. every check that needs no allocation: schedule rules, memory, data, profile, HF tensors (preflight.py)
-        checked = preflight(cfg, spec, self.batch, self.seq, self.knobs, self.backend_name, self.log)
-        self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
-                                                                 checked.profile_name)
-        # 3. the run directory (locked) and the checkpoint to resume: before the store exists
-        # Every rank writes its slices into rank 0's checkpoint directory (the others' run directories are scratch).
-        self.manager = CheckpointManager(self.world.share(run_dir / "checkpoints"), keep_last=run.keep_last)
-        self.ckpt = SessionCheckpoints(self.manager, self.log, self.world)
-        resume = resume_state(cfg, spec, self.manager, self.data) if run.resume else None
-        # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
-        self.replace_export = bool(run.export_hf) and self.world.rank == 0 and check_export_target(run.export_hf,
-                                                                                                   run_dir)
-        check_writable(self.manager.directory)
-        self.lock = RunLock(run_dir)  # from here on no other process uses the directory
-        cfg.save(run_dir)
+        try:  # until the store is filled nothing is written: a failure gives the claim back (_nothing_written)
+            resume = self._checks_and_store()
+        except BaseException:
+            self._nothing_written()
+            raise
+        cfg.save(run_dir)  # only now: a refused resume never overwrites the run's config
         self.runlog.open(run_dir)
-        # 4. the store, then its contents
-        self._build_trainer()
-        self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
-        if resume is not None:
-            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, resume, cfg, self.log)
-            if self.world.rank == 0:  # rank 0 owns the run directory
-                branch_off(self.manager, resume, cfg, run_dir, self.log)
-        else:
-            torch.manual_seed(run.seed)
-            self.log(fill_weights(cfg.model, spec, self.trainer.store, self.world))
+        if resume is not None and self.world.rank == 0:  # rank 0 owns the run directory
+            branch_off(self.manager, resume, cfg, run_dir, self.log)
         # Opened only now: on resume it drops the records of steps after the checkpoint (they are run again),
         # which must not happen if the checkpoint then failed to load.
         try:
@@ -206,6 +191,43 @@ class _Training:
             p = self.predicted.summary
             self.log(f"predicted ({self.profile_name} profile): {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tok/s, "
                      f"GPU idle {100 * p.gpu_idle_frac:.1f}%")
+
+    def _checks_and_store(self) -> dict | None:
+        """Steps 1-4: every check (nothing allocated, nothing written), then the store and its contents; returns the
+        checkpoint resumed from (resume.resume_state) or None."""
+        cfg, run, spec, run_dir = self.cfg, self.cfg.run, self.spec, self.run_dir
+        # 1-2. every check that needs no allocation: schedule rules, memory, data, profile, HF tensors (preflight.py)
+        checked = preflight(cfg, spec, self.batch, self.seq, self.knobs, self.backend_name, self.log)
+        self.plan, self.data, self.profile, self.profile_name = (checked.plan, checked.data, checked.profile,
+                                                                 checked.profile_name)
+        # 3. the checkpoint to resume, checked against this run (model, units, moments' dtype): before the store
+        # Every rank writes its slices into rank 0's checkpoint directory (the others' run directories are scratch).
+        self.manager = CheckpointManager(self.world.share(run_dir / "checkpoints"), keep_last=run.keep_last)
+        self.ckpt = SessionCheckpoints(self.manager, self.log, self.world)
+        resume = resume_state(cfg, spec, self.manager, self.data, self.knobs) if run.resume else None
+        # An existing export of this same run (an earlier session of a resumed run) is replaced at the end.
+        self.replace_export = bool(run.export_hf) and self.world.rank == 0 and check_run_export_target(
+            run.export_hf, run_dir)
+        check_writable(self.manager.directory)
+        # 4. the store, then its contents
+        self._build_trainer()
+        self.skips = SkipTracker(len(self.trainer.store.units), run.max_skipped_steps)
+        if resume is not None:
+            self.ckpt.last, self.ckpt.step, self.tokens_seen = restore(self.trainer, resume, cfg, self.log)
+        else:
+            torch.manual_seed(run.seed)
+            self.log(fill_weights(cfg.model, spec, self.trainer.store, self.world))
+        return resume
+
+    def _nothing_written(self) -> None:
+        """A run that stopped before writing anything gives its claim back and says what is left (nothing)."""
+        left = self.lock.forget()
+        self.lock = None
+        if left:
+            self.log(f"the run stopped before it started; left behind: {', '.join(map(str, left))} (not empty)")
+        else:
+            self.log(f"the run stopped before it started: nothing was written (no config, log or checkpoint in "
+                     f"{self.run_dir})")
 
     def _build_trainer(self) -> None:
         o = self.cfg.optimizer

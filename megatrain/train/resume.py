@@ -1,8 +1,10 @@
 """Resuming a run: the checkpoint checked against this run before anything is allocated, then read into the store.
 
-Checked first (no allocation): the state file's and every tensor file's checksum, the model (the shapes that
-matter, not the model's name or directory, so a renamed Hugging Face directory still resumes), the step against
-run.steps, the unit list against the model's units, and the data cursor against the data.
+Checked first (no allocation, nothing written): the state file's and every tensor file's checksum, the model (the
+shapes that matter, not the model's name or directory, so a renamed Hugging Face directory still resumes), the
+unit list against the model's units, the tiles' dtypes against the store this run allocates (schedule.state_dtype,
+named when it differs), the step against run.steps, and the data cursor against the data. The run's files are
+written only after the checkpoint was read into the store (train/loop.py), so a refused resume changes nothing.
 """
 from __future__ import annotations
 
@@ -11,20 +13,26 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from megatrain.exec.store import TORCH_DTYPES
+from megatrain.io import safetensors_io as stio
 from megatrain.io.checkpoint import STATE_FILE, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.data.batches import DataError
 from megatrain.train.lr import lr_change_note
-from megatrain.io.sharded_checkpoint import load_store
+from megatrain.io.sharded_checkpoint import is_sharded, load_store
 from megatrain.train.rundir import set_aside_newer
 
 # Spec fields that name a model rather than shape it: a run may resume after its HF directory was renamed.
 _NAMING_FIELDS = ("name",)
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
-def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict:
-    """The checkpoint `cfg.run.resume` names, verified and checked against this run: {path, step, state}."""
+def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data, knobs) -> dict:
+    """The checkpoint `cfg.run.resume` names, verified and checked against this run (`knobs`: its step knobs, for
+    the store it will allocate): {path, step, state}. Reads headers and the state file only, writes nothing."""
     path = manager.resolve(cfg.run.resume)
     meta = verify_checkpoint(path)
     state, step = meta["state"], meta["step"]
@@ -41,6 +49,7 @@ def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict
     if sorted(meta["units"]) != sorted(spec.units()):
         raise CheckpointError(f"checkpoint {path} holds units {meta['units']}, but {spec.name} has {spec.units()}; "
                               "the checkpoint is incomplete or damaged: resume from another one")
+    check_tiles(path, knobs)
     if step >= cfg.run.steps:
         raise ConfigError(f"checkpoint {path} is at step {step} and run.steps={cfg.run.steps}: nothing left "
                           "to train; raise run.steps to continue")
@@ -55,6 +64,33 @@ def resume_state(cfg: RunConfig, spec, manager: CheckpointManager, data) -> dict
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / STATE_FILE}: the data cursor is damaged ({type(e).__name__}: {e})") from None
     return {"path": path, "step": step, "state": state}
+
+
+def check_tiles(path: Path, knobs) -> None:
+    """The dtypes of the checkpoint's tiles (headers only) against the store this run allocates: fp32 master, Adam
+    moments in schedule.state_dtype. A difference is refused here, naming the setting, not at the load after the
+    store was allocated (the weights and wires are streamed from the fp32 master, so they may change)."""
+    moments = TORCH_DTYPES[knobs.state_dtype]
+    want = {"master": torch.float32, "adam_m": moments, "adam_v": moments}
+    if is_sharded(path):  # every rank file holds "<kind>/<unit>" tensors
+        headers = [stio.read_header(f)[0] for f in sorted(path.glob("rank*.safetensors"))]
+        dtypes = {name.split("/", 1)[0]: info.dtype for h in headers for name, info in h.items()}
+    else:
+        dtypes = {}
+        for kind in want:
+            infos = stio.read_header(path / f"{kind}.safetensors")[0]
+            dtypes[kind] = next(iter(infos.values())).dtype if infos else want[kind]
+    if dtypes.get("master", torch.float32) != torch.float32:
+        raise CheckpointError(f"checkpoint {path} holds its master weights in {dtypes['master']}, not fp32; it was "
+                              "not written by `megatrain train`, or it is damaged: resume from another checkpoint")
+    if is_sharded(path):  # a sharded checkpoint stores every rank's moments in fp32 whatever the store's dtype
+        return            # (io/sharded_checkpoint.py converts on write and on load), so it resumes either way
+    for kind in ("adam_m", "adam_v"):
+        if dtypes.get(kind, moments) != moments:
+            saved = _DTYPE_NAMES.get(dtypes[kind], str(dtypes[kind]))
+            raise ConfigError(f"checkpoint {path} holds the Adam moments in {saved}; this run has "
+                              f"schedule.state_dtype={knobs.state_dtype!r}, and a resume cannot change the moments' "
+                              f"dtype: resume with --set schedule.state_dtype={saved}")
 
 
 def restore(trainer, resume: dict, cfg,
