@@ -23,7 +23,6 @@ from megatrain.engine.trainer import StreamedTrainer
 
 from test_exec_training import FP32, LR, MAX_NORM, SPECS, WD, batches, initial_tiles
 
-simpy = pytest.importorskip("simpy")
 
 
 @pytest.mark.parametrize("step", [1, 2, 50])
