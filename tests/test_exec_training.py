@@ -42,6 +42,7 @@ MOVE_TOL = 1e-3  # ||p - p_ref|| / ||p_ref - p_0||, whole model
 BF16_LOSS_TOL = 1e-4  # bf16 weights: a master 1 ulp (fp32) away can round to a neighbouring bf16 value
 ELEM_TOL = 3 * LR  # max |p - p_ref|, any element
 NORM_TOL = 1e-4  # relative, per step: the global gradient norm before clipping (clip_grad_norm_'s total_norm)
+BF16_NORM_TOL = 1e-3  # bf16 weights: a neighbouring bf16 weight moves the gradients more than the loss (3e-4 seen)
 
 DEBUG = PRESETS["debug"]
 SPECS = {
@@ -149,7 +150,8 @@ def train(spec_key: str, knobs: ScheduleKnobs, steps: int = STEPS) -> tuple[list
     return results, trainer.state_dict()
 
 
-def assert_same_training(results, state, ref, spec_key: str, label: str, loss_tol: float = LOSS_TOL) -> None:
+def assert_same_training(results, state, ref, spec_key: str, label: str, loss_tol: float = LOSS_TOL,
+                         norm_tol: float = NORM_TOL) -> None:
     """Losses step by step (relative), the global gradient norms where the schedule computes one (they carry the
     loss normaliser, which Adam's scale invariance hides from the parameters), and parameters: the error of the
     whole model relative to how far training moved it, and every element within a few learning rates (see the
@@ -173,7 +175,7 @@ def assert_same_training(results, state, ref, spec_key: str, label: str, loss_to
           f"param err / movement {move_err:.1e}, max elem err {worst_elem:.1e}; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert errs[0] <= LOSS_TOL, f"{label}: the first step's loss differs from the plain loop by {errs[0]:.2e}"
     assert max(errs) <= loss_tol, f"{label}: losses differ from the plain loop by up to {max(errs):.2e} (relative)"
-    assert max(norm_errs, default=0.0) <= NORM_TOL, \
+    assert max(norm_errs, default=0.0) <= norm_tol, \
         f"{label}: gradient norms differ from the plain loop's by up to {max(norm_errs):.2e} (relative)"
     assert move_err <= MOVE_TOL, f"{label}: parameters differ from the plain loop by {move_err:.2e} of their movement"
     assert worst_elem <= ELEM_TOL, f"{label}: a parameter element differs by {worst_elem:.2e}"
@@ -313,7 +315,7 @@ def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weight
     knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="bf16")
     results, state = train(spec_key, knobs)
     assert_same_training(results, state, reference(spec_key, weight_wire="bf16"), spec_key, f"bf16-wire-{schedule}",
-                         loss_tol=BF16_LOSS_TOL)
+                         loss_tol=BF16_LOSS_TOL, norm_tol=BF16_NORM_TOL)
 
 
 @pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam", "overlap-split", "arrival-clip"])
