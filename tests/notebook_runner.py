@@ -17,8 +17,8 @@ class ExecutedNotebook:
 def run_notebook(name: str, workdir: Path, timeout_s: int = 120) -> ExecutedNotebook:
     """Run notebooks/`name` in `workdir` and fail on any cell error. Notebooks are committed without outputs, so
     diffs stay readable and nothing stale is shown: that is checked first."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbformat  # a test dependency: missing, the suite fails (never skips)
+    import nbclient  # a test dependency: missing, the suite fails (never skips)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name} has committed outputs"
     nbclient.NotebookClient(nb, timeout=timeout_s, kernel_name="python3",

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
+# The reference nobody here wrote: a test dependency (pyproject's [test] extra). Imported, not importorskip'ed, so
+# that a machine without it fails the suite instead of silently skipping every equality below.
+import transformers
 
 from megatrain.exec import compute as compute_module
 from megatrain.io.hf_io import state_dict_from_tiles
@@ -28,8 +33,7 @@ from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.model.presets import PRESETS
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.engine.trainer import StreamedTrainer
-
-transformers = pytest.importorskip("transformers")
+from megatrain.exec.updates import Updates
 
 STEPS, BATCH, SEQ = 20, 4, 16
 LR, WD, MAX_NORM = 2e-3, 0.1, 1.0
@@ -37,6 +41,8 @@ LOSS_TOL = 1e-5  # relative, per step
 MOVE_TOL = 1e-3  # ||p - p_ref|| / ||p_ref - p_0||, whole model
 BF16_LOSS_TOL = 1e-4  # bf16 weights: a master 1 ulp (fp32) away can round to a neighbouring bf16 value
 ELEM_TOL = 3 * LR  # max |p - p_ref|, any element
+NORM_TOL = 1e-4  # relative, per step: the global gradient norm before clipping (clip_grad_norm_'s total_norm)
+BF16_NORM_TOL = 1e-3  # bf16 weights: a neighbouring bf16 weight moves the gradients more than the loss (3e-4 seen)
 
 DEBUG = PRESETS["debug"]
 SPECS = {
@@ -86,9 +92,15 @@ def initial_tiles(spec: ModelSpec) -> dict[int, torch.Tensor]:
     return tiles
 
 
+class Reference(NamedTuple):
+    losses: list[float]  # per step
+    state: dict[str, torch.Tensor]  # HF names -> fp32 parameters after the last step
+    grad_norms: list[float]  # per step, the global gradient norm before clipping (a wrong loss normaliser moves it)
+
+
 @functools.lru_cache(maxsize=None)
 def reference(spec_key: str, clip: bool = True, weight_wire: str = "fp32", grad_wire: str = "fp32",
-              skip_step: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+              skip_step: int | None = None) -> Reference:
     """The plain loop: HF model, fp32 AdamW on fp32 master parameters, decay on matrices only, clipping.
 
     weight_wire="bf16": the model computes (in fp32) with the master rounded to bf16 each step, gradients go to
@@ -106,7 +118,7 @@ def reference(spec_key: str, clip: bool = True, weight_wire: str = "fp32", grad_
     groups = [{"params": [p for p in master.values() if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in master.values() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR)
-    losses = []
+    losses, norms = [], []
     for i, (ids, targets) in enumerate(batches(spec)):
         with torch.no_grad():
             for n, p in params.items():
@@ -119,12 +131,14 @@ def reference(spec_key: str, clip: bool = True, weight_wire: str = "fp32", grad_
         for n, p in params.items():
             g = p.grad
             master[n].grad = g.to(torch.bfloat16).float() if grad_wire == "bf16" else g.clone()
+        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double())
+                                                           for p in master.values()])).item())
         if i == skip_step:
             continue
         if clip:
             torch.nn.utils.clip_grad_norm_(list(master.values()), MAX_NORM)
         opt.step()
-    return losses, {n: p.detach() for n, p in master.items()}
+    return Reference(losses, {n: p.detach() for n, p in master.items()}, norms)
 
 
 def train(spec_key: str, knobs: ScheduleKnobs, steps: int = STEPS) -> tuple[list, dict[str, torch.Tensor]]:
@@ -136,11 +150,16 @@ def train(spec_key: str, knobs: ScheduleKnobs, steps: int = STEPS) -> tuple[list
     return results, trainer.state_dict()
 
 
-def assert_same_training(results, state, ref, spec_key: str, label: str, loss_tol: float = LOSS_TOL) -> None:
-    """Losses step by step (relative) and parameters: the error of the whole model relative to how far training
-    moved it, and every element within a few learning rates (see the module docstring)."""
-    ref_losses, ref_state = ref
+def assert_same_training(results, state, ref, spec_key: str, label: str, loss_tol: float = LOSS_TOL,
+                         norm_tol: float = NORM_TOL) -> None:
+    """Losses step by step (relative), the global gradient norms where the schedule computes one (they carry the
+    loss normaliser, which Adam's scale invariance hides from the parameters), and parameters: the error of the
+    whole model relative to how far training moved it, and every element within a few learning rates (see the
+    module docstring)."""
+    ref_losses, ref_state, ref_norms = ref
     losses = [r.loss for r in results]
+    norm_errs = [abs(r.grad_norm - n) / n for r, n in zip(results, ref_norms)
+                 if r.grad_norm is not None and math.isfinite(r.grad_norm)]
     errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
     assert set(state) == set(ref_state), set(state) ^ set(ref_state)
     init = state_dict_from_tiles(SPECS[spec_key], initial_tiles(SPECS[spec_key]))
@@ -152,9 +171,12 @@ def assert_same_training(results, state, ref, spec_key: str, label: str, loss_to
         worst_elem = max(worst_elem, diff.abs().max().item())
     move_err = (diff2 / moved2) ** 0.5
     print(f"\n{spec_key}/{label}: loss rel err step 0 {errs[0]:.1e}, max {max(errs):.1e}; "
+          f"grad norm rel err max {max(norm_errs, default=0.0):.1e}; "
           f"param err / movement {move_err:.1e}, max elem err {worst_elem:.1e}; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert errs[0] <= LOSS_TOL, f"{label}: the first step's loss differs from the plain loop by {errs[0]:.2e}"
     assert max(errs) <= loss_tol, f"{label}: losses differ from the plain loop by up to {max(errs):.2e} (relative)"
+    assert max(norm_errs, default=0.0) <= norm_tol, \
+        f"{label}: gradient norms differ from the plain loop's by up to {max(norm_errs):.2e} (relative)"
     assert move_err <= MOVE_TOL, f"{label}: parameters differ from the plain loop by {move_err:.2e} of their movement"
     assert worst_elem <= ELEM_TOL, f"{label}: a parameter element differs by {worst_elem:.2e}"
 
@@ -216,8 +238,10 @@ VARIANTS = {
                                                               retain_grads=4, **FP32)),
     "qwen2/overlap-split": ("qwen2", knobs_for("overlap-split", gpu_optimizer_fraction=0.5, retain_grads=1, **FP32)),
     "qwen2/overlap-recompute2": ("qwen2", knobs_for("overlap", recompute_block=2, **FP32)),
-    # Speculative exact clipping: updates as gradients land, undone and redone when the norm exceeds the max (the
-    # debug model's norm exceeds MAX_NORM in most of these steps, so the redo path is what is compared here)
+    # Speculative exact clipping: updates as gradients land, undone and redone when the norm exceeds the max. The
+    # debug model's norm (~3) exceeds MAX_NORM in every step, so the executor defers every host update it expects to
+    # be undone: here the host units take the deferred path and only GPU units (resident, split) are redone
+    # (`check_clipping_paths` counts both); REDO_VARIANTS force the redo of every unit.
     "arrival-clip": ("llama", knobs_for("arrival", clip=MAX_NORM, **FP32)),
     "arrival-clip-mb2": ("llama", knobs_for("arrival", clip=MAX_NORM, micro_batches=2, **FP32)),
     "arrival-resident-clip": ("llama", knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True,
@@ -229,11 +253,60 @@ VARIANTS = {
 }
 
 
+def check_clipping_paths(results, knobs: ScheduleKnobs, label: str, min_redone: int) -> None:
+    """In every step of a speculative (arrival, clip > 0) run whose norm exceeded the max, every applied unit took
+    exactly one of the two exact paths, undone and redone or deferred to its CLIP_REDO (none kept its unclipped
+    update), and at least `min_redone` units were redone: the count the undo's equality rests on."""
+    if not (knobs.clip and knobs.optimizer.startswith("arrival")):
+        return
+    clipping = [r for r in results if r.grad_norm is not None and r.grad_norm > knobs.clip]
+    assert clipping, f"{label}: no step clipped, so neither the redo nor the deferral was compared"
+    for r in clipping:
+        plan = r.update
+        redone, deferred = set(plan.redone_units), set(plan.deferred_units)
+        assert not redone & deferred and set(plan.applied_units) == redone | deferred, \
+            f"{label} step {r.step}: applied {plan.applied_units}, redone {plan.redone_units}, deferred {plan.deferred_units}"
+        assert len(redone) >= min_redone, \
+            f"{label} step {r.step}: {len(redone)} units redone, expected at least {min_redone}"
+
+
+# Units redone in every clipping step by the VARIANTS above: GPU updates never wait for the norm (4 = the embedding,
+# head and two layers resident; 2 of the 4 layers updated on the GPU); host updates are all deferred.
+MIN_REDONE = {"arrival-resident-clip": 4, "arrival-split-clip": 2, "qwen2/arrival-resident-clip": 3}
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_schedule_knobs_change_speed_not_results(variant):
     spec_key, knobs = VARIANTS[variant]
     results, state = train(spec_key, knobs)
+    check_clipping_paths(results, knobs, variant, MIN_REDONE.get(variant, 0))
     assert_same_training(results, state, reference(spec_key, clip=knobs.clip > 0), spec_key, variant)
+
+
+def speculate_always(monkeypatch) -> None:
+    """Make the executor update every host unit as its gradients land, never deferring one it expects to be undone
+    (after a step that clipped, or once the landed norms exceed the max): each then goes through the undo and the
+    redo in every clipping step, the path an update takes whenever the clipping was not foreseen."""
+    monkeypatch.setattr(Updates, "_clipping_likely", lambda self, unit: False)
+
+
+REDO_VARIANTS = {
+    "arrival-clip": ("llama", knobs_for("arrival", clip=MAX_NORM, **FP32)),
+    "arrival-clip-mb2": ("llama", knobs_for("arrival", clip=MAX_NORM, micro_batches=2, **FP32)),
+    "arrival-split-clip": ("llama", knobs_for("arrival-split", clip=MAX_NORM, gpu_optimizer_fraction=0.5, **FP32)),
+    "tied/arrival-clip": ("llama-tied", knobs_for("arrival", clip=MAX_NORM, **FP32)),
+}
+
+
+@pytest.mark.parametrize("variant", list(REDO_VARIANTS))
+def test_updates_undone_and_redone_in_every_clipping_step_train_like_the_plain_loop(variant, monkeypatch):
+    """Every unit updated unclipped, then undone and redone with the clip coefficient, in every step (all clip):
+    the undo must invert the update exactly enough for 20 steps to stay on the plain loop's trajectory."""
+    speculate_always(monkeypatch)
+    spec_key, knobs = REDO_VARIANTS[variant]
+    results, state = train(spec_key, knobs)
+    check_clipping_paths(results, knobs, variant, min_redone=len(SPECS[spec_key].units()))
+    assert_same_training(results, state, reference(spec_key, clip=True), spec_key, f"redo/{variant}")
 
 
 @pytest.mark.parametrize("spec_key,schedule", [("llama", "overlap"), ("llama-tied", "gpu-adam"),
@@ -242,7 +315,7 @@ def test_bf16_weight_wire_with_fp32_compute_equals_a_loop_on_bf16_rounded_weight
     knobs = knobs_for(schedule, compute_dtype="fp32", weight_wire="bf16")
     results, state = train(spec_key, knobs)
     assert_same_training(results, state, reference(spec_key, weight_wire="bf16"), spec_key, f"bf16-wire-{schedule}",
-                         loss_tol=BF16_LOSS_TOL)
+                         loss_tol=BF16_LOSS_TOL, norm_tol=BF16_NORM_TOL)
 
 
 @pytest.mark.parametrize("schedule", ["double-buffer", "gpu-adam", "overlap-split", "arrival-clip"])
@@ -256,10 +329,11 @@ def test_bf16_grad_wire_equals_a_loop_on_bf16_rounded_gradients(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["double-buffer", "overlap", "gpu-adam", "overlap-split", "arrival-clip",
-                                      "arrival-resident-clip"])
+                                      "arrival-resident-clip", "arrival-clip-speculative"])
 def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monkeypatch):
     """Step 5's gradients of layer 1 are poisoned with NaN: that update is skipped (no unit changes, no Adam step
-    count advances) and training goes on exactly as a plain loop that skipped it."""
+    count advances) and training goes on exactly as a plain loop that skipped it. "arrival-clip-speculative": every
+    unit is updated before the norm is known, so the skip is every update undone."""
     bad_step = 5
     calls = {"n": 0}
     real_forward, real = compute_module.layer_functions(False)
@@ -274,7 +348,10 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_reported(schedule, monk
         return out
 
     monkeypatch.setattr(compute_module, "layer_functions", lambda compiled, mlp_tile_tokens=0: (real_forward, poisoned))
+    if schedule == "arrival-clip-speculative":
+        speculate_always(monkeypatch)
     knobs = {"arrival-clip": knobs_for("arrival", clip=MAX_NORM, **FP32),
+             "arrival-clip-speculative": knobs_for("arrival", clip=MAX_NORM, **FP32),
              "arrival-resident-clip": knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True, resident_layers=2,
                                                 **FP32)}.get(schedule) or knobs_for(schedule, **FP32)
     results, state = train("llama", knobs)

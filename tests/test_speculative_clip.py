@@ -18,12 +18,11 @@ from megatrain.compile.knobs import knobs_for
 from megatrain.compile.lower import lower
 from megatrain.ir.tasks import Task
 from megatrain.model.presets import PRESETS
+from megatrain.model.spec import EMBED, HEAD
 from megatrain.sim import simulate
 from megatrain.engine.trainer import StreamedTrainer
 
-from test_exec_training import FP32, LR, MAX_NORM, SPECS, WD, batches, initial_tiles
-
-simpy = pytest.importorskip("simpy")
+from test_exec_training import FP32, LR, MAX_NORM, SPECS, WD, batches, initial_tiles, speculate_always
 
 
 @pytest.mark.parametrize("step", [1, 2, 50])
@@ -54,13 +53,25 @@ def run(knobs, steps: int):
     return results, trainer.state_dict()
 
 
-def test_the_redo_runs_in_clipping_steps_and_speculation_is_exact_without_them():
-    """On the debug model the norm exceeds MAX_NORM in most steps, so the equality tests compare the redo path;
-    with a max norm nothing reaches, the speculative run is bitwise the unclipped arrival run."""
-    results, _ = run(knobs_for("arrival", clip=MAX_NORM, **FP32), steps=6)
-    assert sum(r.grad_norm > MAX_NORM for r in results) >= 3, [r.grad_norm for r in results]
+def test_the_redo_runs_in_clipping_steps_and_speculation_is_exact_without_them(monkeypatch):
+    """Counted, not assumed. The debug model's norm (~3) exceeds MAX_NORM in every step: units updated on the GPU
+    as their gradients land (resident) are undone and redone in each, the host units wait for the norm (deferred);
+    with the speculation forced every unit is redone. With a max norm nothing reaches, nothing is redone or
+    deferred and the speculative run is bitwise the unclipped arrival run."""
+    n_units = len(SPECS["llama"].units())
+    results, _ = run(knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True, resident_layers=2, **FP32), 4)
+    assert all(r.grad_norm > MAX_NORM for r in results), [r.grad_norm for r in results]
+    for r in results:  # embedding, head and layers 0-1 on the GPU; layers 2-3 on the host
+        assert set(r.update.redone_units) == {EMBED, HEAD, 0, 1}, r.update
+        assert set(r.update.deferred_units) == {2, 3}, r.update
+    with monkeypatch.context() as m:
+        speculate_always(m)
+        forced, _ = run(knobs_for("arrival", clip=MAX_NORM, **FP32), 4)
+    assert all(sorted(r.update.redone_units) == sorted(r.update.applied_units) and len(r.update.redone_units)
+               == n_units and not r.update.deferred_units for r in forced), [r.update for r in forced]
     never_results, never = run(knobs_for("arrival", clip=1e9, **FP32), steps=6)
-    assert all(r.grad_norm < 1e9 for r in never_results)
+    assert all(r.grad_norm < 1e9 and not r.update.redone_units and not r.update.deferred_units
+               for r in never_results)
     _, plain = run(knobs_for("arrival", clip=0, **FP32), steps=6)
     assert all(torch.equal(never[k], plain[k]) for k in plain)
 
