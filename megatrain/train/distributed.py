@@ -68,9 +68,10 @@ def join(cfg: RunConfig, backend: str, log, trackers: tuple) -> tuple[World, Run
 
 def config_fields(cfg: RunConfig) -> dict[str, str]:
     """The resolved config as "section.key" -> JSON text of the value, the rank-local keys left out: what the
-    ranks compare."""
+    ranks compare. [schedule] is every knob as resolved (the named schedule's and the ones set on top)."""
     out = {}
-    for section, values in cfg.to_dict().items():
+    sections = {**cfg.to_dict(), "schedule": {"name": cfg.schedule.name, **cfg.schedule.knobs().to_dict()}}
+    for section, values in sections.items():
         for key, value in values.items():
             name = f"{section}.{key}"
             if name not in RANK_LOCAL_KEYS:
