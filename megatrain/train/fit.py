@@ -35,11 +35,17 @@ def node_ranks() -> int:
     return 1 if env is None else env[3]
 
 
-def machine_capacity(backend: str, ranks: int = 1) -> tuple[int, int | None]:
-    """(host bytes `ranks` processes like this one can use together, free GPU bytes of this process's device or
-    None on the CPU backend). Host: the machine's usable memory (megatrain/plan/machine.py: MemAvailable, the
-    container's cgroup limit and each process's ulimits, the tightest) plus what the processes already hold (the
-    planner counts the runtime's own footprint; every rank holds about what this one does)."""
+def machine_capacity(backend: str) -> tuple[int, int | None]:
+    """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: the machine's usable
+    memory (megatrain/plan/machine.py: MemAvailable, the container's cgroup limit and the ulimits, the tightest)
+    plus what this process already holds (the planner counts the runtime's own footprint)."""
+    return node_capacity(backend, 1)
+
+
+def node_capacity(backend: str, ranks: int) -> tuple[int, int | None]:
+    """machine_capacity for `ranks` processes like this one sharing the host (the ranks of a node): MemAvailable and
+    the container's limit once, each process's ulimits `ranks` times, plus what they all hold (every rank holds
+    about what this one does). The GPU figure is this process's own device."""
     host = _host_limit(ranks).usable_bytes
     gpu = (gpu_memory() or (None, None))[0] if backend == "cuda" else None
     return host, gpu
@@ -88,7 +94,7 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     ranks = node_ranks() if ranks is None else ranks
     plan = rank_plan(spec, batch, seq, knobs, backend, ranks)
     measured_host = host_bytes is None
-    have_host, have_gpu = machine_capacity(backend, ranks)
+    have_host, have_gpu = machine_capacity(backend) if ranks == 1 else node_capacity(backend, ranks)
     host_bytes = max(0, have_host - reserve_host_bytes) if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
     if ranks > 1:
