@@ -79,7 +79,7 @@ def test_the_memory_check_says_which_limit_bound_the_host(monkeypatch):
     from megatrain.model.presets import PRESETS
     from megatrain.train import fit
 
-    monkeypatch.setattr(fit, "host_memory", lambda held_bytes=0: machine.MemoryLimit(2**20, "container", 3 * GiB))
+    monkeypatch.setattr(fit, "host_memory", lambda held_bytes=0, processes=1: machine.MemoryLimit(2**20, "container", 3 * GiB))
     with pytest.raises(fit.MemoryFitError, match=r"(?s)host: DOES NOT FIT.*bound by the container's limit of 3.0 GiB"):
         fit.check_memory(PRESETS["debug"], 2, 16, knobs_for("overlap"), "cpu")
 

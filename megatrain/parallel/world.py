@@ -37,23 +37,33 @@ class World:
     @classmethod
     def from_env(cls, backend: str, timeout_s: float = 300.0) -> World:
         """The world torchrun describes (one rank when WORLD_SIZE is unset or 1); `backend` is "cuda" or "cpu".
-        Initialises the process groups with `timeout_s`, so a peer that never arrives fails the run."""
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        if size <= 1:
+        Initialises the process groups with `timeout_s`, so a peer that never arrives fails the run.
+
+        Every way of not joining is a LaunchError with one line saying what to do, raised before anything is
+        allocated: torchrun's variables missing or malformed (a stale WORLD_SIZE), more ranks than cores, peers that
+        do not arrive within the rendezvous wait (`rendezvous_s`: the lesser of `timeout_s` and RENDEZVOUS_S)."""
+        env = launch_env()
+        if env is None:
             return cls()
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        size, rank, local_rank, local_size = env
         if local_size != size:
-            raise ExecError(f"WORLD_SIZE={size} but LOCAL_WORLD_SIZE={local_size}: data parallel training runs on "
-                            "the GPUs of one host (torchrun --standalone --nproc_per_node=N)")
+            raise LaunchError(f"WORLD_SIZE={size} but LOCAL_WORLD_SIZE={local_size}: data parallel training runs on "
+                              "the GPUs of one host (torchrun --standalone --nproc_per_node=N)")
+        if hasattr(os, "sched_getaffinity"):  # every rank sees the same cores: all refuse, none waits for the others
+            rank_cores(local_rank, local_size, sorted(os.sched_getaffinity(0)))
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
+            store = rendezvous(rank, size, min(timeout_s, RENDEZVOUS_S))
             if backend == "cuda":
                 torch.cuda.set_device(local_rank)
-                dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
+                dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=timeout,
+                                        device_id=torch.device("cuda", local_rank))
             else:
-                dist.init_process_group("gloo", timeout=timeout)
-        host = dist.new_group(backend="gloo", timeout=timeout)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+            host = dist.new_group(backend="gloo", timeout=timeout)
+            store.set_timeout(timeout)  # from here on the store serves the run's own waits (NCCL's lazy set-up)
+        else:
+            host = dist.new_group(backend="gloo", timeout=timeout)
         pin_cores(local_rank, local_size)
         return cls(rank, size, local_rank, local_size, dist.group.WORLD, host)
 
@@ -80,6 +90,15 @@ class World:
             raise ExecError(f"the ranks built different {what}s (ranks by hash: "
                             f"{'; '.join(f'{d[:12]}: {r}' for d, r in groups.items())}); every rank must run the "
                             "same config, model and batch shape")
+
+    def gather(self, value) -> list:
+        """Every rank's `value` (any picklable object), in rank order, on every rank (the host group, within its
+        timeout)."""
+        if not self.distributed:
+            return [value]
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self.host_group)
+        return out
 
     def sum(self, value: float) -> float:
         """Sum of a host number over the ranks (the loss of the global batch)."""
@@ -119,10 +138,66 @@ class World:
         return tuple(bool(x > 0) for x in t.tolist())
 
 
+class LaunchError(ExecError):
+    """This process cannot join the ranks torchrun's environment describes: one line saying why and what to do.
+    Raised before anything is allocated; `megatrain train` reports it as a configuration mistake."""
+
+
+RENDEZVOUS_S = 60.0  # the longest wait for the other ranks to arrive: torchrun starts them together
+TORCHRUN_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets besides WORLD_SIZE
+
+
+def launch_env() -> tuple[int, int, int, int] | None:
+    """(world size, rank, local rank, local world size) from torchrun's variables; None for one process (WORLD_SIZE
+    unset or 1). LaunchError when WORLD_SIZE asks for ranks that the rest of the environment does not describe:
+    a WORLD_SIZE left over in a shell, or a launcher other than torchrun."""
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    if raw in ("", "1"):
+        return None
+    fix = ("unset WORLD_SIZE to train in one process, or start every rank with `torchrun --standalone "
+           "--nproc_per_node=N -m megatrain ...`")
+    if not raw.isdigit() or int(raw) < 1:
+        raise LaunchError(f"WORLD_SIZE={raw!r} in the environment is not a number of ranks: {fix}")
+    size = int(raw)
+    missing = [v for v in TORCHRUN_VARS if not os.environ.get(v, "").strip()]
+    if missing:
+        raise LaunchError(f"WORLD_SIZE={size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                          f" not: this process was not started by torchrun (a stale WORLD_SIZE?): {fix}")
+    values = {}
+    for var, default in (("RANK", None), ("LOCAL_RANK", "RANK"), ("LOCAL_WORLD_SIZE", "WORLD_SIZE"),
+                         ("MASTER_PORT", None)):
+        text = os.environ.get(var, os.environ.get(default or var, "")).strip()
+        if not text.isdigit():
+            raise LaunchError(f"{var}={text!r} in the environment is not a non-negative integer: {fix}")
+        values[var] = int(text)
+    rank, local_rank, local_size = values["RANK"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
+    if rank >= size or local_rank >= max(local_size, 1):
+        raise LaunchError(f"RANK={rank} / LOCAL_RANK={local_rank} is not a rank of WORLD_SIZE={size} "
+                          f"(LOCAL_WORLD_SIZE={local_size}): {fix}")
+    return size, rank, local_rank, local_size
+
+
+def rendezvous(rank: int, size: int, wait_s: float):
+    """The store every rank of the world meets at (torchrun's MASTER_ADDR:MASTER_PORT), waiting at most `wait_s`
+    for the others: a rank started alone (a stale WORLD_SIZE with the rest of torchrun's variables) is told so
+    instead of waiting the run's whole timeout in silence. Returns the store the process groups are built on."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=datetime.timedelta(seconds=wait_s)))
+    except (RuntimeError, ValueError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LaunchError(f"rank {rank} of WORLD_SIZE={size} waited {wait_s:.0f} s at {where} and the other ranks "
+                          f"did not all arrive ({first}): start all {size} with `torchrun --standalone "
+                          f"--nproc_per_node={size} ...`, or unset WORLD_SIZE (stale in this shell?) to train in "
+                          "one process") from None
+    return dist.PrefixStore("default_pg", store)  # as init_process_group keys its own store
+
+
 def rank_cores(local_rank: int, local_size: int, cores: list[int]) -> list[int]:
     """This rank's share of `cores`: an even split in order (the first ranks get one more when it is uneven)."""
     if local_size > len(cores):
-        raise ExecError(f"{local_size} ranks on {len(cores)} cores: each rank needs at least one core")
+        raise LaunchError(f"{local_size} ranks on {len(cores)} CPU core(s) this process may use: each rank needs at "
+                          f"least one core; start at most {len(cores)} (torchrun --nproc_per_node={len(cores)})")
     per, extra = divmod(len(cores), local_size)
     lo = local_rank * per + min(local_rank, extra)
     return cores[lo:lo + per + (1 if local_rank < extra else 0)]

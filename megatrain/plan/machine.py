@@ -42,11 +42,13 @@ class MemoryLimit:
     usable_bytes: int
     bound_by: str
     limit_bytes: int
+    processes: int = 1  # a per-process limit (ulimit) bounding this many processes' sum
 
     def describe(self) -> str:
         """What bound the figure, in words: "the container's limit of 3.0 GiB"."""
         lim = f"{self.limit_bytes / GiB:.1f} GiB"
-        return {"available": f"the memory available on this machine ({lim} total)",
+        each = f"{self.processes} x " if self.processes > 1 else ""
+        return each + {"available": f"the memory available on this machine ({lim} total)",
                 "container": f"the container's limit of {lim}",
                 "ulimit -v": f"the process's address-space limit (ulimit -v) of {lim}",
                 "ulimit -d": f"the process's data-segment limit (ulimit -d) of {lim}"}[self.bound_by]
@@ -119,9 +121,13 @@ def container_headroom() -> tuple[int, int] | None:
     return limit, free
 
 
-def host_memory(held_bytes: int = 0) -> MemoryLimit:
+def host_memory(held_bytes: int = 0, processes: int = 1) -> MemoryLimit:
     """Host bytes a run in this process may use: the tightest of MemAvailable, the container's cgroup limit and the
-    process's ulimits (see the module docstring); `held_bytes` of this process's own memory count as usable."""
+    process's ulimits (see the module docstring); `held_bytes` of this process's own memory count as usable.
+
+    `processes`: the figure for that many processes like this one together (the ranks of a data-parallel run on
+    one node): MemAvailable and the container are shared, each process has its own ulimits (so `processes` times
+    them bound the sum); `held_bytes` is then what they all hold."""
     vm = psutil.virtual_memory()
     bounds = [(vm.available + held_bytes, "available", vm.total)]
     box = container_headroom()
@@ -131,9 +137,9 @@ def host_memory(held_bytes: int = 0) -> MemoryLimit:
     for which, name in ((resource.RLIMIT_AS, "ulimit -v"), (resource.RLIMIT_DATA, "ulimit -d")):
         soft, _ = resource.getrlimit(which)
         if soft != resource.RLIM_INFINITY and soft >= 0:
-            bounds.append((soft, name, soft))
+            bounds.append((processes * soft, name, soft))
     usable, bound_by, limit = min(bounds, key=lambda b: b[0])
-    return MemoryLimit(int(usable), bound_by, int(limit))
+    return MemoryLimit(int(usable), bound_by, int(limit), processes if bound_by.startswith("ulimit") else 1)
 
 
 def process_rss_bytes() -> int:

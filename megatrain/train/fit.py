@@ -1,10 +1,23 @@
 """Does a run fit this machine? The planner's host and GPU bytes against what the machine has, checked before
-anything is allocated, with the knobs that help when it does not."""
+anything is allocated, with the knobs that help when it does not.
+
+The host figure is the limit the process actually has (plan/machine.py: MemAvailable, the container's cgroup
+limit, the ulimits). Under torchrun the LOCAL_WORLD_SIZE ranks of a node share the host's memory: the check
+compares the sum of their needs (each rank's plan: its slices of the store, its own runtime and, on the CPU backend,
+its device buffers) with what the node has, so the ranks refuse together instead of the kernel killing one of them
+half-way through allocating.
+"""
 from __future__ import annotations
 
+import megatrain.parallel  # noqa: F401  (registers the collective strategies' slicing rules: rank_host_plan)
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.compile.resolve import resolve
+from megatrain.compile.strategies import rank_host_plan
+from megatrain.ir.dag import ScheduleError
+from megatrain.ir.placement import Parallelism
+from megatrain.parallel.world import launch_env
 from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
-from megatrain.plan.memory import GiB, MemoryPlan
+from megatrain.plan.memory import GiB, MemoryPlan, plan_gpu_memory
 from megatrain.compile.advice import alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory
 from megatrain.model.spec import ModelSpec
 from megatrain.train.config import ConfigError
@@ -16,19 +29,47 @@ class MemoryFitError(ConfigError):
 
 
 # ---- memory check ----------------------------------------------------------------------------------------------
+def node_ranks() -> int:
+    """The ranks torchrun starts on this node (LOCAL_WORLD_SIZE), which share its host memory; 1 outside torchrun."""
+    env = launch_env()
+    return 1 if env is None else env[3]
+
+
 def machine_capacity(backend: str) -> tuple[int, int | None]:
     """(host bytes this process can use, free GPU bytes or None on the CPU backend). Host: the machine's usable
     memory (megatrain/plan/machine.py: MemAvailable, the container's cgroup limit and the ulimits, the tightest)
     plus what this process already holds (the planner counts the runtime's own footprint)."""
-    host = host_memory(held_bytes=process_rss_bytes()).usable_bytes
+    return node_capacity(backend, 1)
+
+
+def node_capacity(backend: str, ranks: int) -> tuple[int, int | None]:
+    """machine_capacity for `ranks` processes like this one sharing the host (the ranks of a node): MemAvailable and
+    the container's limit once, each process's ulimits `ranks` times, plus what they all hold (every rank holds
+    about what this one does). The GPU figure is this process's own device."""
+    host = _host_limit(ranks).usable_bytes
     gpu = (gpu_memory() or (None, None))[0] if backend == "cuda" else None
     return host, gpu
 
 
-def _host_bound_note() -> str:
+def _host_limit(ranks: int):
+    return host_memory(held_bytes=ranks * process_rss_bytes(), processes=ranks)
+
+
+def _host_bound_note(ranks: int) -> str:
     """", or where a limit other than the machine's available memory bounds the host figure: which one."""
-    mem = host_memory(held_bytes=process_rss_bytes())
+    mem = _host_limit(ranks)
     return "" if mem.bound_by == "available" else f"\n  host memory is bound by {mem.describe()}"
+
+
+def rank_plan(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
+              ranks: int = 1) -> MemoryPlan:
+    """The memory of one rank of a data-parallel run over `ranks` ranks of one host (its slices of the store, as
+    `plan --gpus N` counts them); the one-process plan when `ranks` is 1. ScheduleError when the schedule or the
+    model is not supported on `ranks` ranks."""
+    if ranks <= 1:
+        return plan_memory(spec, batch, seq, knobs, backend)
+    p = resolve(spec, batch, seq, knobs, Parallelism(ranks))
+    return MemoryPlan(p, rank_host_plan(p, backend), plan_gpu_memory(p), knobs)
 
 
 TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch_size / data.seq_len, or train "
@@ -37,7 +78,8 @@ TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch
 
 def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
                  host_bytes: int | None = None, gpu_bytes: int | None = None, *, what: str = "the run",
-                 advice: str = TRAIN_ADVICE, reserve_host_bytes: int = 0) -> tuple[MemoryPlan, list[str]]:
+                 advice: str = TRAIN_ADVICE, reserve_host_bytes: int = 0,
+                 ranks: int | None = None) -> tuple[MemoryPlan, list[str]]:
     """Plan the run's memory and check it against this machine (or the given capacities).
 
     Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
@@ -45,22 +87,71 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     `what` names the work in the message ("the run", "compare's variant overlap"); `advice` is its last line, in
     the words of the command that checks (config keys for `train`, options for `compare` and `profile`).
     `reserve_host_bytes`: host memory the command holds besides the run, taken off this machine's figure.
+    `ranks`: the data-parallel ranks of this node, each checking the same run (None: `node_ranks()`, torchrun's
+    LOCAL_WORLD_SIZE); the returned plan is one rank's, and the host check is their sum against the node's memory
+    (`host_bytes`, when given, is the node's). The GPU check is one rank's against its own device.
     """
-    plan = plan_memory(spec, batch, seq, knobs, backend)
+    ranks = node_ranks() if ranks is None else ranks
+    plan = rank_plan(spec, batch, seq, knobs, backend, ranks)
     measured_host = host_bytes is None
-    have_host, have_gpu = machine_capacity(backend)
+    have_host, have_gpu = machine_capacity(backend) if ranks == 1 else node_capacity(backend, ranks)
     host_bytes = max(0, have_host - reserve_host_bytes) if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
-    if backend == "cpu":
+    if ranks > 1:
+        ok, lines = _node_fit(plan, host_bytes, gpu_bytes, ranks, backend)
+    elif backend == "cpu":
         ok, lines = _cpu_fit(plan, host_bytes)
     else:
         ok, lines = fit_report(plan, host_bytes, gpu_bytes)
     if not ok:
+        where = "this machine" if ranks == 1 else f"this node ({ranks} ranks)"
         raise MemoryFitError(
-            f"{what} does not fit this machine ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}, {backend} backend):\n  " + "\n  ".join(lines)
-            + (_host_bound_note() if measured_host else "") + "\n  " + advice)
+            f"{what} does not fit {where} ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
+            f"{batch} x seq {seq}{' per rank' if ranks > 1 else ''}, {backend} backend):\n  " + "\n  ".join(lines)
+            + (_host_bound_note(ranks) if measured_host else "") + "\n  " + advice)
     return plan, lines
+
+
+def _host_need(plan: MemoryPlan, backend: str) -> int:
+    """Host bytes of one process of `plan`: on the CPU backend the device working set is host memory too."""
+    return plan.host.total_bytes + (plan.gpu.peak_bytes if backend == "cpu" else 0)
+
+
+def _node_fit(plan: MemoryPlan, have: int, gpu: int | None, ranks: int, backend: str) -> tuple[bool, list[str]]:
+    """fit_report for the `ranks` ranks of one node: the host check is the sum of their needs (each `plan`, one
+    rank's) against the node's `have`; the GPU check is one rank's against its own device."""
+    need = _host_need(plan, backend)
+    total = ranks * need
+    what = (f"{total / GiB:.1f} GiB, the sum of {ranks} ranks of {need / GiB:.2f} GiB each"
+            + (" (device buffers and activations included: host memory on the CPU backend)" if backend == "cpu"
+               else ""))
+    ok = total <= have
+    if ok:
+        lines = [f"host: fits: this node needs {what} of {have / GiB:.1f} GiB ({100 * total / max(have, 1):.0f}%)"]
+    else:
+        lines = [f"host: DOES NOT FIT: this node needs {what}, has {have / GiB:.1f} GiB, short by "
+                 f"{(total - have) / GiB:.1f} GiB"]
+        alts = host_alternatives(plan.knobs) + (gpu_alternatives(plan) if backend == "cpu" else [])
+        for label, alt_knobs in alts:
+            try:
+                alt = ranks * _host_need(rank_plan(plan.spec, plan.batch, plan.seq, alt_knobs, backend, ranks),
+                                         backend)
+            except ScheduleError:
+                continue
+            lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
+        lines.append(f"  - fewer ranks on this node (torchrun --nproc_per_node): {ranks - 1} need about "
+                     f"{(ranks - 1) * need / GiB:.1f} GiB")
+    if backend == "cuda":
+        peak = plan.gpu.peak_bytes
+        if gpu is None:
+            lines.append(f"GPU: needs {peak / GiB:.1f} GiB per rank (capacity not given, not checked)")
+        elif peak <= gpu:
+            lines.append(f"GPU: fits: needs {peak / GiB:.1f} GiB per rank of {gpu / GiB:.1f} GiB")
+        else:
+            ok = False
+            lines.append(f"GPU: DOES NOT FIT: needs {peak / GiB:.1f} GiB per rank, has {gpu / GiB:.1f} GiB, short by "
+                         f"{(peak - gpu) / GiB:.1f} GiB")
+    return ok, lines
 
 
 def _cpu_fit(plan: MemoryPlan, have: int) -> tuple[bool, list[str]]:
@@ -86,4 +177,6 @@ def check_fits(spec, batch: int, seq: int, knobs, device: str, what: str, advice
     MemoryFitError (one message with the numbers and `advice`) when it does not fit. `reserve_host_bytes`: host
     memory the command holds besides the run (compare's shared initial weights, profile's copy buffers)."""
     backend = "cuda" if device.startswith("cuda") else "cpu"
-    check_memory(spec, batch, seq, knobs, backend, what=what, advice=advice, reserve_host_bytes=reserve_host_bytes)
+    # ranks=1: compare, profile and the auto re-check run one process's work, not a data-parallel run's rank
+    check_memory(spec, batch, seq, knobs, backend, what=what, advice=advice, reserve_host_bytes=reserve_host_bytes,
+                 ranks=1)
