@@ -150,3 +150,30 @@ def test_a_resume_still_works_after_a_refused_one(tmp_path):
                      log=lambda line: None)
     s = run_training(tiny(tmp_path, "run.resume=latest", "run.steps=4"), log=lambda line: None)
     assert s.start_step == 2 and s.steps == 4 and s.run_dir == run
+
+
+def test_a_sharded_checkpoint_resumes_a_bf16_state_run(tmp_path):
+    """Sharded checkpoints hold every rank's Adam moments in fp32 whatever the store's dtype (converted on write and
+    on load), so the resume check of the moments' dtype must not refuse a data-parallel run with state_dtype=bf16,
+    while a one-process checkpoint written with fp32 moments is refused for it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megatrain.compile.knobs import knobs_for
+    from megatrain.io.sharded_checkpoint import MANIFEST
+    from megatrain.train.config import ConfigError
+    from megatrain.train.resume import check_tiles
+
+    bf16 = knobs_for("arrival", clip=0.0, state_dtype="bf16")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / MANIFEST).write_text("{}")
+    save_file({f"{k}/0": torch.zeros(4) for k in ("master", "adam_m", "adam_v")}, str(sharded / "rank0.safetensors"))
+    check_tiles(sharded, bf16)  # no refusal
+
+    single = tmp_path / "single"
+    single.mkdir()
+    for k in ("master", "adam_m", "adam_v"):
+        save_file({"0": torch.zeros(4)}, str(single / f"{k}.safetensors"))
+    with pytest.raises(ConfigError, match="state_dtype"):
+        check_tiles(single, bf16)
