@@ -1,0 +1,133 @@
+"""Issue 22, "tracebacks instead of one line": bad input is refused where it enters, naming what is wrong.
+
+Profiles: every numeric field, mapping and table of a profile JSON is checked when the profile loads (a negative,
+zero, NaN or string rate reached simpy as "Negative delay", a ZeroDivisionError or a str/int comparison before).
+"""
+import copy
+import json
+import math
+from dataclasses import fields
+
+import pytest
+
+from megatrain.sim.profile import HardwareProfile, ProfileError, load_profile
+
+CPU = json.loads(load_profile("cpu").to_json().replace("Infinity", "1e30"))
+BAD = (-1.0, 0, math.nan, "fast", True, None)
+
+
+def _numeric_paths(d):
+    """(path, value) of every number in a profile dict: top-level fields, their mappings and the copy curves."""
+    for key, value in d.items():
+        if key in ("machine", "notes", "format"):
+            continue
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            yield (key,), value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    yield (key, k), v
+                elif isinstance(v, list) and v:
+                    yield (key, k, 0), v[0]
+
+
+def _with(path, value):
+    d = copy.deepcopy(CPU)
+    at = d
+    for p in path[:-1]:
+        at = at[p]
+    at[path[-1]] = value
+    return d
+
+
+PATHS = [p for p, _ in _numeric_paths(CPU)]
+
+
+def test_the_walk_covers_the_profile():
+    # a field added to the profile with a number in it shows up here, and the parametrized test below checks it
+    tops = {p[0] for p in PATHS}
+    assert {"duplex_Bps", "cpu_threads", "h2d", "matmul_flops_per_s", "task_overhead_s", "efficiency",
+            "cpu_adam_params_per_s", "inter_host_latency_s", "host_memory_Bps"} <= tops
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[".".join(map(str, p)) for p in PATHS])
+def test_every_numeric_field_is_refused_by_name_when_the_profile_loads(path):
+    for bad in BAD:
+        if bad == 0 and path[-1] in ("latency_s", "inter_host_latency_s", "copy_host_bytes_per_byte") \
+                or path[0] == "task_overhead_s" and bad == 0:
+            continue  # zero is a valid time
+        if bad is None and path == ("host_memory_Bps",):
+            continue  # None: derived from the legacy fields
+        text = json.dumps(_with(path, bad)).replace("NaN", "NaN")
+        with pytest.raises(ProfileError) as e:
+            HardwareProfile.from_json(text, where="p.json")
+        msg = str(e.value)
+        assert "p.json" in msg and "\n" not in msg, msg
+        named = str(path[1]) if path[0] in ("matmul_flops_per_s", "efficiency", "cpu_adam_params_per_s",
+                                            "cpu_optimizer_slowdown", "task_overhead_s") else str(path[-1])
+        if path[0] in ("h2d", "d2h"):
+            assert path[0] in msg, msg
+        assert named in msg, (path, bad, msg)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"h200"', "3", json.dumps(dict(CPU, h2d=[1])),
+                                  json.dumps(dict(CPU, compute_tables={"a": 1})),
+                                  json.dumps(dict(CPU, collectives={"G": {"latency_s": 0, "sizes": [], "bus_Bps": []}})),
+                                  json.dumps(dict(CPU, collectives={"G": {"latency_s": -1, "sizes": [1],
+                                                                          "bus_Bps": [1e9]}})),
+                                  json.dumps(dict(CPU, collectives={"Q": {}})),
+                                  json.dumps(dict(CPU, cpu_adam_params_per_s={"many": 1e9})),
+                                  json.dumps(dict(CPU, name=5)), json.dumps(dict(CPU, machine=[]))])
+def test_wrong_shapes_are_refused_when_the_profile_loads(text):
+    with pytest.raises(ProfileError) as e:
+        HardwareProfile.from_json(text, where="p.json")
+    assert "p.json" in str(e.value)
+
+
+def test_compute_table_values_are_checked():
+    d = copy.deepcopy(CPU)
+    d["compute_tables"] = [{"model": "m", "kind": "F", "unit": "layer", "seq": 16, "tokens": [32, 64],
+                            "dur_s": [1e-3, math.nan]}]
+    with pytest.raises(ProfileError, match=r"dur_s\[1\]"):
+        HardwareProfile.from_json(json.dumps(d), where="p.json")
+    d["compute_tables"][0].update(dur_s=[1e-3, 2e-3], seq="16")
+    with pytest.raises(ProfileError, match="seq"):
+        HardwareProfile.from_json(json.dumps(d), where="p.json")
+
+
+def test_valid_profiles_still_round_trip():
+    for name in ("cpu", "h200", "h200-measured"):
+        p = load_profile(name)
+        assert HardwareProfile.from_json(p.to_json()) == p
+    assert {f.name for f in fields(HardwareProfile)} >= set(HardwareProfile._BOUNDS)
+
+
+def test_a_cached_profile_that_does_not_load_is_measured_again(tmp_path, monkeypatch):
+    """A truncated profile under runs/profiles broke every later `--schedule auto` with a traceback; now it is named
+    in one line and measured again (the cache is rewritten)."""
+    from megatrain.compile.knobs import knobs_for
+    from megatrain.model.presets import PRESETS
+    from megatrain.profiling.machine import key, this_machine
+    from megatrain.train import autoswitch
+
+    spec = PRESETS["debug"]
+    path = tmp_path / "profiles" / key(this_machine("cpu")) / f"{spec.name}-b2-s16-cpu.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(load_profile("cpu").to_json()[:300])  # truncated mid-write
+    measured = []
+
+    def fake_measure(request, log):
+        measured.append(request)
+        return load_profile("cpu").with_(machine=this_machine("cpu"))
+
+    monkeypatch.setattr(autoswitch, "measure_profile", fake_measure)
+    lines = []
+    got = autoswitch.machine_profile(tmp_path, spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    assert measured and got == str(path)
+    assert any("does not load" in line and str(path) in line for line in lines), lines
+    assert load_profile(path).name == "cpu"  # the cache holds a profile again
+    lines.clear()
+    autoswitch.machine_profile(tmp_path, spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    assert len(measured) == 1 and "using this machine's profile" in lines[0]
