@@ -131,3 +131,95 @@ def test_a_cached_profile_that_does_not_load_is_measured_again(tmp_path, monkeyp
     lines.clear()
     autoswitch.machine_profile(tmp_path, spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
     assert len(measured) == 1 and "using this machine's profile" in lines[0]
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+def _tiny_run(tmp_path, *extra, name="t"):
+    from megatrain.train.config import load_config
+
+    return load_config(None, [
+        f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=8", "run.eval_every=0",
+        "run.checkpoint_every=2", "run.progress=false", "run.simulate=false", "data.batch_size=2",
+        "data.seq_len=32", "run.log_every=1", "schedule.compute_dtype=fp32", *extra])
+
+
+def _bin(path, n=4000):
+    import numpy as np
+
+    np.random.default_rng(0).integers(0, 256, n).astype(np.uint16).tofile(path)
+    return path
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite", "replace", "delete"])
+def test_a_data_file_changed_under_the_run_is_named_with_the_newest_checkpoint(tmp_path, change):
+    """A .bin file truncated while a run read it killed the process with SIGBUS (np.memmap); every change of the file
+    now ends the run with one message naming it and the newest complete checkpoint."""
+    import os
+
+    import numpy as np
+
+    from megatrain.train.errors import TrainingError
+    from megatrain.train.loop import run_training
+
+    path = _bin(tmp_path / "train.bin")
+
+    def log(line):
+        if line.startswith("step 3/"):
+            if change == "truncate":
+                os.truncate(path, 100)
+            elif change == "rewrite":  # same size, new bytes
+                st = os.stat(path)
+                np.zeros(2000, np.uint16).tofile(path)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            elif change == "replace":
+                _bin(tmp_path / "new.bin")
+                os.replace(tmp_path / "new.bin", path)
+            else:
+                os.unlink(path)
+
+    with pytest.raises(TrainingError) as e:
+        run_training(_tiny_run(tmp_path, f"data.path={path}", "data.shuffle=false", "data.eval_fraction=0"), log=log)
+    msg = str(e.value)
+    assert str(path) in msg and "changed while the run read it" in msg and "\n" not in msg, msg
+    assert "step_00000002" in msg and "--resume" in msg, msg
+
+
+def test_the_held_out_split_of_a_bin_file_reads_its_own_range(tmp_path):
+    import numpy as np
+
+    from megatrain.data.batches import read_bin
+
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    train, held = read_bin(path).split(900)
+    assert len(train) == 900 and len(held) == 100
+    assert held.tokens[0] == 900 and held.tokens[-1] == 999 and list(held.tokens[98:]) == [998, 999]
+    assert held.tokens.part(10, 12).tolist() == [910, 911] and int(train.tokens.max()) == 899
+
+
+@pytest.mark.parametrize("line, what", [
+    (b'{"text": "a lone \\ud800 surrogate"}', "lone surrogate"),
+    (b'{"text": "bad \xff byte"}', "not UTF-8"),
+    (b'{"text": 5}', "no string field"),
+    (b'{"text": "unterminated', "not valid JSON"),
+])
+def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path, line, what):
+    from megatrain.data.batches import DataError, read_jsonl
+    from megatrain.data.tokenization import load_tokenizer  # noqa: F401  (the tokenizers package is needed)
+
+    tok = _word_tokenizer(tmp_path)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n\n' + line + b"\n")
+    with pytest.raises(DataError) as e:
+        read_jsonl(path, tok)
+    assert f"{path}, line 3" in str(e.value) and what in str(e.value), e.value
+
+
+def _word_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "fine": 1, "a": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path

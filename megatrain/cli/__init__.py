@@ -17,11 +17,19 @@ class UserError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are one line (what is wrong, where to look), not the usage block: every
+    error of the CLI reads the same. Subcommand parsers inherit it (argparse makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="megatrain",
         description="Stream LLM training from host memory to one GPU; simulate schedules before running them.",
     )
@@ -38,9 +46,10 @@ def _is_user_error(e: Exception) -> bool:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.dag import ScheduleError
     from megatrain.model.spec import SpecError
+    from megatrain.sim.profile_checks import ProfileError
     from megatrain.train.config_values import ConfigError
 
-    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
+    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError, ProfileError)):
         return True
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.io.errors import CheckpointError
