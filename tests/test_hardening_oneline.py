@@ -223,3 +223,30 @@ def _word_tokenizer(tmp_path):
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+# ---- skips -----------------------------------------------------------------------------------------------------
+def test_a_plan_settled_once_is_never_counted_again():
+    """An "overlap" run's last step skipped as a whole was counted twice: settled when the step ended, and again
+    when the final checkpoint's flush() handed the same plan back."""
+    from megatrain.exec.optim import UpdatePlan
+    from megatrain.train.skips import SkipTracker
+
+    t = SkipTracker(n_units=4)
+    whole = UpdatePlan(step=7, lr=1e-3, skip=True)
+    assert len(t.settle(whole)) == 1
+    assert t.settle(whole) == [] and t.settle(None, whole) == []
+    partly = UpdatePlan(step=8, lr=1e-3, skipped_units=[1], applied_units=[0])
+    assert t.settle(partly) == []  # two units still to come: pending
+    partly.applied_units += [2, 3]
+    assert len(t.settle(partly)) == 1 and t.settle(partly) == []
+    assert t.skipped_steps == [8, 9] and t.skipped_unit_updates == 5 and t.consecutive == 2
+
+
+def test_an_overlap_run_counts_its_last_skipped_step_once(tmp_path):
+    from megatrain.train.loop import run_training
+
+    s = run_training(_tiny_run(tmp_path, "schedule.name=overlap", "optimizer.lr=1e6", "optimizer.warmup_steps=0",
+                               "run.max_skipped_steps=0", "run.steps=4", "run.checkpoint_every=0"),
+                     log=lambda line: None)
+    assert len(s.skipped_steps) == len(set(s.skipped_steps)), s.skipped_steps
