@@ -250,3 +250,45 @@ def test_an_overlap_run_counts_its_last_skipped_step_once(tmp_path):
                                "run.max_skipped_steps=0", "run.steps=4", "run.checkpoint_every=0"),
                      log=lambda line: None)
     assert len(s.skipped_steps) == len(set(s.skipped_steps)), s.skipped_steps
+
+
+# ---- the run's log ---------------------------------------------------------------------------------------------
+def _train_cmd(tmp_path, *extra):
+    import sys
+
+    return [sys.executable, "-m", "megatrain", "train", "--out-dir", str(tmp_path / "runs"), "--name", "p",
+            "--steps", "400", "--no-progress", "--batch", "2", "--seq", "32", "--set", "run.simulate=false",
+            "--set", "run.log_every=1", "--set", "run.eval_every=0", "--set", "run.checkpoint_every=0", *extra]
+
+
+def test_a_closed_stdout_stops_the_run_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    """`megatrain train ... | head` ended the run with a BrokenPipeError traceback, no checkpoint, no resume hint."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(_train_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # once the run is going, the reader goes away
+        if line.split("/")[0].split() == ["step", "2"]:
+            break
+    else:
+        pytest.fail(f"the run ended before step 2: {proc.stderr.read()}")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    rc = proc.wait(timeout=300)
+    assert rc == 128 + signal.SIGPIPE, (rc, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "stdout was closed" in err, err
+    run = tmp_path / "runs" / "p"
+    log = (run / "train.log").read_text()
+    stop = [line for line in log.splitlines() if line.startswith("stopped after step")]
+    assert stop and "SIGPIPE" in stop[0] and "--resume" in stop[0], log[-2000:]
+    step = int(stop[0].split()[3])
+    assert step < 400 and (run / "checkpoints" / f"step_{step:08d}").is_dir()
+
+
+def test_a_train_log_that_is_a_directory_is_one_line(tmp_path):
+    import subprocess
+
+    (tmp_path / "runs" / "p" / "train.log").mkdir(parents=True)
+    r = subprocess.run(_train_cmd(tmp_path, "--steps", "2"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "train.log" in r.stderr, r.stderr

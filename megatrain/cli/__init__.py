@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
@@ -59,6 +61,15 @@ def _is_user_error(e: Exception) -> bool:
     return isinstance(e, (DataError, CheckpointError, SafetensorsFormatError))
 
 
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -66,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C anywhere (start-up included): one line, no traceback
         print(f"megatrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed (`megatrain plan | head`): the reader has what it wanted
+        _stdout_to_devnull()  # else Python's flush at exit raises again
+        print(f"megatrain {args.command}: stdout was closed; the output was cut short", file=sys.stderr)
+        return 128 + signal.SIGPIPE
     except Exception as e:
         if _is_user_error(e):
             print(f"megatrain {args.command}: error: {e}", file=sys.stderr)

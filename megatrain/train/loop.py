@@ -276,6 +276,8 @@ class _Training:
         t_start = time.perf_counter()
         try:
             with StopRequest(self.log) as stop:
+                # a closed stdout (`| head`) stops the run as SIGTERM does (train/log.py)
+                self.runlog.when_console_lost(lambda: stop.request("SIGPIPE", "stdout was closed"))
                 for index in range(start, run.steps):
                     step = index + 1
                     reset_gpu_peak(device)
