@@ -48,17 +48,22 @@ def _is_user_error(e: Exception) -> bool:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.dag import ScheduleError
     from megatrain.model.spec import SpecError
+    from megatrain.compile.record import RecordError
+    from megatrain.settings import SettingError
     from megatrain.sim.profile_checks import ProfileError
     from megatrain.train.config_values import ConfigError
+    from megatrain.tune.auto import BudgetError
 
-    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError, ProfileError)):
+    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError, ProfileError, SettingError, RecordError,
+                      BudgetError)):
         return True
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.io.errors import CheckpointError
-    from megatrain.data.batches import DataError
+    from megatrain.data.errors import DataError
+    from megatrain.data.tokenization import TokenizerError
     from megatrain.io.safetensors_io import SafetensorsFormatError
 
-    return isinstance(e, (DataError, CheckpointError, SafetensorsFormatError))
+    return isinstance(e, (DataError, TokenizerError, CheckpointError, SafetensorsFormatError))
 
 
 def _stdout_to_devnull() -> None:
