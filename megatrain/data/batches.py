@@ -5,8 +5,9 @@ Sources (`DataConfig.format`, or from the suffix of `DataConfig.path`):
     text   a UTF-8 text file, tokenized with the run's tokenizer (megatrain/data/tokenization.py: a HF model
            directory's own tokenizer.json, `data.tokenizer`, or byte-level tokens, vocabulary 256, the `debug`
            preset's). The default, with no path, is the bundled corpus.
-    bin    nanoGPT's pre-tokenized files: a flat array of uint16 (or uint32) token ids, memory-mapped so a
-           file larger than RAM costs nothing to open. A directory holding train.bin and val.bin works too.
+    bin    nanoGPT's pre-tokenized files: a flat array of uint16 (or uint32) token ids, read window by window
+           (data/filetokens.py) so a file larger than RAM costs nothing to open, and a file changed under the
+           run is an error naming it, not a SIGBUS. A directory holding train.bin and val.bin works too.
     jsonl  one JSON object per line, its `text_key` field tokenized with the run's tokenizer.json (the
            `tokenizers` library; nothing is downloaded), `eos_token` appended after each document.
 
