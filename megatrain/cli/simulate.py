@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.cli import UserError
-from megatrain.cli.common import add_run_arguments, positive_float, positive_int
+from megatrain.cli.common import add_run_arguments, positive_float
 
 
 def register(sub) -> None:
@@ -36,9 +36,9 @@ def register(sub) -> None:
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
     p.add_argument("--no-plots", action="store_true", help="skip the Gantt PNGs (the slowest artefact)")
-    p.add_argument("--gpus", type=positive_int, default=1, help="data parallel over this many GPUs of one host (--batch is "
+    p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of one host (--batch is "
                                                        "per GPU; the ranks share host memory bandwidth and CPU)")
-    p.add_argument("--hosts", type=positive_int, default=1,
+    p.add_argument("--hosts", type=int, default=1,
                    help="data parallel over this many hosts of --gpus GPUs each (world = hosts x gpus): a rank shares "
                         "its host with --gpus ranks, collectives cross the network (the profile's inter_host_Bps "
                         "and inter_host_latency_s; defaults are assumptions, docs/multigpu.md)")
