@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
@@ -17,11 +19,19 @@ class UserError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are one line (what is wrong, where to look), not the usage block: every
+    error of the CLI reads the same. Subcommand parsers inherit it (argparse makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="megatrain",
         description="Stream LLM training from host memory to one GPU; simulate schedules before running them.",
     )
@@ -38,16 +48,31 @@ def _is_user_error(e: Exception) -> bool:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.ir.dag import ScheduleError
     from megatrain.model.spec import SpecError
+    from megatrain.compile.record import RecordError
+    from megatrain.settings import SettingError
+    from megatrain.sim.profile_checks import ProfileError
     from megatrain.train.config_values import ConfigError
+    from megatrain.tune.auto import BudgetError
 
-    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError)):
+    if isinstance(e, (UserError, SpecError, ScheduleError, ConfigError, ProfileError, SettingError, RecordError,
+                      BudgetError)):
         return True
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.io.errors import CheckpointError
-    from megatrain.data.batches import DataError
+    from megatrain.data.errors import DataError
+    from megatrain.data.tokenization import TokenizerError
     from megatrain.io.safetensors_io import SafetensorsFormatError
 
-    return isinstance(e, (DataError, CheckpointError, SafetensorsFormatError))
+    return isinstance(e, (DataError, TokenizerError, CheckpointError, SafetensorsFormatError))
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C anywhere (start-up included): one line, no traceback
         print(f"megatrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed (`megatrain plan | head`): the reader has what it wanted
+        _stdout_to_devnull()  # else Python's flush at exit raises again
+        print(f"megatrain {args.command}: stdout was closed; the output was cut short", file=sys.stderr)
+        return 128 + signal.SIGPIPE
     except Exception as e:
         if _is_user_error(e):
             print(f"megatrain {args.command}: error: {e}", file=sys.stderr)

@@ -1,11 +1,35 @@
 """Subcommands of the `megatrain` CLI, one module each (see megatrain/cli/__init__.py)."""
 from __future__ import annotations
 
+import argparse
+import math
 from pathlib import Path
 
 from megatrain.compile.knobs import DEFAULT_SCHEDULE
 
-__all__ = ["DEFAULT_SCHEDULE", "add_run_arguments"]
+__all__ = ["DEFAULT_SCHEDULE", "add_run_arguments", "positive_float", "positive_int"]
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a memory size, a budget); nan, inf and negatives are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number > 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of GPUs, hosts, steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    return value
 
 
 def add_run_arguments(p, model: str, batch: int, seq: int,

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from megatrain.cli import UserError
-from megatrain.cli.common import add_run_arguments
+from megatrain.cli.common import add_run_arguments, positive_int
 from megatrain.cli.simulate import parse_sweeps, slug, variants
 
 ADVICE = ("lower --batch / --seq, compare a smaller model (a preset such as debug, or fewer layers in a copy of "
@@ -30,7 +30,7 @@ def register(sub) -> None:
                       schedule_help="named schedule or TOML file; several, comma-separated, are compared and ranked")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="compare every value (repeat to sweep several knobs)")
-    p.add_argument("--steps", type=int, default=6, help="measured steps per variant (the first is a warm-up)")
+    p.add_argument("--steps", type=positive_int, default=6, help="measured steps per variant (the first is a warm-up)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured, h200, "

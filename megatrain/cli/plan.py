@@ -1,7 +1,7 @@
 """`megatrain plan`: host and GPU memory of a run, whether it fits, and which knob helps if not."""
 from __future__ import annotations
 
-from megatrain.cli.common import add_run_arguments
+from megatrain.cli.common import add_run_arguments, positive_float, positive_int
 import textwrap
 
 
@@ -39,11 +39,11 @@ def knob_lines(knobs) -> list[str]:
 def register(sub) -> None:
     p = sub.add_parser("plan", help="memory plan of a run: host and GPU bytes, fit, knobs that help")
     add_run_arguments(p, model="debug", batch=8, seq=2048)
-    p.add_argument("--host-gib", type=float, help="host memory to check against (default: this machine's)")
-    p.add_argument("--gpu-gib", type=float, help="GPU memory to check against (default: this machine's GPU)")
-    p.add_argument("--gpus", type=int, default=1, help="data parallel over this many GPUs of the host (--batch is "
+    p.add_argument("--host-gib", type=positive_float, help="host memory to check against (default: this machine's)")
+    p.add_argument("--gpu-gib", type=positive_float, help="GPU memory to check against (default: this machine's GPU)")
+    p.add_argument("--gpus", type=positive_int, default=1, help="data parallel over this many GPUs of the host (--batch is "
                                                        "per GPU): per-rank and whole-host memory")
-    p.add_argument("--hosts", type=int, default=1, help="data parallel over this many hosts of --gpus GPUs each: "
+    p.add_argument("--hosts", type=positive_int, default=1, help="data parallel over this many hosts of --gpus GPUs each: "
                                                         "the fit is judged per host (--host-gib is one host's memory)")
     p.set_defaults(func=run)
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatrain.cli import UserError
-from megatrain.cli.common import DEFAULT_SCHEDULE
+from megatrain.cli.common import DEFAULT_SCHEDULE, positive_float, positive_int
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -48,11 +48,11 @@ def register(sub) -> None:
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE,
                    help="schedule whose wire dtypes, loss chunk and real steps the profile measures")
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
-    p.add_argument("--cpu-threads", type=int, help="AdamW threads of the runtime (default: the trainer's choice)")
+    p.add_argument("--cpu-threads", type=positive_int, help="AdamW threads of the runtime (default: the trainer's choice)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, token counts and repetitions")
     p.add_argument("--name", help="profile name (default: from the device)")
     p.add_argument("--out", help="profile JSON to write (default runs/profile-<model>-<device>.json)")
-    p.add_argument("--wait-timeout", dest="wait_timeout", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--wait-timeout", dest="wait_timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="bound of every wait of a measurement; a hung copy or kernel ends with an error")
     p.add_argument("--collectives-only", dest="collectives_only", action="store_true",
                    help="under torchrun: measure only the collectives between the ranks (seconds) and write them "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.cli import UserError
-from megatrain.cli.common import add_run_arguments
+from megatrain.cli.common import add_run_arguments, positive_float
 
 
 def register(sub) -> None:
@@ -49,7 +49,7 @@ def register(sub) -> None:
                         "(default 0: no step clips)")
     p.add_argument("--clip-activates", dest="clip_share", action="store_const", const=1.0,
                    help="the same as --clip-share 1: predict a step that clips")
-    p.add_argument("--gpu-budget-gib", type=float,
+    p.add_argument("--gpu-budget-gib", type=positive_float,
                    help="--schedule auto: the GPU memory the chosen schedule may plan for (default: this GPU's free "
                         "memory less 10%%)")
     p.set_defaults(func=run)

@@ -5,8 +5,9 @@ Sources (`DataConfig.format`, or from the suffix of `DataConfig.path`):
     text   a UTF-8 text file, tokenized with the run's tokenizer (megatrain/data/tokenization.py: a HF model
            directory's own tokenizer.json, `data.tokenizer`, or byte-level tokens, vocabulary 256, the `debug`
            preset's). The default, with no path, is the bundled corpus.
-    bin    nanoGPT's pre-tokenized files: a flat array of uint16 (or uint32) token ids, memory-mapped so a
-           file larger than RAM costs nothing to open. A directory holding train.bin and val.bin works too.
+    bin    nanoGPT's pre-tokenized files: a flat array of uint16 (or uint32) token ids, read window by window
+           (data/filetokens.py) so a file larger than RAM costs nothing to open, and a file changed under the
+           run is an error naming it, not a SIGBUS. A directory holding train.bin and val.bin works too.
     jsonl  one JSON object per line, its `text_key` field tokenized with the run's tokenizer.json (the
            `tokenizers` library; nothing is downloaded), `eos_token` appended after each document.
 
@@ -32,6 +33,8 @@ import numpy as np
 import torch
 
 from megatrain.model.spec import ModelSpec
+from megatrain.data.errors import DataError  # noqa: F401  (re-exported: `from megatrain.data.batches import DataError`)
+from megatrain.data.filetokens import FileTokens
 from megatrain.data.tokenization import (  # noqa: F401  (ByteTokenizer and load_tokenizer are re-exported)
     BYTE_VOCAB_SIZE,
     ByteTokenizer,
@@ -45,16 +48,13 @@ CORPUS_PATH = Path(__file__).parent.parent / "corpus" / "python_reference.txt"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk of the vocabulary scan (64 MiB of uint32)
 
 
-class DataError(ValueError):
-    """Data that cannot be trained on; the message names the file (and position) and says what to do."""
-
-
 # ---- token streams -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TokenStream:
-    """A 1-D array of token ids (possibly a memmap) and where it came from, for error messages."""
+    """A 1-D array of token ids (in memory, or a FileTokens of a .bin file) and where it came from, for error
+    messages."""
 
-    tokens: np.ndarray  # (n,) unsigned ints
+    tokens: np.ndarray | FileTokens  # (n,) unsigned ints; a .bin file is read window by window (FileTokens)
     source: str  # file path
     line_starts: np.ndarray | None = None  # JSONL: token offset of each document, for line numbers in errors
     offset: int = 0  # position of tokens[0] in the source (a held-out split is a tail of its file)
@@ -64,8 +64,9 @@ class TokenStream:
 
     def split(self, at: int) -> tuple[TokenStream, TokenStream]:
         """The tokens before `at` and from `at` on, as two streams of the same source (views, no copy)."""
-        return (TokenStream(self.tokens[:at], self.source, self.line_starts, self.offset),
-                TokenStream(self.tokens[at:], self.source, self.line_starts, self.offset + at))
+        part = self.tokens.part if isinstance(self.tokens, FileTokens) else lambda a, b: self.tokens[a:b]
+        return (TokenStream(part(0, at), self.source, self.line_starts, self.offset),
+                TokenStream(part(at, len(self)), self.source, self.line_starts, self.offset + at))
 
     def where(self, i: int) -> str:
         pos = self.offset + i
@@ -75,7 +76,7 @@ class TokenStream:
         return f"{self.source}, line {line} (token {pos})"
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise a DataError at the first token id >= vocab_size. Scans in chunks (a memmap stays on disk)."""
+        """Raise a DataError at the first token id >= vocab_size. Scans in chunks (a .bin file stays on disk)."""
         for start in range(0, len(self.tokens), _SCAN_CHUNK):
             chunk = np.asarray(self.tokens[start:start + _SCAN_CHUNK])
             if len(chunk) and int(chunk.max()) >= vocab_size:
@@ -108,7 +109,8 @@ def read_text(path: str | Path, tokenizer: str | Path | None = None) -> TokenStr
 
 
 def read_bin(path: str | Path, dtype: str = "uint16") -> TokenStream:
-    """A nanoGPT token file: a flat array of `dtype` ids, memory-mapped read-only."""
+    """A nanoGPT token file: a flat array of `dtype` ids, read window by window and checked at every read
+    (data/filetokens.py: not memory-mapped, so a file truncated under the run is an error, not a SIGBUS)."""
     path = Path(path)
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
@@ -116,7 +118,7 @@ def read_bin(path: str | Path, dtype: str = "uint16") -> TokenStream:
         raise DataError(f"{path} has {size} bytes, not a multiple of {itemsize} ({dtype}); is data.dtype right?")
     if size == 0:
         raise DataError(f"{path} is empty")
-    return TokenStream(np.memmap(path, dtype=dtype, mode="r"), str(path))
+    return TokenStream(FileTokens(path, dtype), str(path))
 
 
 def read_jsonl(path: str | Path, tokenizer: str | Path, text_key: str = "text", eos_token: str = "") -> TokenStream:
@@ -130,8 +132,12 @@ def read_jsonl(path: str | Path, tokenizer: str | Path, text_key: str = "text", 
             raise DataError(f"data.eos_token {eos_token!r} is not a token of {tokenizer}")
         eos = [eos_id]
     texts, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -141,6 +147,11 @@ def read_jsonl(path: str | Path, tokenizer: str | Path, text_key: str = "text", 
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise DataError(f"{path}, line {lineno}: no string field {text_key!r} (set data.text_key)")
+            try:  # JSON may escape what UTF-8 cannot hold: a lone surrogate ("\\ud800") has no encoding
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path}, line {lineno}: field {text_key!r} holds {e.object[e.start]!r}, a lone "
+                                "surrogate that is no Unicode text; fix or drop the line") from None
             texts.append(text)
             lines.append(lineno)
     if not texts:

@@ -53,6 +53,8 @@ from megatrain.ir.streams import STREAMS
 from megatrain.ir.tasks import COMPUTE_KINDS as IR_COMPUTE_KINDS
 from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401  (re-exported)
 from megatrain.model.spec import ModelSpec
+from megatrain.sim import profile_checks as check
+from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exported: the error of this module)
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
@@ -72,10 +74,6 @@ INTER_HOST_LATENCY_S = 50e-6
 INTER_HOST_NOTE = ("assumption (not measured): one 400 Gb/s NDR NIC per GPU, 47 GB/s each through NCCL "
                    "(NVIDIA/nccl-tests#290: 46-48 GB/s per NIC); a collective across hosts pays 50 us "
                    "(sim/collectives.py)")
-
-
-class ProfileError(ValueError):
-    """A profile the simulator cannot use; the message says which field and what to do."""
 
 
 def model_signature(spec: ModelSpec) -> str:
@@ -110,14 +108,12 @@ class CopyCurve:
     latency_s: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "sizes_bytes", tuple(int(s) for s in self.sizes_bytes))
-        object.__setattr__(self, "Bps", tuple(float(b) for b in self.Bps))
-        if not self.sizes_bytes or len(self.sizes_bytes) != len(self.Bps):
-            raise ProfileError("a copy curve needs as many sizes_bytes as Bps values, at least one")
-        if list(self.sizes_bytes) != sorted(set(self.sizes_bytes)) or self.sizes_bytes[0] <= 0:
-            raise ProfileError(f"copy curve sizes_bytes must be positive and increasing, got {self.sizes_bytes}")
-        if any(not b > 0 for b in self.Bps) or self.latency_s < 0:
-            raise ProfileError(f"copy curve bandwidths must be > 0 and latency >= 0 (Bps={self.Bps})")
+        object.__setattr__(self, "sizes_bytes", check.sequence("sizes_bytes", self.sizes_bytes, check.COUNT))
+        object.__setattr__(self, "Bps", check.sequence("Bps", self.Bps, check.RATE))
+        object.__setattr__(self, "latency_s", check.number("latency_s", self.latency_s, check.TIME))
+        if len(self.sizes_bytes) != len(self.Bps):
+            raise ProfileError("a copy curve needs as many sizes_bytes as Bps values")
+        check.increasing("sizes_bytes", self.sizes_bytes)
 
     @classmethod
     def constant(cls, Bps: float, latency_s: float = 0.0) -> CopyCurve:
@@ -154,19 +150,21 @@ class ComputeTable:
     compiled: bool = False  # measured with the decoder layer compiled (knob compile_layers)
 
     def __post_init__(self):
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        object.__setattr__(self, "dur_s", tuple(float(t) for t in self.dur_s))
-        where = f"compute table ({self.model}, {self.kind}, {self.unit}, seq={self.seq})"
+        where = f"compute table ({self.model!r}, {self.kind!r}, {self.unit!r}, seq={self.seq!r})"
+        for name in ("model", "kind", "unit", "dtype"):
+            check.text(f"{where}: {name}", getattr(self, name))
+        object.__setattr__(self, "seq", check.number(f"{where}: seq", self.seq, check.COUNT))
+        if not isinstance(self.compiled, bool):
+            raise ProfileError(f"{where}: compiled must be true or false, got {self.compiled!r}")
+        object.__setattr__(self, "tokens", check.sequence(f"{where}: tokens", self.tokens, check.COUNT))
+        object.__setattr__(self, "dur_s", check.sequence(f"{where}: dur_s", self.dur_s, check.TIME))
         if self.kind not in COMPUTE_KINDS:
             raise ProfileError(f"{where}: kind must be one of {COMPUTE_KINDS}")
         if self.unit not in UNIT_CLASSES:
             raise ProfileError(f"{where}: unit must be one of {UNIT_CLASSES}")
         if not self.tokens or len(self.tokens) != len(self.dur_s):
             raise ProfileError(f"{where}: needs as many tokens as dur_s values, at least one")
-        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] <= 0:
-            raise ProfileError(f"{where}: tokens must be positive and increasing")
-        if any(d < 0 for d in self.dur_s):
-            raise ProfileError(f"{where}: durations must be >= 0")
+        check.increasing(f"{where}: tokens", self.tokens)
 
     @property
     def key(self) -> tuple:
@@ -214,42 +212,26 @@ class HardwareProfile:
     inter_host_latency_s: float = INTER_HOST_LATENCY_S
 
     def __post_init__(self):
-        object.__setattr__(self, "compute_tables", tuple(self.compute_tables))
-        object.__setattr__(self, "cpu_adam_params_per_s",
-                           {int(k): float(v) for k, v in self.cpu_adam_params_per_s.items()})
-        object.__setattr__(self, "cpu_optimizer_slowdown",
-                           {int(k): float(v) for k, v in self.cpu_optimizer_slowdown.items()})
-        if set(self.cpu_optimizer_slowdown) - {1, 2} or any(v < 1 for v in self.cpu_optimizer_slowdown.values()):
+        self._check_fields()
+        if set(self.cpu_optimizer_slowdown) - {1, 2}:
             raise ProfileError(f"profile {self.name}: cpu_optimizer_slowdown maps the number of busy copy directions "
                                f"(1 or 2) to a factor >= 1, got {self.cpu_optimizer_slowdown}")
         bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
         if bad:
             raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
                                f"names {STREAM_NAMES} or task kinds {TASK_KINDS}")
-        if not self.cpu_adam_params_per_s or any(v <= 0 for v in self.cpu_adam_params_per_s.values()):
+        if not self.cpu_adam_params_per_s:
             raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
-        if not 0 < self.dma_factor_cpu_optimizer <= 1:
-            raise ProfileError(f"profile {self.name}: dma_factor_cpu_optimizer must be in (0, 1]")
-        for name in ("duplex_Bps", "gpu_memory_Bps", "gpu_adam_params_per_s", "clip_norm_params_per_s",
-                     "nvme_read_Bps", "nvme_write_Bps", "inter_host_Bps"):
-            if not getattr(self, name) > 0:
-                raise ProfileError(f"profile {self.name}: {name} must be > 0")
-        if not self.inter_host_latency_s >= 0:
-            raise ProfileError(f"profile {self.name}: inter_host_latency_s must be >= 0")
         if (self.inter_host_Bps, self.inter_host_latency_s) == (INTER_HOST_BPS, INTER_HOST_LATENCY_S) \
                 and "inter_host_Bps" not in self.notes:  # the defaults are assumptions: say so
             object.__setattr__(self, "notes", {**self.notes, "inter_host_Bps": INTER_HOST_NOTE})
         missing = set(UNIT_CLASSES) - set(self.efficiency)
-        if missing or any(not 0 < e <= 1 for e in self.efficiency.values()):
+        if missing:
             raise ProfileError(f"profile {self.name}: efficiency needs a value in (0, 1] for each of {UNIT_CLASSES}")
         if self.host_memory_Bps is None:
             derived, why = derive_host_memory_Bps(self)
             object.__setattr__(self, "host_memory_Bps", derived)
             object.__setattr__(self, "notes", {"host_memory_Bps": why, **self.notes})  # a note given wins
-        if not self.host_memory_Bps > 0 or not self.cpu_update_bytes_per_param > 0 \
-                or not self.copy_host_bytes_per_byte >= 0:
-            raise ProfileError(f"profile {self.name}: host_memory_Bps and cpu_update_bytes_per_param must be > 0, "
-                               "copy_host_bytes_per_byte >= 0")
         seen = set()
         for t in self.compute_tables:
             if (t.key, t.seq) in seen:
@@ -259,6 +241,47 @@ class HardwareProfile:
         for t in self.compute_tables:
             index.setdefault(t.key, []).append(t)
         object.__setattr__(self, "_tables", index)
+
+    # Every numeric field and its bound (sim/profile_checks.py); the mappings and tables are checked in
+    # _check_fields. A field missing here would reach the simulator unchecked: test_profile_fields_all_checked.
+    _BOUNDS = {
+        "duplex_Bps": check.RATE, "gpu_memory_Bps": check.RATE, "gpu_adam_params_per_s": check.RATE,
+        "clip_norm_params_per_s": check.RATE, "cpu_convert_params_per_s": check.RATE, "nvme_read_Bps": check.RATE,
+        "nvme_write_Bps": check.RATE, "inter_host_Bps": check.RATE, "cpu_update_bytes_per_param": check.SIZE,
+        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME,
+        "dma_factor_cpu_optimizer": check.FRACTION, "cpu_threads": check.COUNT,
+    }
+    # field -> (bound of its values, keys are thread counts, lower limit of its values)
+    _MAPPINGS = {
+        "matmul_flops_per_s": (check.RATE, False, None), "efficiency": (check.FRACTION, False, None),
+        "cpu_adam_params_per_s": (check.RATE, True, None), "cpu_optimizer_slowdown": (check.SIZE, True, 1.0),
+        "task_overhead_s": (check.TIME, False, None),
+    }
+
+    def _check_fields(self) -> None:
+        """Type and range of every field, each refused by name (ProfileError) before anything reads it."""
+        where = f"profile {self.name!r}"
+        check.text(f"{where}: name", self.name)
+        check.text(f"{where}: description", self.description)
+        for name, bound in self._BOUNDS.items():
+            object.__setattr__(self, name, check.number(f"{where}: {name}", getattr(self, name), bound))
+        if self.host_memory_Bps is not None:
+            object.__setattr__(self, "host_memory_Bps",
+                               check.number(f"{where}: host_memory_Bps", self.host_memory_Bps, check.RATE))
+        for name, (bound, int_keys, at_least) in self._MAPPINGS.items():
+            value = check.numbers(f"{where}: {name}", getattr(self, name), bound, int_keys=int_keys, at_least=at_least)
+            object.__setattr__(self, name, value)
+        for name in ("h2d", "d2h"):
+            if not isinstance(getattr(self, name), CopyCurve):
+                raise ProfileError(f"{where}: {name} must be a copy curve (sizes_bytes, Bps, latency_s)")
+        tables = self.compute_tables
+        if isinstance(tables, (str, dict)) or not all(isinstance(t, ComputeTable) for t in tables):
+            raise ProfileError(f"{where}: compute_tables must be a list of compute tables")
+        object.__setattr__(self, "compute_tables", tuple(tables))
+        object.__setattr__(self, "collectives", check.collectives(f"{where}: collectives", self.collectives))
+        for name in ("machine", "notes"):
+            if not isinstance(getattr(self, name), dict):
+                raise ProfileError(f"{where}: {name} must be a JSON object, got {getattr(self, name)!r}")
 
     # ---- rates -----------------------------------------------------------------------------------------------
     def cpu_adam_rate(self, threads: int | None = None) -> float:
@@ -319,6 +342,9 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "profile") -> HardwareProfile:
+        if not isinstance(d, dict):
+            raise ProfileError(f"{where} is not a megatrain hardware profile: a JSON {type(d).__name__}, not an "
+                               f"object with \"format\": \"{FORMAT}\"")
         d = dict(d)
         if d.pop("format", None) != FORMAT:
             raise ProfileError(f"{where} is not a megatrain hardware profile (expected \"format\": \"{FORMAT}\")")
@@ -331,8 +357,16 @@ class HardwareProfile:
                 raise ProfileError(f"{where}: missing field {required!r}")
         try:
             for direction in ("h2d", "d2h"):
-                d[direction] = CopyCurve(**d[direction])
-            d["compute_tables"] = tuple(ComputeTable(**t) for t in d.get("compute_tables", ()))
+                if not isinstance(d[direction], dict):
+                    raise ProfileError(f"{direction} must be an object (sizes_bytes, Bps, latency_s)")
+                try:
+                    d[direction] = CopyCurve(**d[direction])
+                except (TypeError, ProfileError) as e:
+                    raise ProfileError(f"{direction}: {e}") from None
+            tables = d.get("compute_tables", [])
+            if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+                raise ProfileError("compute_tables must be a list of objects")
+            d["compute_tables"] = tuple(ComputeTable(**t) for t in tables)
             return cls(**d)
         except TypeError as e:
             raise ProfileError(f"{where}: {e}") from None

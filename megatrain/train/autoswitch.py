@@ -40,7 +40,7 @@ from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profi
 from megatrain.profiling.compare import step_time_s
 from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS, calibrate_run
 from megatrain.profiling.machine import differences, key, this_machine
-from megatrain.sim import load_profile, simulate
+from megatrain.sim import ProfileError, load_profile, simulate
 from megatrain.train.fit import check_fits
 from megatrain.tune.auto import AutoBudget, auto_budget, choose_auto, choose_schedule
 
@@ -136,13 +136,20 @@ def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: Sched
     so; it is kept there for the next run)."""
     here = this_machine(backend)
     path = Path(out_dir) / "profiles" / key(here) / f"{spec.name}-b{batch}-s{seq}-{backend}.json"
-    if path.is_file() and not differences(load_profile(path).machine, here):
-        log(f"--schedule auto: using this machine's profile {path}")
-        return str(path)
+    why = f"{path} is missing"
+    if path.is_file():
+        try:  # a cache: one that no longer loads (truncated, edited) is measured again, never fatal
+            cached = load_profile(path)
+        except ProfileError as e:
+            why = f"the cached one does not load ({e})"
+        else:
+            if not differences(cached.machine, here):
+                log(f"--schedule auto: using this machine's profile {path}")
+                return str(path)
+            why = f"{path} was measured on another machine"
     cmd = (f"megatrain profile --quick --model {spec.name} --batch {batch} --seq {seq} --device {backend} "
            f"--out {path}")
-    log(f"--schedule auto: no profile of this machine ({path} is missing), so it is profiled quickly first (as "
-        f"`{cmd}`)")
+    log(f"--schedule auto: no profile of this machine ({why}), so it is profiled quickly first (as `{cmd}`)")
     check_fits(spec.with_layers(min(2, spec.num_layers)), batch, seq, knobs, backend, f"profiling {spec.name}",
                "lower --batch / --seq, or give --set run.profile=FILE", profile_host_reserve(spec, backend, True))
     t0 = time.perf_counter()

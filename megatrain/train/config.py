@@ -37,6 +37,9 @@ TOKEN_DTYPES = ("uint16", "uint32")
 LR_DECAYS = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_INITS = ("auto", "pretrained", "random")
+# A run name names a directory: at most 255 bytes on every common filesystem, less room for a suffix that makes
+# a second run's directory its own.
+MAX_NAME_BYTES = 200
 
 
 @dataclass
@@ -202,6 +205,10 @@ class RunSettings:
             # The run directory must be a child of out_dir: "..", "." or a path would write elsewhere.
             raise ConfigError(f"run.name={self.name!r} must be a plain directory name (not '.' or '..', no '/' or "
                               "'\\'); the run directory is <run.out_dir>/<run.name>")
+        if len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            # A filesystem names an entry in at most 255 bytes; the run directory's claim may add a suffix.
+            raise ConfigError(f"run.name is {len(self.name.encode('utf-8', 'surrogatepass'))} bytes long; give a "
+                              f"name of at most {MAX_NAME_BYTES} bytes (it names the run directory)")
         if not (math.isfinite(self.wait_timeout_s) and self.wait_timeout_s > 0):
             raise ConfigError(f"run.wait_timeout_s={self.wait_timeout_s} must be a positive number of seconds (every "
                               "executor wait is bounded so that a hung task ends the run with an error)")

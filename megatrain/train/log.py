@@ -10,13 +10,21 @@ and in a pipe (`| tee`, CI logs).
 The progress bar is drawn only when stderr is a terminal: in a pipe it would write carriage returns and frames
 glued into one long line, so there the step lines (`run.log_every`) are the progress. Log lines go above the bar
 on a terminal (`tqdm.write`) and are flushed at once in a pipe, so `tail -f` and CI logs show them as they come.
+
+A console that goes away (`megatrain train ... | head`: the reader of the pipe ended) is no reason to lose the run:
+the lines go on into train.log, stderr gets one note, and `when_console_lost` tells the training loop, which stops
+at the next step boundary with a checkpoint as on SIGTERM. A train.log that cannot be written (a directory in its
+place, a full disk) is one line: refused when the log opens, a warning on the console once the run is going.
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from tqdm import tqdm
+
+from megatrain.train.config_values import ConfigError
 
 LOG_FILE = "train.log"
 
@@ -52,29 +60,70 @@ class RunLog:
         self._pending: list[str] = []
         self._bar = None
         self.path: Path | None = None
+        self.console_lost = False  # stdout was closed (see the module docstring)
+        self._on_console_lost: Callable[[], None] | None = None
 
     def __call__(self, line: str) -> None:
         if self._file is not None:
-            self._file.write(line + "\n")
-            self._file.flush()
-        else:
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()
+            except OSError as e:  # a full disk mid-run: the console keeps the log; the run decides about its files
+                self._file = None
+                self._console(f"WARNING: cannot write {self.path} ({e.strerror or e}); the log goes on on the "
+                              "console only")
+        elif self.path is None:
             self._pending.append(line)
-        if self._sink is not None:
-            self._sink(line)
-        elif self._bar is not None:
+        self._console(line)
 
-            tqdm.write(line)  # above the bar, which is redrawn below it
-        else:
-            print(line, flush=True)
+    def _console(self, line: str) -> None:
+        if self.console_lost:
+            return
+        try:
+            if self._sink is not None:
+                self._sink(line)
+            elif self._bar is not None:
+                tqdm.write(line)  # above the bar, which is redrawn below it
+            else:
+                print(line, flush=True)
+        except BrokenPipeError:
+            self._lose_console()
+
+    def _lose_console(self) -> None:
+        """stdout was closed: note it once on stderr, send what follows to /dev/null (a later print, or Python's
+        flush at exit, would raise again), and tell the loop to stop at the step boundary."""
+        self.console_lost = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
+            pass
+        where = f"the log goes on in {self.path}" if self.path else "the log goes on in the run's train.log"
+        print(f"megatrain: stdout was closed: stopping at the next step boundary with a checkpoint; {where}",
+              file=sys.stderr, flush=True)
+        if self._on_console_lost is not None:
+            self._on_console_lost()
+
+    def when_console_lost(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn` when stdout closes (at once if it already has); None: no longer."""
+        self._on_console_lost = fn
+        if fn is not None and self.console_lost:
+            fn()
 
     def open(self, run_dir: str | Path) -> Path:
         """Start writing train.log in `run_dir` (appending: a resumed run continues its log), with every line
         logged so far."""
         self.path = Path(run_dir) / LOG_FILE
-        self._file = open(self.path, "a", encoding="utf-8")
-        for line in self._pending:
-            self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            self._file = open(self.path, "a", encoding="utf-8")
+            for line in self._pending:
+                self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._file = None
+            raise ConfigError(f"cannot write the run's log {self.path} ({e.strerror or e}); it must be a writable "
+                              "file: move what is there away, or choose another run.name") from None
         self._pending = []
         return self.path
 

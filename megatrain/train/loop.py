@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.data.filetokens import DataChangedError
 from megatrain.parallel.world import World
 from megatrain.plan.memory import GiB
 from megatrain.train.autoswitch import schedule_overrides, switch_after_warmup
@@ -297,6 +298,8 @@ class _Training:
         t_start = time.perf_counter()
         try:
             with StopRequest(self.log) as stop:
+                # a closed stdout (`| head`) stops the run as SIGTERM does (train/log.py)
+                self.runlog.when_console_lost(lambda: stop.request("SIGPIPE", "stdout was closed"))
                 for index in range(start, run.steps):
                     step = index + 1
                     reset_gpu_peak(device)
@@ -348,6 +351,9 @@ class _Training:
                         raise self._metrics_failed(step, metrics_error)
                     if stopping and self._stop_here(step, stop, summary):
                         break
+        except DataChangedError as e:  # a data file changed under the run (data/filetokens.py): say where to resume
+            self.runlog.close_bar()
+            raise self.ckpt.stopped(trainer.step_count, str(e)) from e
         except KeyboardInterrupt:
             self.runlog.close_bar()
             where = (f"the last checkpoint is {self.ckpt.last} (continue with --resume)" if self.ckpt.last

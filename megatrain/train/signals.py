@@ -27,6 +27,13 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signal_name is not None
 
+    def request(self, name: str, why: str) -> None:
+        """Stop at the next step boundary as if signal `name` (e.g. "SIGPIPE": stdout was closed) had come; `why`
+        is logged. The exit status is 128 + that signal's number, as for a real one."""
+        if not self.requested:
+            self.signal_name = name
+            self.log(f"{why}: stopping after the current step with a checkpoint")
+
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:

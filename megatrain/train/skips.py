@@ -41,12 +41,17 @@ class SkipTracker:
     skipped_steps: list[int] = field(default_factory=list)  # steps whose update was (partly) skipped
     skipped_unit_updates: int = 0  # unit updates skipped in all
     _pending: list[UpdatePlan] = field(default_factory=list)
+    # Steps whose plan was settled: the same plan may come back (a whole-step skip settles at once, and the "overlap"
+    # trainer's flush() at the last checkpoint hands it over again); it must not be counted twice.
+    _settled_steps: set[int] = field(default_factory=set)
 
     def settle(self, *plans: UpdatePlan | None) -> list[Skip]:
         """Add `plans` (None is ignored) and return the skips of every plan now settled, oldest first."""
-        self._pending += [p for p in plans if p is not None and all(p is not q for q in self._pending)]
+        self._pending += [p for p in plans if p is not None and p.step not in self._settled_steps
+                          and all(p is not q for q in self._pending)]
         done = [p for p in self._pending if self._settled(p)]
         self._pending = [p for p in self._pending if not self._settled(p)]
+        self._settled_steps.update(p.step for p in done)
         skips = []
         for p in sorted(done, key=lambda p: p.step):
             if p.skip or p.skipped_units:
