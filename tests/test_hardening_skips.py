@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from megatrain.cli import main
@@ -76,7 +77,11 @@ def test_non_finite_weights_are_refused_on_load_naming_the_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"master.safetensors: tensor 'layers.1' holds non-finite values"):
         manager.load()
     tiles = init_tiles(DEBUG)
-    tiles[0][7] = math.inf
-    export_hf(tmp_path / "hf", DEBUG, tiles, dtype=torch.float32)
+    export_hf(tmp_path / "hf", DEBUG, tiles, dtype=torch.float32)  # export refuses non-finite weights: plant one after
+    (shard,) = (tmp_path / "hf").glob("*.safetensors")
+    state = safetensors.torch.load_file(str(shard))
+    name = next(n for n in state if n.startswith("model.layers.0."))
+    state[name].view(-1)[7] = math.inf
+    safetensors.torch.save_file(state, str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.\S+' in .* holds non-finite values"):
         load_hf_tiles(tmp_path / "hf", DEBUG)

@@ -143,9 +143,12 @@ def test_export_refuses_to_overwrite_unless_asked(llama_dir, tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(CheckpointError, match="already exists"):
         export_hf(tmp_path / "x", spec, tiles)
-    export_hf(tmp_path / "x", spec, tiles, overwrite=True)
-    assert (tmp_path / "x" / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["x"]  # no temporary directory left behind
+    with pytest.raises(CheckpointError, match="not a megatrain export"):  # --overwrite replaces only an export
+        export_hf(tmp_path / "x", spec, tiles, overwrite=True)
+    export_hf(tmp_path / "y", spec, tiles)
+    export_hf(tmp_path / "y", spec, tiles, overwrite=True)  # an earlier export is replaced
+    assert (tmp_path / "y" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "y"]  # no temporary directory left behind
 
 
 # ---- bad checkpoints ------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import signal
 import sys
 
@@ -67,12 +66,9 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _stdout_to_devnull() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
-        pass
+    from megatrain.train.log import stdout_to_devnull  # only once a pipe closed: the CLI loads no train/ to start
+
+    stdout_to_devnull()
 
 
 def main(argv: list[str] | None = None) -> int:

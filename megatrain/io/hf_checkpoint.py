@@ -401,8 +401,10 @@ def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtyp
             shutil.copy2(Path(source) / GENERATION_FILE, tmp / GENERATION_FILE)
         if tokenizer is not None:
             _copy_tokenizer(tokenizer, tmp)
-        if provenance is not None:
-            (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=1) + "\n")
+        # every export says it is one (what it was made from, when known): `overwrite=True` replaces only such a
+        # directory, never one a user made (io/export_target.py)
+        made_from = dict(provenance) if provenance is not None else {"written_by": "megatrain export_hf"}
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(made_from, indent=1) + "\n")
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

@@ -67,7 +67,7 @@ class SessionCheckpoints:
         if newest is None:
             where = "There is no complete checkpoint of this run; fix the cause and start it again from the beginning"
         else:
-            where = (f"Every checkpoint was kept; the newest complete one is {newest}: fix the cause and continue "
+            where = (f"Every checkpoint was kept; the newest complete checkpoint is {newest}: fix the cause and continue "
                      "with --resume (steps after it run again)")
         return TrainingError(f"the run stopped after step {done_steps}: {what.rstrip('.')}. {where}")
 

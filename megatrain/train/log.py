@@ -93,12 +93,7 @@ class RunLog:
         """stdout was closed: note it once on stderr, send what follows to /dev/null (a later print, or Python's
         flush at exit, would raise again), and tell the loop to stop at the step boundary."""
         self.console_lost = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
-            pass
+        stdout_to_devnull()
         where = f"the log goes on in {self.path}" if self.path else "the log goes on in the run's train.log"
         print(f"megatrain: stdout was closed: stopping at the next step boundary with a checkpoint; {where}",
               file=sys.stderr, flush=True)
@@ -164,3 +159,14 @@ def compile_note(knobs, backend: str) -> str | None:
     took = "about a minute on the CPU backend" if backend == "cpu" else "tens of seconds"
     return (f"the first step compiles the decoder layer (schedule.compile_layers=true): {took} with no output; the "
             "steps after it run compiled")
+
+
+def stdout_to_devnull() -> None:
+    """Point this process's stdout at /dev/null: after the reader of a pipe went away (`megatrain ... | head`),
+    a later print, or Python's flush at exit, would raise BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
+        pass
