@@ -119,9 +119,9 @@ def run_from_args(args) -> int:
     when SIGTERM / SIGINT stopped it at a step boundary (with a checkpoint), 130 if interrupted at once.
     User mistakes raise ConfigError / DataError / CheckpointError, a run that stops on its own TrainingError
     (megatrain.cli prints them as one line)."""
-    from megatrain.train.loop import run_training  # torch and the executor: loaded once the config is checked
+    cfg = config_from_args(args)  # first: a mistake in the arguments or the config is reported before torch loads
 
-    cfg = config_from_args(args)
+    from megatrain.train.loop import run_training  # torch and the executor: loaded once the config is checked
     try:
         summary = run_training(cfg, auto=getattr(args, "auto_choice", None))
     except KeyboardInterrupt:
