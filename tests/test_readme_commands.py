@@ -90,3 +90,18 @@ def test_readme_commands_run_as_written(tmp_path):
     assert resumed, "the README no longer continues a run: update this test"
     assert (tmp_path / "runs" / "demo-hf" / "config.json").is_file()
     assert sorted(p.name for p in REPO.iterdir()) == before  # nothing written into the repository
+
+
+def test_make_venv_says_what_it_installs():
+    """`make demo` on a fresh clone installs for minutes before its first line (issue 23): the venv recipe prints
+    one line before each step (creating the venv, each pip install) and nothing else of its own."""
+    text = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^\$\(BIN\)/megatrain:.*\n((?:\t.*\n)+)", text, flags=re.M).group(1).splitlines()
+    steps = [i for i, line in enumerate(recipe) if re.search(r"-m venv|pip install", line) and "echo" not in line]
+    assert len(steps) == 4, recipe
+    for i in steps:
+        assert i > 0 and recipe[i - 1].startswith("\t@echo ") and recipe[i - 1].rstrip().endswith('..."'), recipe
+        assert recipe[i].startswith("\t@") and ("-q" in recipe[i] or "-m venv" in recipe[i]), recipe  # quiet pip
+    torch_line = next(recipe[i - 1] for i in steps if "torch==" in recipe[i])
+    version = re.search(r"torch==([\d.]+)", recipe[next(i for i in steps if "torch==" in recipe[i])]).group(1)
+    assert f"torch {version}" in torch_line  # the message names the version it installs
