@@ -66,7 +66,7 @@ def run(args) -> int:
     print(plan.placement.describe())
     print()
     print(format_plan(plan))
-    ok, lines = fit_report(plan, host, gpu)
+    ok, lines = fit_report(plan, host, gpu, planned=True)  # plan shows the planned-only layouts, labelled
     print()
     print("\n".join(lines))
     return 0 if ok else 1
