@@ -61,7 +61,7 @@ def run(args) -> int:
     if args.gpus > 1 or args.hosts > 1:
         return _run_world(args, spec, name, knobs)
     host, gpu = machine_memory(args.host_gib, args.gpu_gib)
-    print(f"schedule {name}")
+    print(f"schedule {name}, {spec.name}, batch {args.batch} x seq {args.seq}")
     print("\n".join(knob_lines(knobs)))
     print(plan.placement.describe())
     print()
