@@ -36,8 +36,11 @@ def add_run_arguments(p, model: str, batch: int, seq: int,
                       schedule_help: str = "named schedule or TOML file ([schedule] table of knobs)") -> None:
     """--model, --batch, --seq, --schedule and --set: what every command that builds a Program takes."""
     p.add_argument("--model", default=model, help="preset name or HF model dir / config.json")
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--seq", type=int, default=seq)
+    # Each command has the default shape of its own job (a debug run, a 3B benchmark): --help says which, and the
+    # command prints the shape it used in its first line (tests/test_shape_defaults.py).
+    p.add_argument("--batch", type=int, default=batch, help=f"sequences per step (default {batch}; the first line "
+                                                            "of the output says which shape ran)")
+    p.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help=schedule_help)
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
 

@@ -94,6 +94,8 @@ def run(args) -> int:
     # Memory first, as `train` does: every variant's host store, buffers and activations against this machine
     # (with several variants, one fp32 copy of the initial weights is shared by all of them and held throughout).
     shared = 4 * spec.num_params if len(resolved) > 1 else 0
+    print(f"{spec.name}: {spec.num_params / 1e6:.2f} M parameters, batch {args.batch} x seq {args.seq}, device "
+          f"{device}; {args.steps} steps per variant")  # the shape first, as every command that takes --batch
     from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
     for v, _, knobs in resolved:
         check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
@@ -104,8 +106,6 @@ def run(args) -> int:
         check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, resolved[0][2], device,
                    "measuring the profile", ADVICE, profile_host_reserve(spec, device, args.quick))
     profile = _profile_for(args, spec, device, resolved[0][2], out)
-    print(f"{spec.name}: {spec.num_params / 1e6:.2f} M parameters, batch {args.batch} x seq {args.seq}, device "
-          f"{device}; {args.steps} steps per variant")
     print(f"profile {profile.name}: {profile.description}")
     tiles = init_tiles(spec) if len(resolved) > 1 else None  # one initialization shared by every variant
     results = {}

@@ -61,12 +61,12 @@ def run(args) -> int:
     if args.gpus > 1 or args.hosts > 1:
         return _run_world(args, spec, name, knobs)
     host, gpu = machine_memory(args.host_gib, args.gpu_gib)
-    print(f"schedule {name}")
+    print(f"schedule {name}, {spec.name}, batch {args.batch} x seq {args.seq}")
     print("\n".join(knob_lines(knobs)))
     print(plan.placement.describe())
     print()
     print(format_plan(plan))
-    ok, lines = fit_report(plan, host, gpu)
+    ok, lines = fit_report(plan, host, gpu, planned=True)  # plan shows the planned-only layouts, labelled
     print()
     print("\n".join(lines))
     return 0 if ok else 1

@@ -40,8 +40,9 @@ def register(sub) -> None:
     p.add_argument("--model", default="bench-3b",
                    help="preset name or HF model dir / config.json; more, comma-separated, add compute tables for "
                         "their shapes too (copies, optimizer and overheads are measured for the first)")
-    p.add_argument("--batch", default="8", help="largest batch to measure (tables at 1, 2, 4, ... up to it)")
-    p.add_argument("--seq", default="2048", help="sequence length, or a comma-separated list of them")
+    p.add_argument("--batch", default="8", help="largest batch to measure (tables at 1, 2, 4, ... up to it; default "
+                                                "8)")
+    p.add_argument("--seq", default="2048", help="sequence length, or a comma-separated list of them (default 2048)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", help="compute dtype(s) of the tables: bf16, fp32 or bf16,fp32 "
                                    "(default: bf16 on CUDA, fp32,bf16 on CPU)")
@@ -120,6 +121,8 @@ def run(args) -> int:
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.
     from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
+    print(f"profiling {', '.join(m.name for m in models)}, batch up to {batch[0]} x seq "
+          f"{','.join(map(str, seqs))}, device {device}")  # the shape first, as every command that takes --batch
     for shape in models:
         check_fits(shape.with_layers(min(2, shape.num_layers)), batch[0], max(seqs), knobs, device,
                    f"profiling {shape.name}", ADVICE, profile_host_reserve(spec, device, args.quick))

@@ -261,6 +261,10 @@ def run(args) -> int:
     mine = f"runs/profile-{spec.name}.json"
     line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
                          f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
+    hosts = f" x {args.hosts} hosts" if args.hosts > 1 else ""
+    # the shape first, as every command that takes --batch (each has its own default: --help)
+    print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs{hosts}" if world > 1
+                                                                 else "") + f", profile {profile.name}")
     if args.schedule == "auto":
         if args.hosts > 1:
             raise UserError("--schedule auto chooses for one host; with --hosts > 1 name a schedule (e.g. "
@@ -287,9 +291,6 @@ def run(args) -> int:
         written.add(slug(v.label))
         rows.append(row_of(v, result))
     stale = remove_stale_variants(out, written)
-    hosts = f" x {args.hosts} hosts" if args.hosts > 1 else ""
-    print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs{hosts}" if world > 1
-                                                                 else "") + f", profile {profile.name}")
     print(table(rows))
     if args.hosts > 1:
         print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; each host trains {args.gpus}x the tokens, the "

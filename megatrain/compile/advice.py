@@ -17,6 +17,25 @@ def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, bac
     return plan_placement(resolve(spec, batch, seq, knobs), backend, knobs)
 
 
+# ---- what `train` runs ----------------------------------------------------------------------------------------
+# The executor keeps the optimizer state in host memory (exec/store.py HostStore refuses the NVMe tiers): the other
+# state tiers are planned and simulated only. Advice for a command that trains never names them.
+TRAINED_STATE_TIERS = ("host",)
+PLANNED_ONLY = "planned only: `train` refuses it until the executor has the NVMe tier; `simulate` prices the drive"
+
+
+def trainable(knobs: ScheduleKnobs) -> bool:
+    """Whether `train` runs `knobs` (False for a planned-only layout: the optimizer state on the NVMe tier)."""
+    return knobs.state_tier in TRAINED_STATE_TIERS
+
+
+def refuse_planned_only(knobs: ScheduleKnobs) -> None:
+    """ScheduleError, before anything is allocated, when `knobs` is a layout `train` does not run yet."""
+    if not trainable(knobs):
+        raise ScheduleError(f"state_tier={knobs.state_tier!r} is {PLANNED_ONLY}; train with state_tier=host "
+                            "(`megatrain plan --host-gib N` lists the layouts that fit without it)")
+
+
 # ---- fitting ----------------------------------------------------------------------------------------------------
 def knob_changes(knobs: ScheduleKnobs, alt: ScheduleKnobs) -> str:
     """The `--set` overrides that turn `knobs` into `alt` ("optimizer=arrival clip=0 ...")."""
@@ -31,8 +50,9 @@ def lean_knobs(knobs: ScheduleKnobs) -> ScheduleKnobs:
                    retain_grads=0, clip=0, weight_wire="fp32", grad_ring=max(knobs.grad_ring, 2))
 
 
-def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
-    """Knob changes that lower the host bytes, least invasive first, each with a label saying what it costs."""
+def host_alternatives(knobs: ScheduleKnobs, planned: bool = False) -> list[tuple[str, ScheduleKnobs]]:
+    """Knob changes that lower the host bytes, least invasive first, each with a label saying what it costs.
+    Only layouts `train` runs, unless `planned` (for `plan`, which shows the planned-only ones labelled so)."""
     alts = []
     if knobs is None:
         return alts
@@ -50,13 +70,15 @@ def host_alternatives(knobs: ScheduleKnobs) -> list[tuple[str, ScheduleKnobs]]:
     host_only = replace(lean, resident_embeddings=False, resident_layers=0)
     alts.append(("8 B/param: adam m/v stored in bf16 (fp32 math; docs/precision.md)",
                  replace(host_only, state_dtype="bf16")))
-    alts.append(("4 B/param on the host: adam m/v on the NVMe tier (planned only; `simulate` prices the drive)",
+    alts.append((f"4 B/param on the host: adam m/v on the NVMe tier; {PLANNED_ONLY}",
                  replace(host_only, state_tier="nvme-moments")))
-    return [(f"{knob_changes(knobs, alt)} ({what})", alt) for what, alt in alts if alt != knobs]
+    return [(f"{knob_changes(knobs, alt)} ({what})", alt) for what, alt in alts
+            if alt != knobs and (planned or trainable(alt))]
 
 
 def gpu_alternatives(plan: MemoryPlan) -> list[tuple[str, ScheduleKnobs]]:
-    """Knob changes that lower the GPU peak of `plan`, each with a label saying what it does."""
+    """Knob changes that lower the GPU peak of `plan`, each with a label saying what it does (none changes the
+    state tier: each is as trainable as `plan`)."""
     k, alts = plan.knobs, []
     if k is None:  # a placement made by hand: no knobs to vary
         return []
@@ -96,8 +118,11 @@ def alternative_plans(plan: MemoryPlan, alts: list[tuple[str, ScheduleKnobs]], b
             continue
 
 
-def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) -> tuple[bool, list[str]]:
-    """Whether the plan fits the given memory, and lines saying by how much it misses and which knob helps."""
+def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None,
+               planned: bool = False) -> tuple[bool, list[str]]:
+    """Whether the plan fits the given memory, and lines saying by how much it misses and which knob helps. Every
+    knob suggested is one `train` accepts; with `planned` (for `plan`) the planned-only layouts are listed too,
+    labelled so, and never given as the "=> fits with --set" fix."""
     lines, ok = [], True
     checks = [("host", plan.host.total_bytes, host_bytes), ("GPU", plan.gpu.peak_bytes, gpu_bytes)]
     for what, need, have in checks:
@@ -111,14 +136,14 @@ def fit_report(plan: MemoryPlan, host_bytes: int | None, gpu_bytes: int | None) 
         ok = False
         lines.append(f"{what}: DOES NOT FIT: needs {need / GiB:.1f} GiB, has {have / GiB:.1f} GiB, "
                      f"short by {(need - have) / GiB:.1f} GiB")
-        alts = host_alternatives(plan.knobs) if what == "host" else gpu_alternatives(plan)
+        alts = host_alternatives(plan.knobs, planned) if what == "host" else gpu_alternatives(plan)
         fix = None
         for label, alt in alternative_plans(plan, alts):
             alt_need = alt.host.total_bytes if what == "host" else alt.gpu.peak_bytes
             verdict = "fits" if alt_need <= have else "still short"
             per_param = f", {alt.host.bytes_per_param:.2f} B/param in the store" if what == "host" else ""
             lines.append(f"  - {label}: {alt_need / GiB:.1f} GiB ({verdict}){per_param}")
-            if fix is None and alt_need <= have:
+            if fix is None and alt_need <= have and trainable(alt.knobs):
                 fix = (alt, alt_need)
         if what == "host" and fix is not None:
             alt, alt_need = fix

@@ -69,6 +69,7 @@ class LiveCalibration:
     measured_step_s: float  # median step time of the measured steps after the warm-up
     steps: int  # measured steps the fit used
     groups: pd.DataFrame  # per task group: summed ready-to-done time predicted before and measured, per step
+    step_range: tuple[int, int] | None = None  # the first and last step measured (the run's step numbers)
 
     @property
     def error_before(self) -> float:
@@ -93,10 +94,14 @@ class LiveCalibration:
         name = profile_name or self.before.profile.name
         m = self.measured_step_s
         slow_fast = "fast" if self.error_before < 0 else "slow"
-        first = (f"live calibration on {self.steps} measured steps (after the warm-up): step time predicted "
+        # Its own steps and measure, said so: the summary's time/step above is a median over other steps (the
+        # session's, the first left out) of the wall time of a whole step (train/outputs.py report_lines).
+        which = (f"steps {self.step_range[0]}-{self.step_range[1]}" if self.step_range
+                 else f"{self.steps} measured steps")
+        first = (f"live calibration on {which} (after the warm-up): step time predicted "
                  f"{self.before.step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
                  f"{self.after.step_s:.3f} s (calibrated, {100 * self.error_after:+.0f}%); measured {m:.3f} s "
-                 f"(median)")
+                 f"(median over {which} of the first task's start to the last task's end)")
         return [first,
                 (f"the {name} profile predicted this run {_times(self.before.step_s, m)} too {slow_fast}, mainly "
                  f"because {self.reason()} (a profile measures one machine on one day; the calibrated profile "
@@ -260,6 +265,7 @@ def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult
             f"kept {len(steps)}")
         return None
     cal = calibrate_run(program, predicted.profile, steps, warmup=0)
+    cal = replace(cal, step_range=(int(steps[0]["step"].iloc[0]), int(steps[-1]["step"].iloc[0])))
     path = cal.save(run_dir)
     for line in cal.lines(profile_name):
         log(line)

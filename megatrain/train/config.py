@@ -42,6 +42,14 @@ MODEL_INITS = ("auto", "pretrained", "random")
 MAX_NAME_BYTES = 200
 
 
+def default_run_name(config_path: str | Path | None, model_name: str) -> str:
+    """The run name when run.name is not set: the config file's name without its suffix, else the model's (a preset,
+    or a Hugging Face directory's last component). A second run of the same name gets name-1 (rundir.py)."""
+    name = Path(config_path).stem if config_path is not None else Path(str(model_name).rstrip("/\\")).name
+    name = name.encode("utf-8", "surrogatepass")[:MAX_NAME_BYTES].decode("utf-8", "ignore")
+    return name if name not in ("", ".", "..") else "run"
+
+
 @dataclass
 class ModelConfig:
     """Which model to train and how its weights start."""
@@ -179,7 +187,7 @@ class OptimizerConfig:
 class RunSettings:
     """Length of the run, evaluation, checkpoints, logging and device."""
 
-    name: str = "debug"  # the run directory is <out_dir>/<name>
+    name: str = ""  # the run directory is <out_dir>/<name>; "" = the config file's or the model's (default_run_name)
     out_dir: str = "runs"
     steps: int = 120  # the embedded default: about a minute of the debug model on 2 CPU cores
     grad_accum: int = 1  # batches whose gradients are summed before one optimizer update
@@ -246,6 +254,10 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     run: RunSettings = field(default_factory=RunSettings)
+
+    def __post_init__(self) -> None:
+        if not self.run.name:  # not named (load_config names it after its file): after the model
+            self.run = replace(self.run, name=default_run_name(None, self.model.name))
 
     def validate(self) -> RunConfig:
         """Check every section and the rules that span sections; returns self."""
@@ -335,6 +347,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         _sections(raw, source)
         raw = _apply_overrides(raw, overrides)
         source = f"{source} with --set"
+    run = raw.get("run", {})
+    if path is not None and isinstance(run, dict) and not run.get("name"):  # not named: after its file
+        raw = {**raw, "run": {**run, "name": default_run_name(path, "")}}
     return RunConfig.from_dict(raw, source=source)
 
 

@@ -18,7 +18,8 @@ from megatrain.ir.placement import Parallelism
 from megatrain.parallel.world import launch_env
 from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.plan.memory import GiB, MemoryPlan, plan_gpu_memory
-from megatrain.compile.advice import alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory
+from megatrain.compile.advice import (alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory,
+                                      refuse_planned_only)
 from megatrain.model.spec import ModelSpec
 from megatrain.train.config import ConfigError
 
@@ -90,7 +91,13 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     `ranks`: the data-parallel ranks of this node, each checking the same run (None: `node_ranks()`, torchrun's
     LOCAL_WORLD_SIZE); the returned plan is one rank's, and the host check is their sum against the node's memory
     (`host_bytes`, when given, is the node's). The GPU check is one rank's against its own device.
+    Every caller runs the work it checks, so a planned-only layout (the NVMe tier) is refused here, before the
+    store would refuse it, and no advice below names one.
     """
+    try:
+        refuse_planned_only(knobs)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
     ranks = node_ranks() if ranks is None else ranks
     plan = rank_plan(spec, batch, seq, knobs, backend, ranks)
     measured_host = host_bytes is None

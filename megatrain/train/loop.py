@@ -373,7 +373,9 @@ class _Training:
             write_timelines(self.run_dir, timelines, self.predicted, self.profile_name,
                             self.program, f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} "
                                           f"x seq {self.seq}", log=self.log)
-        for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates):
+        # step_times holds steps since+1.. (since: the session's start, or auto's switch); the median leaves the first out
+        measured_steps = (since + (2 if len(step_times) > 1 else 1), summary.steps) if warm else None
+        for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates, measured_steps):
             self.log(line)
         if self.predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
             summary.calibration = written_after_training(  # a full disk now does not fail the finished run

@@ -74,8 +74,11 @@ def write_timelines(run_dir: Path, timelines: list, predicted, profile_name: str
     _write_each(run_dir, writers, log)
 
 
-def report_lines(s, profile_name: str | None, skipped_unit_updates: int = 0) -> list[str]:
-    """The end-of-run summary: steps, loss, skipped updates, and predicted against measured step time."""
+def report_lines(s, profile_name: str | None, skipped_unit_updates: int = 0,
+                 measured_steps: tuple[int, int] | None = None) -> list[str]:
+    """The end-of-run summary: steps, loss, skipped updates, and predicted against measured step time;
+    `measured_steps`: the first and last step the measured medians cover (named under the table, since the live
+    calibration's line measures other steps its own way)."""
     done = s.steps - s.start_step
     if not done:
         return []
@@ -97,5 +100,9 @@ def report_lines(s, profile_name: str | None, skipped_unit_updates: int = 0) -> 
         fmt = ",.0f" if name == "tokens/s" else ".3f" if unit == "s" else ".1f"
         left = f"{format(pred[i], fmt)} {unit}" if pred else ""
         lines.append(f"{name:<12}{left:>22}{format(value, fmt) + ' ' + unit:>22}")
+    if measured_steps is not None:
+        a, b = measured_steps
+        lines.append(f"measured: the median over steps {a}-{b} of a step's wall time"
+                     + (" (the session's first step, which allocates, left out)" if a > s.start_step + 1 else ""))
     lines.append(f"run directory: {s.run_dir}")
     return lines
