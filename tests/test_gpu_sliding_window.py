@@ -16,15 +16,15 @@ import torch
 from megatrain.compile.knobs import knobs_for
 from megatrain.compile.resolve import resolve
 from megatrain.engine.trainer import StreamedTrainer
-from megatrain.exec.head import embed_forward, head_logits
-from megatrain.exec.layers import decoder_layer, layer_backward
+from megatrain.exec.layers import layer_backward
 from megatrain.exec.optim import AdamWConfig
 from megatrain.exec.rope import rope_cos_sin
 from megatrain.io.hf_io import state_dict_from_tiles
 from megatrain.model.init import init_tiles
 from megatrain.model.layout import unit_layout
-from megatrain.model.spec import EMBED, HEAD, spec_from_hf_config
+from megatrain.model.spec import spec_from_hf_config
 from megatrain.plan.memory import layer_working_set
+from test_gpu_bf16_vs_hf import our_logits_bf16  # the executor's bf16 forward, written once for both GPU files
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 import transformers  # noqa: E402 (a missing reference fails the suite, never skips it)
@@ -54,16 +54,6 @@ def hf_run(cfg: dict, sd: dict, dtype: torch.dtype, ids: torch.Tensor):
     out.loss.backward()
     return out.logits.detach().float(), out.loss.detach().float(), {n: p.grad.float()
                                                                     for n, p in model.named_parameters()}
-
-
-def our_logits_bf16(spec, tiles: dict, ids: torch.Tensor) -> torch.Tensor:
-    W = {u: unit_layout(spec, u).views(t.to("cuda", torch.bfloat16)) for u, t in tiles.items()}
-    cos, sin = rope_cos_sin(spec, ids.shape[1], ids.device, torch.bfloat16)
-    with torch.no_grad():
-        x = embed_forward(W[EMBED]["embed_tokens.weight"], ids, torch.bfloat16)
-        for layer in range(spec.num_layers):
-            x = decoder_layer(W[layer], x, cos, sin, spec)
-        return head_logits(W[HEAD], x, spec).float()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
