@@ -59,8 +59,12 @@ def join(cfg: RunConfig, backend: str, log, trackers: tuple) -> tuple[World, Run
         world = World.from_env(backend, cfg.run.wait_timeout_s)
     except LaunchError as e:  # not a failure of the run: the launch was not one (world.py); one line, exit 2
         raise ConfigError(str(e)) from None
-    check_same_config(cfg, world)
-    cfg = config_for_rank(cfg, world)
+    try:  # both refusals are the same on every rank (the configs agree before the second), so all leave together
+        check_same_config(cfg, world)
+        cfg = config_for_rank(cfg, world)
+    except ConfigError:
+        world.close()  # a rank leaving with live gloo threads can die in their destructors (SIGABRT, not exit 2)
+        raise
     if world.rank != 0:
         log, trackers = silent, ()
     return world, cfg, log, trackers
