@@ -17,7 +17,8 @@ import torch
 
 from megatrain.model.spec import EMBED, HEAD
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import KINDS, CheckpointManager, check_writable, rng_state, set_rng_state
+from megatrain.io.checkpoint import CheckpointManager, check_writable, rng_state, set_rng_state
+from megatrain.io.checkpoint_format import KINDS
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import DataConfig
 from megatrain.data.batches import open_data

@@ -20,7 +20,8 @@ import torch
 from megatrain.engine.trainer import StreamedTrainer
 from megatrain.io import checkpoint as ckpt_mod
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import KINDS, STATE_FILE, CheckpointManager, verify_checkpoint
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.checkpoint_format import KINDS, STATE_FILE, verify_checkpoint
 from megatrain.io.errors import CheckpointError
 from megatrain.io.hf_checkpoint import export_hf, load_hf_tiles
 from megatrain.io.sharded_checkpoint import MANIFEST, load_store, save_sharded, tile_reader

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.cli import main
-from megatrain.io.checkpoint import STATE_FILE
+from megatrain.io.checkpoint_format import STATE_FILE
 from megatrain.io.errors import CheckpointError
 from megatrain.io.hf_checkpoint import PROVENANCE_FILE, export_hf
 from megatrain.model.init import init_tiles

@@ -12,7 +12,8 @@ import torch
 
 from megatrain.model.init import init_tiles
 from megatrain.model.presets import PRESETS
-from megatrain.io.checkpoint import STATE_FILE, CheckpointManager
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.checkpoint_format import STATE_FILE
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError, load_config
 from megatrain.io.hf_checkpoint import export_hf

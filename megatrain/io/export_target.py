@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from megatrain.io.checkpoint import STATE_FILE
+from megatrain.io.checkpoint_format import STATE_FILE
 from megatrain.io.errors import CheckpointError
 
 PROVENANCE_FILE = "megatrain_export.json"  # what an export was made from (the run, the checkpoint step)

@@ -38,28 +38,9 @@ from megatrain.compile.resolve import check_model_shards
 from megatrain.exec.store import HostStore
 from megatrain.ir.dag import ScheduleError
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import (
-    FORMAT as STATE_FORMAT,
-)
-from megatrain.io.checkpoint import (
-    MANIFEST,
-    STATE_FILE,
-    VERSION,
-    explain_os_error,
-    remember_verified,
-    check_files,
-    check_own_checksum,
-    checksummed_text,
-    fsync_dir,
-    key_unit,
-    load_checkpoint,
-    read_state,
-    resume_hint,
-    unit_key,
-    verify_checkpoint,
-    was_verified,
-    write_durable,
-)
+from megatrain.io.checkpoint_format import FORMAT as STATE_FORMAT
+from megatrain.io.checkpoint import explain_os_error, fsync_dir, load_checkpoint, write_durable
+from megatrain.io.checkpoint_format import MANIFEST, STATE_FILE, VERSION, remember_verified, check_files, check_own_checksum, checksummed_text, key_unit, read_state, resume_hint, unit_key, verify_checkpoint, was_verified
 from megatrain.io.errors import CheckpointError
 from megatrain.parallel.world import World
 

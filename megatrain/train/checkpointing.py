@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from megatrain.io.checkpoint import CheckpointManager, newest_complete, rng_state, unit_key
+from megatrain.io.checkpoint import CheckpointManager, rng_state
+from megatrain.io.checkpoint_format import newest_complete, unit_key
 from megatrain.io.errors import CheckpointError
 from megatrain.train.errors import DivergedError, TrainingError
 from megatrain.io.sharded_checkpoint import save_sharded

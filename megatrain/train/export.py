@@ -26,7 +26,8 @@ import torch
 
 from megatrain.model.spec import ModelSpec
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import STATE_FILE, CheckpointManager
+from megatrain.io.checkpoint import CheckpointManager
+from megatrain.io.checkpoint_format import STATE_FILE
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError
 from megatrain.io.export_target import PROVENANCE_FILE, check_export_target

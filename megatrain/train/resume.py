@@ -17,7 +17,8 @@ import torch
 
 from megatrain.exec.store import TORCH_DTYPES
 from megatrain.io import safetensors_io as stio
-from megatrain.io.checkpoint import STATE_FILE, CheckpointManager, key_unit, set_rng_state, verify_checkpoint
+from megatrain.io.checkpoint import CheckpointManager, set_rng_state
+from megatrain.io.checkpoint_format import STATE_FILE, key_unit, verify_checkpoint
 from megatrain.io.errors import CheckpointError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.data.batches import DataError

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain.exec.optim import UpdatePlan
-from megatrain.io.checkpoint import unit_key
+from megatrain.io.checkpoint_format import unit_key
 
 
 @dataclass(frozen=True)
