@@ -8,6 +8,7 @@ from dataclasses import replace
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.compile.resolve import resolve
 from megatrain.ir.dag import ScheduleError
+from megatrain.ir.placement import EXECUTED_STATE_TIERS
 from megatrain.model.spec import ModelSpec
 from megatrain.plan.memory import GiB, MemoryPlan, plan_placement
 
@@ -20,13 +21,12 @@ def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, bac
 # ---- what `train` runs ----------------------------------------------------------------------------------------
 # The executor keeps the optimizer state in host memory (exec/store.py HostStore refuses the NVMe tiers): the other
 # state tiers are planned and simulated only. Advice for a command that trains never names them.
-TRAINED_STATE_TIERS = ("host",)
 PLANNED_ONLY = "planned only: `train` refuses it until the executor has the NVMe tier; `simulate` prices the drive"
 
 
 def trainable(knobs: ScheduleKnobs) -> bool:
     """Whether `train` runs `knobs` (False for a planned-only layout: the optimizer state on the NVMe tier)."""
-    return knobs.state_tier in TRAINED_STATE_TIERS
+    return knobs.state_tier in EXECUTED_STATE_TIERS
 
 
 def refuse_planned_only(knobs: ScheduleKnobs) -> None:

@@ -31,11 +31,10 @@ from collections.abc import Mapping
 import torch
 
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.placement import HostLayout
+from megatrain.ir.placement import EXECUTED_STATE_TIERS, HostLayout, host_component_names
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.exec.backend import PAGE, Backend, CpuBackend
 from megatrain.model.layout import UnitLayout, unit_layout
-from megatrain.ir.placement import host_component_names
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -100,7 +99,7 @@ class HostStore:
 
     def __init__(self, spec: ModelSpec, layout: HostLayout, backend: Backend | None = None,
                  tiles: Mapping[int, torch.Tensor] | None = None):
-        if layout.state_tier != "host":
+        if layout.state_tier not in EXECUTED_STATE_TIERS:
             raise ScheduleError(f"state_tier={layout.state_tier!r} is planned only, not executed: `megatrain plan` "
                                 "and `simulate` model the NVMe tier, but the executor keeps the optimizer state in "
                                 "host memory; train with state_tier='host' (see `megatrain plan` for the layouts "

@@ -24,6 +24,7 @@ from megatrain.ir.tasks import unit_text
 
 WIRE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # a wire knob's word -> the torch dtype it moves
 SHARD_ALIGN = 1024  # elements: one 4 KiB page of fp32; a rank's slice of a unit is whole pages
+EXECUTED_STATE_TIERS = ("host",)  # state tiers the executor runs; the others are planned and simulated only
 
 
 def shard_numel(n: int, world: int) -> int:
