@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partial
 
 import pytest
 import torch
@@ -23,15 +22,12 @@ import torch.nn.functional as F
 from megatrain.compile.knobs import knobs_for
 from megatrain.compile.resolve import resolve
 from megatrain.engine.trainer import StreamedTrainer
-from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
-from megatrain.exec.layers import decoder_layer, layer_backward
 from megatrain.exec.optim import AdamWConfig
-from megatrain.exec.rope import rope_cos_sin
 from megatrain.io.hf_io import forward_logits, state_dict_from_tiles, tiles_from_state_dict
 from megatrain.model.init import init_tiles
-from megatrain.model.layout import unit_layout
-from megatrain.model.spec import EMBED, HEAD, ModelSpec, SpecError, spec_from_hf_config
+from megatrain.model.spec import ModelSpec, SpecError, spec_from_hf_config
 from megatrain.plan.memory import layer_working_set
+from test_layers_vs_hf import composed_step  # the executor's step composed by hand, written once
 
 import transformers  # a missing reference fails the suite, never skips it
 
@@ -79,27 +75,6 @@ def batch(vocab: int, b: int = 2, seed: int = 1):
     return ids, targets
 
 
-def composed_step(spec: ModelSpec, tiles, ids, targets, mlp_tile: int):
-    """Loss and flat fp32 gradient tiles, the executor's way (forward without a graph, layer_backward top down)."""
-    layer = partial(decoder_layer, mlp_tile_tokens=mlp_tile)
-    grads = {u: torch.zeros_like(t) for u, t in tiles.items()}
-    W = {u: unit_layout(spec, u).views(t) for u, t in tiles.items()}
-    G = {u: unit_layout(spec, u).views(t) for u, t in grads.items()}
-    total = int((targets != -100).sum())
-    cos, sin = rope_cos_sin(spec, ids.shape[1], ids.device, torch.float32)
-    x = embed_forward(W[EMBED]["embed_tokens.weight"], ids, torch.float32)
-    checkpoints = []
-    with torch.no_grad():
-        for i in range(spec.num_layers):
-            checkpoints.append(x)
-            x = layer(W[i], x, cos, sin, spec)
-    loss, g, _ = head_loss_backward(W[HEAD], x, targets, spec, 5, 1.0 / total, G[HEAD])
-    for i in reversed(range(spec.num_layers)):
-        g = layer_backward(W[i], checkpoints[i], cos, sin, spec, g, G[i], layer=layer)
-    embed_backward(g, ids, G[EMBED]["embed_tokens.weight"])
-    return loss / total, grads
-
-
 def test_the_window_changes_the_logits_beyond_it_only():
     """The comparison below can fail: full attention agrees with transformers inside the window and not beyond."""
     spec = spec_from_hf_config(MISTRAL_CFG)
@@ -129,7 +104,7 @@ def test_logits_loss_and_every_gradient_match_transformers(case):
 
     tiles = tiles_from_state_dict(spec, dict(model.state_dict()))
     logits = forward_logits(spec, tiles, ids)
-    loss, grad_tiles = composed_step(spec, tiles, ids, targets, mlp_tile)
+    loss, grad_tiles = composed_step(spec, tiles, ids, targets, chunk=5, micro=1, mlp_tile=mlp_tile)
     ours = state_dict_from_tiles(spec, grad_tiles)
     W = spec.sliding_window
     errs = {"logits inside": rel_err(logits[:, :W], out.logits[:, :W].detach()),
