@@ -67,7 +67,6 @@ from megatrain.io.checkpoint_format import (  # the on-disk format and its check
     VERSION,
 )
 from megatrain.io.errors import CheckpointError
-from megatrain.model.spec import EMBED, HEAD
 from megatrain.io import safetensors_io as stio
 from megatrain.io.rng import (  # re-exported: a checkpoint's trainer state holds them
     rng_state,
@@ -78,19 +77,6 @@ _TMP_PREFIX = ".tmp-"
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "load_checkpoint", "rng_state", "set_rng_state", "check_writable",
            "explain_os_error"]
-
-
-def unit_key(unit: int) -> str:
-    """Tensor name of a unit in checkpoint files: "embed", "layers.3", "head"."""
-    return {EMBED: "embed", HEAD: "head"}.get(unit, f"layers.{unit}")
-
-
-def key_unit(key: str) -> int:
-    if key == "embed":
-        return EMBED
-    if key == "head":
-        return HEAD
-    return int(key.removeprefix("layers."))
 
 
 # ---- writability -----------------------------------------------------------------------------------------------
