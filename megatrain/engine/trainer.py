@@ -134,6 +134,23 @@ class StreamedTrainer:
         self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
         self._shape = (program.batch, program.seq)
 
+    def switch_schedule(self, knobs: ScheduleKnobs, batch: int, seq: int, name: str = "custom"
+                        ) -> tuple[Program, UpdatePlan | None]:
+        """Run `knobs` from the next step on the same host store: the pending update (overlap timing) is applied
+        first with the old Program, as a checkpoint does, then the new Program for (batch, seq) takes over
+        (`use_program`). The schedule must keep this trainer's host layout (ValueError otherwise: the store was
+        built for it). Returns the new Program and the update plan the flush applied (None if none was pending)."""
+        if resolve_host_layout(self.spec, knobs) != resolve_host_layout(self.spec, self.knobs):
+            raise ValueError(f"schedule {name} needs another host layout than the one this trainer's store was "
+                             "built for; build a StreamedTrainer for it")
+        applied = self.flush()
+        sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.size)
+        sched.name = name
+        program = lower(sched)
+        self.use_program(program)
+        self.knobs, self.schedule_name = knobs, name
+        return program, applied
+
     # ---- training ------------------------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """One training step on a batch: ids and targets (B, T) int64 (targets[b, t] = ids[b, t+1], -100 = none)."""

@@ -1,0 +1,250 @@
+"""Out-of-sample accuracy of the simulator, as a standing benchmark (issue 24 item 3).
+
+Two steps, so that the GPU machine only measures and every prediction is recomputed anywhere from the raw files:
+
+    # on the GPU machine, once per shape (each writes OUT/<model>/: a fresh quick profile, rows.jsonl, timelines)
+    PYTHONPATH=. python scripts/accuracy.py measure --model bench-3b --batch 8 --seq 2048 --out OUT
+    PYTHONPATH=. python scripts/accuracy.py measure --model scripts/shapes/llama-4.5b --batch 4 --seq 4096 ...
+    # anywhere (CPU is fine): the table of prediction errors
+    PYTHONPATH=. python scripts/accuracy.py report OUT --calibrate-on bench-3b:arrival
+
+`measure` profiles the machine for the shape (`megatrain profile --quick`, eager and compiled layer), then measures
+every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one host store per host layout, the
+schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
+
+`report` predicts every measured row two ways and compares with the median over rounds:
+  (a) "quick": from the fresh quick profiles of that machine (every shape's compute tables, no training run);
+  (b) "transfer": from the quick profile calibrated (profiling/live.py) on the timed steps of ONE run of one
+      schedule and shape (`--calibrate-on MODEL:SCHEDULE`, round 0). Rows of that shape or that schedule are
+      labelled "same shape" / "same schedule"; the run itself is in-sample; the summary of (b) counts only rows of
+      another shape and another schedule.
+Per shape it gives Kendall's tau-b of predicted against measured order, and for every row whose error exceeds
+10% the task groups the simulator got most wrong (median signed error per group, profiling/compare.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+# The schedules of the standing benchmark: clipping on and off, compiled and eager, each placement family.
+SCHEDULES: dict[str, tuple[str, list[str]]] = {
+    "arrival": ("arrival", []),
+    "arrival+clip": ("arrival", ["clip=1.0"]),
+    "arrival-resident-2": ("arrival-resident", ["resident_layers=2"]),
+    "arrival-resident-2+clip": ("arrival-resident", ["resident_layers=2", "clip=1.0"]),
+    "overlap": ("overlap", []),
+    "overlap-split+compiled": ("overlap-split", ["compile_layers=true"]),
+    "lean": ("lean", []),
+}
+
+
+def _slug(model: str) -> str:
+    path = Path(model)
+    return path.parent.name if path.name == "config.json" else path.name
+
+
+def measure(a) -> int:
+    import torch
+
+    from megatrain.compile.knobs import resolve_knobs
+    from megatrain.model.presets import get_model
+    from megatrain.profiling.calibrate import ProfileRequest, measure_profile
+    from megatrain.profiling.rounds import measure_rounds
+
+    spec = get_model(a.model)
+    out = Path(a.out) / _slug(a.model)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.txt", "a")
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    names = a.schedules.split(",") if a.schedules else list(SCHEDULES)
+    schedules = {n: resolve_knobs(SCHEDULES[n][0], SCHEDULES[n][1])[1] for n in names}
+    say(f"{spec.name}: {spec.num_params / 1e9:.2f} B parameters, batch {a.batch} x seq {a.seq}, "
+        f"{len(schedules)} schedules x {a.rounds} rounds, device {a.device}")
+    profile_path = out / "profile-quick.json"
+    if a.profile:
+        profile_path = Path(a.profile)
+        say(f"profile: {profile_path} (given)")
+    elif not profile_path.is_file():
+        t0 = time.perf_counter()
+        base = next(iter(schedules.values()))
+        tables = []
+        cal = None
+        for compiled in (False, True):  # the quick profile measures the layer the way the knobs run it
+            knobs = replace(base, compile_layers=compiled, clip=0.0)
+            cal = measure_profile(ProfileRequest(spec, batch=a.batch, seqs=[a.seq], device=a.device,
+                                                 dtypes=[base.compute_dtype], quick=True, knobs=knobs),
+                                  log=lambda line: None)
+            tables.extend(cal.profile.compute_tables)
+            cal.save(out / f"profile-quick-{'compiled' if compiled else 'eager'}.json")
+        merged = {(t.key, t.seq): t for t in tables}
+        replace(cal.profile, compute_tables=tuple(merged.values())).save(profile_path)
+        say(f"profile: {profile_path} (measured now, --quick eager + compiled, {time.perf_counter() - t0:.1f} s)")
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    rows_path = out / "rows.jsonl"
+    tl_parts: list = []
+
+    def on_row(row) -> None:
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row.to_dict()) + "\n")
+        for i, t in enumerate(row.timelines):
+            tl_parts.append(t.assign(config=row.config, round=row.round, timed_step=i))
+        import pandas as pd
+
+        pd.concat(tl_parts).to_csv(out / "timelines.csv.gz", index=False)  # rewritten: an interruption keeps it
+
+    t0 = time.perf_counter()
+    rows = measure_rounds(spec, schedules, a.batch, a.seq, rounds=a.rounds, warmup=a.warmup, steps=a.steps,
+                          device=a.device, predict={"quick": str(profile_path)}, on_row=on_row, log=say)
+    total = time.perf_counter() - t0
+    from megatrain.profiling.rounds import median_table
+
+    say(median_table(rows).drop(columns="program_hash").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    say(f"measured {len(rows)} rows in {total:.1f} s ({total / len(rows):.1f} s per row, host stores included)")
+    return 0
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+def _load_shape(d: Path):
+    import pandas as pd
+
+    rows = [json.loads(line) for line in (d / "rows.jsonl").read_text().splitlines() if line.strip()]
+    with gzip.open(d / "timelines.csv.gz", "rt") as f:
+        tl = pd.read_csv(io.StringIO(f.read()))
+    return rows, tl
+
+
+def _steps_of(tl, config: str, rnd: int) -> list:
+    part = tl[(tl["config"] == config) & (tl["round"] == rnd)]
+    return [g.drop(columns=["config", "round", "timed_step"]).reset_index(drop=True)
+            for _, g in part.groupby("timed_step")]
+
+
+def report(a) -> int:
+    from megatrain.compile.record import program_of
+    from megatrain.ir.facts import StepFacts
+    from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
+    from megatrain.profiling.live import calibrate_run
+    from megatrain.sim import load_profile, simulate
+
+    root = Path(a.dir)
+    shapes = sorted(d for d in root.iterdir() if (d / "rows.jsonl").is_file())
+    if not shapes:
+        print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
+        return 2
+    data = {d.name: _load_shape(d) for d in shapes}
+    quick = [load_profile(d / "profile-quick.json") for d in shapes]
+    tables = {(t.key, t.seq): t for p in quick for t in p.compute_tables}
+    machine = replace(quick[0], name=f"quick ({root.name})", compute_tables=tuple(tables.values()))
+    cal_shape, cal_config = a.calibrate_on.split(":", 1)
+    rows, tl = data[cal_shape]
+    cal_row = next(r for r in rows if r["config"] == cal_config and r["round"] == 0)
+    cal_program = program_of(cal_row["record"])
+    cal = calibrate_run(cal_program, machine, _steps_of(tl, cal_config, 0), warmup=0)
+    transfer = cal.profile
+    lines = [f"# Prediction errors: {root}", "",
+             f"(a) quick: fresh `--quick` profiles of this machine ({', '.join(d.name for d in shapes)}), "
+             "no training run. (b) transfer: (a) calibrated on round 0 of "
+             f"{cal_shape} {cal_config} ({len(_steps_of(tl, cal_config, 0))} timed steps). Error = predicted / "
+             "measured - 1 of the step time (+ = predicted too slow); measured = median over rounds of each "
+             "round's median timed step (min-max over rounds).", "",
+             "| shape | schedule | measured s (min-max) | tok/s | clip share | (a) pred s | (a) err | (b) pred s "
+             "| (b) err | (b) sample | worst groups when |err| > 10% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {"a": [], "b": [], "b_all": []}
+    taus = []
+    for shape, (rows, tl) in data.items():
+        by: dict[str, list[dict]] = {}
+        for r in rows:
+            by.setdefault(r["config"], []).append(r)
+        meas_l, pa_l, pb_l = [], [], []
+        for config, rs in by.items():
+            meds = [r["median_step_s"] for r in rs]
+            measured = statistics.median(meds)
+            program = program_of(rs[0]["record"])
+            facts = StepFacts(clip_share=statistics.median(r["clip_share"] for r in rs))
+            pa_sim = simulate(program, machine, facts)
+            pa, pb = pa_sim.mean_step_s, simulate(program, transfer, facts).mean_step_s
+            ea, eb = pa / measured - 1, pb / measured - 1
+            sample = ("in-sample" if (shape, config) == (cal_shape, cal_config) else "same shape"
+                      if shape == cal_shape else "same schedule" if config == cal_config else "out-of-sample")
+            summary["a"].append(ea)
+            summary["b_all"].append(eb)
+            if sample == "out-of-sample":
+                summary["b"].append(eb)
+            worst = ""
+            if abs(ea) > 0.10 or abs(eb) > 0.10:
+                steps = _steps_of(tl, config, 0)
+                groups = error_by_group(task_table(program, pa_sim.timeline, steps))
+                groups = groups.reindex(groups["bias_pct"].abs().sort_values(ascending=False).index).head(3)
+                worst = ", ".join(f"{g.group} {g.bias_pct:+.0f}%" for g in groups.itertuples())
+            lines.append(f"| {shape} | {config} | {measured:.3f} ({min(meds):.3f}-{max(meds):.3f}) | "
+                         f"{rs[0]['batch'] * rs[0]['seq'] / measured:,.0f} | {facts.clip_share:.2f} | {pa:.3f} | "
+                         f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {worst} |")
+            meas_l.append(measured)
+            pa_l.append(pa)
+            pb_l.append(pb)
+        ta, tb = kendall_tau_b(pa_l, meas_l), kendall_tau_b(pb_l, meas_l)
+        taus.append((shape, ta, tb))
+
+    def stats(errs):
+        if not errs:
+            return "no rows"
+        ab = sorted(abs(e) for e in errs)
+        return (f"median |err| {statistics.median(ab):.1%}, max |err| {ab[-1]:.1%}, within 10%: "
+                f"{sum(e <= 0.10 for e in ab)}/{len(ab)}, within 5%: {sum(e <= 0.05 for e in ab)}/{len(ab)}")
+
+    lines += ["", f"- (a) quick, all rows: {stats(summary['a'])}",
+              f"- (b) transfer, out-of-sample rows (other shape and other schedule): {stats(summary['b'])}",
+              f"- (b) transfer, every row (same shape/schedule and the in-sample run included): "
+              f"{stats(summary['b_all'])}"]
+    for shape, ta, tb in taus:
+        lines.append(f"- Kendall tau-b, {shape}: (a) {ta if ta is None else round(ta, 2)}, "
+                     f"(b) {tb if tb is None else round(tb, 2)}")
+    lines.append(f"- calibration of (b): {cal.reason()}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.write:
+        Path(a.write).write_text(text)
+        transfer.save(Path(a.write).with_suffix(".transfer-profile.json"))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="profile the machine for one shape and measure every schedule in one process")
+    m.add_argument("--model", required=True, help="preset or HF model directory (scripts/shapes/<name>)")
+    m.add_argument("--batch", type=int, required=True)
+    m.add_argument("--seq", type=int, required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--schedules", help=f"comma-separated subset of {', '.join(SCHEDULES)}")
+    m.add_argument("--rounds", type=int, default=3)
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--steps", type=int, default=3)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--profile", help="use this profile instead of measuring a quick one")
+    m.set_defaults(func=measure)
+    r = sub.add_parser("report", help="the table of prediction errors of a measured directory")
+    r.add_argument("dir")
+    r.add_argument("--calibrate-on", required=True, metavar="SHAPE:SCHEDULE")
+    r.add_argument("--write", help="write the markdown table here (and the transfer profile beside it)")
+    r.set_defaults(func=report)
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
