@@ -12,6 +12,7 @@ plain loop once `flush()` has applied the last one (`tiles()` and `state_dict()`
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -123,11 +124,16 @@ class StreamedTrainer:
             raise ValueError(f"the Program trains {program.model.name}, this trainer {self.spec.name}")
         if self._work is not None:
             self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
-        self._work = None  # free the old buffers before allocating new ones
-        self.world.check_same("Program", program.to_json())  # before the first collective
-        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
         if self._runtime is not None:
             self._runtime.close()  # its stream threads belong to the old Program
+        # Free the old buffers before allocating new ones: the runtime holds the old StepWork too, so both go
+        # (two Programs' rings at once do not fit a GPU the first one fills).
+        replacing = self._work is not None
+        self._work = self._runtime = None
+        if replacing:  # a StepWork holds reference cycles (bodies bound to it): only the collector frees it
+            gc.collect()
+        self.world.check_same("Program", program.to_json())  # before the first collective
+        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
         self._program = program
         self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
         # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.

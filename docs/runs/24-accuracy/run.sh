@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24: out-of-sample accuracy (scripts/accuracy.py) on one machine start. Run from the repository root with
 # carry [".bench"]:
-#   bash docs/runs/24-accuracy/run.sh SHAPE [SCHEDULES]   # SHAPE: bench-3b | llama-4.5b | qwen2.5-3b
+#   bash docs/runs/24-accuracy/run.sh SHAPE [SCHEDULES]   # SHAPE: bench-3b | llama-4.5b | qwen2-3b
 # Rows accumulate under /tmp/acc on the warm machine; $OUT gets a tar of the shape's directory and the log.
 set -uo pipefail
 mkdir -p /tmp/acc "$OUT"
@@ -13,7 +13,7 @@ python3 -c "import torch; print('torch', torch.__version__)" >> "$OUT/machine.tx
 case "$1" in
   bench-3b) model=bench-3b; batch=8; seq=2048 ;;
   llama-4.5b) model=scripts/shapes/llama-4.5b; batch=4; seq=4096 ;;
-  qwen2.5-3b) model=scripts/shapes/qwen2.5-3b; batch=8; seq=2048 ;;
+  qwen2-3b) model=scripts/shapes/qwen2-3b; batch=8; seq=2048 ;;
   *) echo "unknown shape $1"; exit 2 ;;
 esac
 extra=()
