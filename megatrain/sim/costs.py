@@ -87,7 +87,7 @@ class CostModel:
 
     def estimated(self, task: ProgramTask) -> bool:
         """Whether a compute task (F / R / B) is priced without a measured table: from its FLOPs (or, for the
-        embedding, its bytes) at the profile's rates, an estimate the outputs must say they rest on (sim/estimates.py)."""
+        embedding, its bytes) at the profile's rates, an estimate the outputs say they rest on (sim/estimates.py)."""
         return not self._tables(task.kind, unit_class(task.unit))
 
     def _tables(self, kind: str, uclass: str):
