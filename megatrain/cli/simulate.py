@@ -120,7 +120,10 @@ COLUMNS = {"step ms": ("step_s", 1e3, "{:.2f}"), "tokens/s": ("tokens/s", 1, "{:
            "TFLOP/s": ("TFLOP/s", 1, "{:.1f}"), "GPU idle %": ("GPU idle %", 1, "{:.1f}"),
            "wait weights ms": ("wait weights s", 1e3, "{:.2f}"),
            "wait optimizer ms": ("wait optimizer s", 1e3, "{:.2f}"),
-           "wait gradients ms": ("wait gradients s", 1e3, "{:.2f}"), "GPU peak GiB": ("GPU peak GiB", 1, "{:.2f}")}
+           "wait gradients ms": ("wait gradients s", 1e3, "{:.2f}"), "GPU peak GiB": ("GPU peak GiB", 1, "{:.2f}"),
+           # the physical bound of the step (sim/bound.py), what binds it, and the predicted step's share of it
+           "bound ms": ("bound_s", 1e3, "{:.2f}"), "binds": ("bound_binds", 1, "{}"),
+           "eff %": ("efficiency", 100, "{:.0f}")}
 
 
 def table(rows: list[dict]) -> str:
@@ -148,7 +151,16 @@ def row_of(v: Variant, result) -> dict:
             "tokens/s": s.tokens_per_s * s.step_s / mean if mean > 0 else s.tokens_per_s,
             "TFLOP/s": s.model_tflops, "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
             "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
-            "GPU peak GiB": s.gpu_peak_bytes / 2**30}
+            "GPU peak GiB": s.gpu_peak_bytes / 2**30, **bound_fields(result)}
+
+
+def bound_fields(result) -> dict:
+    """The bound's fields of a row (sim/bound.py), the efficiency of the mean predicted step against it, and the
+    compute tasks priced from FLOPs (sim/estimates.py): count and share of the simulated step."""
+    bound = result.bound
+    return {**bound.to_dict(), "efficiency": bound.efficiency(result.mean_step_s),
+            "estimated_tasks": sum(result.estimated.values()), "compute_tasks": result.compute_tasks,
+            "estimated_share": result.estimated_s / result.step_s if result.step_s > 0 else 0.0}
 
 
 def write_artefacts(directory: Path, result, config: dict, plots: bool = True) -> None:
@@ -161,7 +173,8 @@ def write_artefacts(directory: Path, result, config: dict, plots: bool = True) -
     tl.to_csv(directory / "timeline_sim.csv", index=False)
     tl.astype(object).where(tl.notna(), None).to_json(directory / "timeline_sim.json", orient="records", indent=1)
     write_chrome_trace(directory / "trace.json", tl, result.program)
-    (directory / "summary.json").write_text(json.dumps(result.summary.to_dict(), indent=1) + "\n")
+    summary = {**result.summary.to_dict(), **bound_fields(result), "estimated": result.estimated}
+    (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     if plots:
         s = result.summary
@@ -195,6 +208,7 @@ def _choose(args, spec, profile, out: Path) -> Path:
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
     from megatrain.tune.auto import BudgetError, auto_budget, choose_auto
+    from megatrain.sim.estimates import estimate_line
     from megatrain.cli.common import write_schedule_file
 
     try:
@@ -209,7 +223,28 @@ def _choose(args, spec, profile, out: Path) -> Path:
     print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
     path = write_schedule_file(out / "auto_schedule.toml", pick.knobs)
     print(f"chosen: {pick.label} (written to {path})")
+    estimated = estimate_line(pick.predicted, args.model)  # no silent FLOP fallback: auto's ranking rests on it
+    if estimated:
+        print(estimated)
     return path
+
+
+def print_limits(results: dict, model: str) -> None:
+    """The physical bound of the fastest variant (the table has every variant's) and, when the prediction rests on
+    compute tasks priced from FLOPs, the line that says so (the fastest variant's, else the first that has one)."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.sim.estimates import estimate_line
+
+    if not results:
+        return
+    label, best = min(results.items(), key=lambda kv: kv[1].mean_step_s)
+    b, which = best.bound, f" of {label}" if len(results) > 1 else ""
+    print(f"limit{which}: {b.describe()}; predicted step {1e3 * best.mean_step_s:.2f} ms, efficiency "
+          f"{100 * b.efficiency(best.mean_step_s):.0f}% (bound / step)")
+    lines = [(k, estimate_line(r, model)) for k, r in [(label, best), *results.items()]]
+    shown = next(((k, text) for k, text in lines if text), None)
+    if shown:
+        print((f"{shown[0]}: " if len(results) > 1 else "") + shown[1])
 
 
 def check_world(args) -> int:
@@ -271,7 +306,7 @@ def run(args) -> int:
                             "--schedule arrival), or choose one with --hosts 1 first")
         args.schedule, args.set = str(_choose(args, spec, profile, out)), []
     runs = variants(args.schedule, args.set, parse_sweeps(args.sweep))
-    rows, written, notes = [], set(), set()
+    rows, written, notes, results = [], set(), set(), {}
     for v in runs:
         try:
             name, knobs = resolve_knobs(v.schedule, v.overrides)
@@ -290,6 +325,7 @@ def run(args) -> int:
         write_artefacts(out / slug(v.label), result, config, plots=not args.no_plots)
         written.add(slug(v.label))
         rows.append(row_of(v, result))
+        results[v.label] = result
     stale = remove_stale_variants(out, written)
     print(table(rows))
     if args.hosts > 1:
@@ -302,6 +338,7 @@ def run(args) -> int:
         print(f"note: {note}")
     if line:  # the profile was measured on another machine (or records none)
         print(line)
+    print_limits(results, args.model)
     good = [r for r in rows if "error" not in r]
     if good:
         pd.DataFrame(rows).to_csv(out / "comparison.csv", index=False)

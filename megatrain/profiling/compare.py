@@ -31,7 +31,7 @@ from megatrain.analysis.summary import StepSummary, summarize
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.compile.record import ProgramRecord
 from megatrain.ir.program import Program
-from megatrain.sim import HardwareProfile, load_profile, simulate
+from megatrain.sim import HardwareProfile, estimate_line, load_profile, simulate
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.profiling.overhead import with_spans
 from megatrain.analysis.viz import gantt, write_chrome_trace
@@ -127,6 +127,11 @@ class Comparison:
         return self.extra.get("calibration")
 
     @property
+    def bound(self):
+        """The physical bound of the step on the profile (sim/bound.py StepBound)."""
+        return self.extra["bound"]
+
+    @property
     def step_error(self) -> float:
         """(predicted - measured) / measured step time."""
         return (self.pred_summary.step_s - self.meas_summary.step_s) / self.meas_summary.step_s
@@ -143,6 +148,8 @@ class Comparison:
                 "meas_gpu_idle_pct": 100 * m.gpu_idle_frac,
                 "task_err_median_pct": 100 * float(self.tasks["rel_err"].median()),
                 "task_err_p90_pct": 100 * float(self.tasks["rel_err"].quantile(0.9)),
+                **self.bound.to_dict(), "pred_efficiency": self.bound.efficiency(p.step_s),
+                "meas_efficiency": self.bound.efficiency(m.step_s), "estimated_tasks": self.extra["estimated_tasks"],
                 **({"calibrated_pred_step_s": self.calibration.after.step_s,
                     "calibrated_step_err_pct": 100 * (self.calibration.after.step_s / m.step_s - 1)}
                    if self.calibration is not None else {})}
@@ -163,6 +170,11 @@ class Comparison:
                               relative=False))
         lines.append(f"measured step times over {len(ms)} steps (first excluded): median {m.step_s * 1e3:.2f} ms, "
                      f"min {ms[0] * 1e3:.2f}, max {ms[-1] * 1e3:.2f}")
+        b = self.bound
+        lines.append(f"limit: {b.describe()}; efficiency (bound / step) predicted {100 * b.efficiency(p.step_s):.0f}%, "
+                     f"measured {100 * b.efficiency(m.step_s):.0f}%")
+        if self.extra.get("estimate_line"):  # compute tasks priced from FLOPs: never silent
+            lines.append(self.extra["estimate_line"])
         lines.append("per-task error of the ready-to-done time, |pred - meas| / meas, by task group:")
         lines.append(_table(self.by_group, {"group": "{}", "n": "{}", "pred_ms": "{:.3f}", "meas_ms": "{:.3f}",
                                             "median_err_pct": "{:.1f}", "p90_err_pct": "{:.1f}",
@@ -285,7 +297,8 @@ def compare(program: Program, measured_steps: list[pd.DataFrame], profile) -> Co
     tasks = task_table(program, sim.timeline, steps)
     from megatrain.profiling.live import calibrate_run  # live.py builds on this module's task table
 
-    extra = {"all_measured": pd.concat(measured_steps), "calibration": calibrate_run(program, profile, measured_steps)}
+    extra = {"all_measured": pd.concat(measured_steps), "calibration": calibrate_run(program, profile, measured_steps),
+             "bound": sim.bound, "estimate_line": estimate_line(sim), "estimated_tasks": sum(sim.estimated.values())}
     return Comparison(program=program, profile=profile, predicted=sim.timeline, measured=rep, measured_steps_s=times,
                       tasks=tasks, by_group=error_by_group(tasks), pred_summary=sim.summary,
                       meas_summary=summarize(rep, program), extra=extra)

@@ -6,8 +6,10 @@
 
 See docs/simulator.md.
 """
+from megatrain.sim.bound import StepBound, step_bound
 from megatrain.sim.costs import CostModel
 from megatrain.sim.engine import SimResult, SimulationError, simulate
+from megatrain.sim.estimates import estimate_line
 from megatrain.sim.profile import (
                       ComputeTable,
                       CopyCurve,
@@ -19,4 +21,5 @@ from megatrain.sim.profile import (
 )
 
 __all__ = ["CostModel", "SimResult", "SimulationError", "simulate", "ComputeTable", "CopyCurve", "HardwareProfile",
-           "ProfileError", "load_profile", "model_signature", "shipped_profiles"]
+           "ProfileError", "load_profile", "model_signature", "shipped_profiles", "StepBound", "step_bound",
+           "estimate_line"]

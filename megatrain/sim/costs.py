@@ -85,6 +85,11 @@ class CostModel:
         # Embedding gather (forward) / scatter-add (backward): activations read and written, fp32 gradient.
         return task.tokens * self.spec.hidden_size * 8 / p.gpu_memory_Bps
 
+    def estimated(self, task: ProgramTask) -> bool:
+        """Whether a compute task (F / R / B) is priced without a measured table: from its FLOPs (or, for the
+        embedding, its bytes) at the profile's rates, an estimate the outputs say they rest on (sim/estimates.py)."""
+        return not self._tables(task.kind, unit_class(task.unit))
+
     def _tables(self, kind: str, uclass: str):
         """The profile's tables for a task: compiled-layer tables when the Program compiles its layers. Without
         them the eager tables are used (a slower, conservative prediction), and the simulator says so once."""

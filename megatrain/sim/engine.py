@@ -17,7 +17,7 @@ tasks and what they wait for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import pandas as pd
@@ -27,10 +27,11 @@ from megatrain.analysis.summary import StepSummary, summarize
 from megatrain.analysis.timeline import make_timeline
 from megatrain.ir.facts import NO_CLIP, StepFacts
 from megatrain.ir.program import STREAMS, Program
+from megatrain.sim.bound import StepBound, rank_bound
 from megatrain.sim.collectives import rank_profile
 from megatrain.sim.costs import CostModel
 from megatrain.sim.hostmem import HostMemory
-from megatrain.sim.profile import HardwareProfile, load_profile
+from megatrain.sim.profile import COMPUTE_KINDS, HardwareProfile, load_profile
 
 
 class SimulationError(RuntimeError):
@@ -47,6 +48,11 @@ class SimResult:
     profile: HardwareProfile
     facts: StepFacts = NO_CLIP
     other_step_s: float | None = None  # 0 < clip_share < 1 with speculative clipping: the step that clips
+    # Compute tasks the profile has no measured table for, priced from FLOPs (CostModel.estimated): their count
+    # by kind, their seconds in the simulated step, and how many compute tasks the step has (sim/estimates.py).
+    estimated: dict[str, int] = field(default_factory=dict)
+    estimated_s: float = 0.0
+    compute_tasks: int = 0
 
     @property
     def step_s(self) -> float:
@@ -60,6 +66,12 @@ class SimResult:
         if self.other_step_s is None:
             return self.step_s
         return (1 - self.facts.clip_share) * self.step_s + self.facts.clip_share * self.other_step_s
+
+    @property
+    def bound(self) -> StepBound:
+        """The physical bound of the simulated step (sim/bound.py): `bound.efficiency(step_s)` is how close it
+        comes to it."""
+        return rank_bound(self.program, self.profile, self.facts)
 
 
 class _Engine:
@@ -185,9 +197,27 @@ def simulate(program: Program, profile: HardwareProfile | str = "h200", facts: S
     check_program(program)
     speculative = program.placement.speculative_clip
     clips = speculative and facts.clip_share >= 1.0
-    rows = _Engine(program, profile, clips).run()
+    engine = _Engine(program, profile, clips)
+    rows = engine.run()
     other = None
     if speculative and 0.0 < facts.clip_share < 1.0:  # the run mixes both kinds of step
         other = max((r["end_s"] for r in _Engine(program, profile, True).run()), default=0.0)  # as summarize
     timeline = make_timeline(rows, source="predicted")
-    return SimResult(timeline, summarize(timeline, program), program, profile, facts, other)
+    estimated, estimated_s, n = _estimated(engine.cost, program, rows)
+    return SimResult(timeline, summarize(timeline, program), program, profile, facts, other, estimated, estimated_s, n)
+
+
+def _estimated(cost: CostModel, program: Program, rows: list[dict]) -> tuple[dict[str, int], float, int]:
+    """The compute tasks of a simulated step priced without a measured table: count by kind, their seconds (launch
+    included, as the Timeline shows them), and the number of compute tasks."""
+    by_kind: dict[str, int] = {}
+    seconds, n = 0.0, 0
+    for r in rows:
+        t = program.tasks[r["task"]]
+        if t.kind not in COMPUTE_KINDS:
+            continue
+        n += 1
+        if cost.estimated(t):
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
+            seconds += r["end_s"] - r["start_s"]
+    return by_kind, seconds, n

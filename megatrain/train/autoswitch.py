@@ -40,7 +40,7 @@ from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profi
 from megatrain.profiling.compare import step_time_s
 from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS, calibrate_run
 from megatrain.profiling.machine import differences, key, this_machine
-from megatrain.sim import ProfileError, load_profile, simulate
+from megatrain.sim import ProfileError, estimate_line, load_profile, simulate
 from megatrain.train.fit import check_fits
 from megatrain.tune.auto import AutoBudget, auto_budget, choose_auto, choose_schedule
 
@@ -126,6 +126,8 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
         f"{len(pick.table)} that fit:")
     for row in pick.table.head(3).itertuples():
         log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
+    if estimate_line(pick.predicted):  # the ranking rests on FLOP estimates: say so (sim/estimates.py)
+        log(estimate_line(pick.predicted))
     return AutoChoice.of(spec, batch, seq, pick.knobs, budget, pick.label), profile
 
 
