@@ -137,8 +137,8 @@ def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bo
     if clipped is None:
         clipped = [t.attrs.get(CLIPPED) for t in timelines]
         if any(c is None for c in clipped):
-            raise ValueError(f"{program.name or 'this Program'} clips speculatively (a step that clips defers or redoes "
-                             "its updates), but its measured timelines do not say which steps clipped: pass "
+            raise ValueError(f"{program.name or 'this Program'} clips speculatively (a step that clips defers or "
+                             "redoes its updates), but its measured timelines do not say which steps clipped: pass "
                              "clipped=[...] (one bool per timeline), or measure with StreamedTrainer.step, which "
                              f"records timeline.attrs[{CLIPPED!r}]")
     if len(clipped) != len(timelines):
@@ -208,8 +208,8 @@ def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataF
     kind of step (clipping or not, `step_clips`) simulated with its facts and weighed by its share of the steps.
     With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`)."""
     classes = _classes(program, steps, step_clips(program, steps, clipped))
-    p = replace(profile, task_overhead_s=_overheads(program, classes), compute_tables=_tables(program, profile, classes),
-                clip_norm_params_per_s=math.inf)  # the norm's whole measured time is its "N" overhead
+    p = replace(profile, task_overhead_s=_overheads(program, classes),
+                compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)  # the norm's whole measured time is its "N" overhead
     p = _seeded(p, program, classes)
     groups = _flow_groups(program)
     for _ in range(FIT_ITERATIONS):
@@ -263,12 +263,13 @@ def kind_table(program: Program, profile: HardwareProfile, classes: list[_Class]
 
 
 def _overheads(program: Program, classes: list[_Class]) -> dict[str, float]:
-    """Per stream the mean over its tasks of the median gap before a task's start; the norm's median
+    """Per stream the mean over its tasks (the norm's left out) of their gap before the start; the norm's
     ready-to-done time as its kind's (each kind of step weighed by its share)."""
     out: dict[str, float] = {}
     streams: dict[str, list[str]] = {}
     for tid, t in program.tasks.items():
-        streams.setdefault(t.stream, []).append(tid)
+        if t.kind != "N":  # the norm has its own entry: its gap would skew its stream's
+            streams.setdefault(t.stream, []).append(tid)
     for c in classes:
         for s, tids in streams.items():
             out[s] = out.get(s, 0.0) + c.weight * float(c.med.loc[tids, "gap_s"].mean())
