@@ -174,6 +174,9 @@ class StreamedTrainer:
         timeline = self._runtime.run(step=index)
         dt = time.perf_counter() - t0
         self._work.settle_device_skips(current)
+        # whether the global norm exceeded the max (or was not finite): live calibration prices such steps
+        timeline.attrs["clipped"] = self._program.placement.clip_max_norm is not None and (
+            current.skip or current.clip_coef < 1.0)
         self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from megatrain.ir.facts import StepFacts
 from megatrain.ir.program import Program
 from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
@@ -44,7 +45,7 @@ from megatrain.sim.profile import COMPUTE_KINDS, unit_class
 from megatrain.profiling.compare import step_time_s, task_table
 from megatrain.profiling.overhead import with_spans
 
-FIT_ITERATIONS = 4
+FIT_ITERATIONS = 6
 
 
 def group_name(group: str) -> str:
@@ -70,15 +71,17 @@ class LiveCalibration:
     steps: int  # measured steps the fit used
     groups: pd.DataFrame  # per task group: summed ready-to-done time predicted before and measured, per step
     step_range: tuple[int, int] | None = None  # the first and last step measured (the run's step numbers)
+    kinds: pd.DataFrame | None = None  # per task kind and stream: summed time per step, calibrated and measured
 
     @property
     def error_before(self) -> float:
-        """(predicted - measured) / measured step time, with the profile the run started with."""
-        return self.before.step_s / self.measured_step_s - 1.0
+        """(predicted - measured) / measured step time, with the profile the run started with (the mean over the
+        run's clipping and other steps, `SimResult.mean_step_s`)."""
+        return self.before.mean_step_s / self.measured_step_s - 1.0
 
     @property
     def error_after(self) -> float:
-        return self.after.step_s / self.measured_step_s - 1.0
+        return self.after.mean_step_s / self.measured_step_s - 1.0
 
     def reason(self, top: int = 2) -> str:
         """The task groups whose summed time the uncalibrated profile missed most, as "B 3.1x, U 0.6x"."""
@@ -99,11 +102,13 @@ class LiveCalibration:
         which = (f"steps {self.step_range[0]}-{self.step_range[1]}" if self.step_range
                  else f"{self.steps} measured steps")
         first = (f"live calibration on {which} (after the warm-up): step time predicted "
-                 f"{self.before.step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
-                 f"{self.after.step_s:.3f} s (calibrated, {100 * self.error_after:+.0f}%); measured {m:.3f} s "
-                 f"(median over {which} of the first task's start to the last task's end)")
+                 f"{self.before.mean_step_s:.3f} s ({name} profile, {100 * self.error_before:+.0f}%) -> "
+                 f"{self.after.mean_step_s:.3f} s (calibrated, in-sample, {100 * self.error_after:+.0f}%); measured "
+                 f"{m:.3f} s (median over {which} of the first task's start to the last task's end)")
+        if self.before.program.placement.speculative_clip:  # priced: clipping steps redo or defer their updates
+            first += f"; {100 * self.before.facts.clip_share:.0f}% of these steps clipped, and are priced so"
         return [first,
-                (f"the {name} profile predicted this run {_times(self.before.step_s, m)} too {slow_fast}, mainly "
+                (f"the {name} profile predicted this run {_times(self.before.mean_step_s, m)} too {slow_fast}, mainly "
                  f"because {self.reason()} (a profile measures one machine on one day; the calibrated profile "
                  f"refits its rates to this run)")]
 
@@ -119,104 +124,208 @@ def _times(pred: float, meas: float) -> str:
     return f"{r:.1f}x" if r >= 1.5 else f"{100 * abs(pred / meas - 1):.0f}%"
 
 
+CLIPPED = "clipped"  # timeline.attrs key: whether the step's global norm exceeded the max (StreamedTrainer.step)
+
+
+def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bool] | None = None) -> list[bool]:
+    """Whether each measured step clipped, as the simulator prices it: only speculative clipping changes a step's
+    work (a step that clips defers its host updates to CLIP_REDO and undoes and redoes its GPU updates), so every
+    step of another Program counts as not clipping. `clipped` overrides what the timelines say
+    (`timeline.attrs["clipped"]`, recorded by StreamedTrainer.step); raises ValueError when neither says."""
+    if not program.placement.speculative_clip:
+        return [False] * len(timelines)
+    if clipped is None:
+        clipped = [t.attrs.get(CLIPPED) for t in timelines]
+        if any(c is None for c in clipped):
+            raise ValueError(f"{program.name or 'this Program'} clips speculatively (a step that clips defers or "
+                             "redoes its updates), but its measured timelines do not say which steps clipped: pass "
+                             "clipped=[...] (one bool per timeline), or measure with StreamedTrainer.step, which "
+                             f"records timeline.attrs[{CLIPPED!r}]")
+    if len(clipped) != len(timelines):
+        raise ValueError(f"clipped has {len(clipped)} entries for {len(timelines)} timelines: give one per timeline")
+    return [bool(c) for c in clipped]
+
+
 def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd.DataFrame],
-                  warmup: int = 1) -> LiveCalibration:
+                  warmup: int = 1, clipped: list[bool] | None = None) -> LiveCalibration:
     """Fit `profile` to measured Timelines of `program` (the first `warmup` are left out; see the module
-    docstring); returns the LiveCalibration. Needs at least one step after the warm-up."""
+    docstring); returns the LiveCalibration. Needs at least one step after the warm-up. `clipped`: whether each
+    timeline's step clipped (default: what the timelines record, `step_clips`); the predictions before and after
+    are of the run's share of clipping steps (`StepFacts.clip_share`)."""
+    flags = step_clips(program, timelines, clipped)[warmup:]
     steps = [_one_step(t) for t in timelines[warmup:]]
     if not steps:
         raise ValueError(f"live calibration needs a measured step after the {warmup} warm-up step(s)")
-    before = simulate(program, profile)
-    fitted = fit_profile(program, profile, steps)
-    after = simulate(program, fitted)
-    measured = statistics.median(step_time_s(s) for s in steps)
-    tasks = task_table(program, before.timeline, steps)
+    facts = StepFacts(clip_share=sum(flags) / len(flags))
+    before = simulate(program, profile, facts)
+    fitted, kinds = fit_profile(program, profile, steps, flags, with_kinds=True)
+    after = simulate(program, fitted, facts)
+    measured = sum(c.weight * c.step_s for c in _classes(program, steps, flags))
+    shown = facts.clip_share >= 1.0  # the step before.timeline is of (engine.simulate)
+    tasks = task_table(program, before.timeline, [s for s, f in zip(steps, flags) if f == shown] or steps)
     groups = tasks.groupby("group", sort=False).agg(pred_s=("pred_span_s", "sum"), meas_s=("meas_span_s", "sum"))
     groups = groups.reset_index()
-    return LiveCalibration(fitted, before, after, measured, len(steps), groups)
+    return LiveCalibration(fitted, before, after, measured, len(steps), groups, kinds=kinds)
 
 
 def _one_step(timeline: pd.DataFrame) -> pd.DataFrame:
     return timeline.reset_index(drop=True)
 
 
-def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataFrame]) -> HardwareProfile:
-    """The calibrated profile (module docstring): overheads and compute tables measured, flow rates fitted."""
-    rows = pd.concat([with_spans(s, program) for s in steps], ignore_index=True)
-    p = replace(profile, task_overhead_s=_overheads(rows, profile), compute_tables=_tables(program, profile, rows))
-    measured = task_table(program, simulate(program, p).timeline, steps).set_index("task")["meas_span_s"]
-    p = _seeded(p, program, measured)
+@dataclass
+class _Class:
+    """The measured steps of one kind (clipping or not): their share of the steps, the facts that simulate such a
+    step, its median step time, and per task the median over those steps of gap, duration and span."""
+
+    facts: StepFacts
+    weight: float
+    step_s: float
+    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s
+
+
+def _classes(program: Program, steps: list[pd.DataFrame], flags: list[bool]) -> list[_Class]:
+    """The steps split by whether they clipped. Per task the mean over the class's middle steps by step time (the
+    fastest and slowest quarter left out: a step slowed by another process on a shared machine); a mean, not a
+    median, because the fit matches sums of task times to a step's time, and a median of each task undercounts a
+    sum of right-skewed times. Every fitted number below is a sum or mean of these, so overheads, durations and
+    spans agree with one another."""
+    out = []
+    for clips in (False, True):
+        mine = sorted((s for s, f in zip(steps, flags) if f == clips), key=step_time_s)
+        if not mine:
+            continue
+        cut = len(mine) // 4
+        rows = pd.concat([with_spans(s, program) for s in mine[cut:len(mine) - cut]], ignore_index=True)
+        med = rows.groupby("task")[["gap_s", "dur_s", "span_s"]].mean()
+        out.append(_Class(StepFacts(clip_share=1.0 if clips else 0.0), len(mine) / len(steps),
+                          statistics.median(step_time_s(s) for s in mine), med))
+    return out
+
+
+def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataFrame],
+                clipped: list[bool] | None = None, with_kinds: bool = False):
+    """The calibrated profile (module docstring): overheads and compute tables measured, flow rates fitted, each
+    kind of step (clipping or not, `step_clips`) simulated with its facts and weighed by its share of the steps.
+    With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`)."""
+    classes = _classes(program, steps, step_clips(program, steps, clipped))
+    p = replace(profile, task_overhead_s=_overheads(program, classes),
+                compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)  # the norm's whole measured time is its "N" overhead
+    p = _seeded(p, program, classes)
+    groups = _flow_groups(program)
     for _ in range(FIT_ITERATIONS):
-        pred = simulate(program, p).timeline
-        spans = with_spans(pred, program).set_index("task")["span_s"]
+        spans = [with_spans(simulate(program, p, c.facts).timeline, program).set_index("task")["span_s"]
+                 for c in classes]
         factors = {}
-        for flow, tasks in _flow_groups(program).items():
-            over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-            meas = sum(measured[t] for t in tasks) - over
-            sim = sum(spans[t] for t in tasks) - over
+        for flow, tasks in groups.items():
+            meas, sim = 0.0, 0.0
+            for c, span in zip(classes, spans):
+                if flow == "gpu_redo" and c.facts.clip_share < 1.0:
+                    continue  # a redo does nothing in a step that does not clip
+                over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
+                meas += c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over)
+                sim += c.weight * (sum(span[t] for t in tasks) - over)
             if meas > 0 and sim > 0:
                 factors[flow] = min(10.0, max(0.1, meas / sim))  # > 1: the flow must go slower
         if all(abs(f - 1.0) < 1e-3 for f in factors.values()):
             break
         p = _scaled(p, factors)
+    share = sum(c.weight for c in classes if c.facts.clip_share >= 1.0)
     notes = {**p.notes, "live calibration": (
         f"fitted to {len(steps)} measured steps of {program.model.name} (batch {program.batch} x seq "
-        f"{program.seq}, {program.placement.weight_wire} weight wire) by megatrain.profiling.live: task_overhead_s "
-        f"from the runtime's gaps, compute tables from the median measured durations, CPU/GPU AdamW and copy rates "
-        f"scaled until the simulated ready-to-done times of their tasks add up to the measured ones")}
-    return replace(p, name=f"{profile.name}-calibrated", notes=notes,
-                   description=f"{profile.description} Calibrated to a run of {program.model.name}.")
+        f"{program.seq}, {program.placement.weight_wire} weight wire"
+        + (f", {100 * share:.0f}% of them clipping" if program.placement.speculative_clip else "")
+        + ") by megatrain.profiling.live: task_overhead_s from the runtime's gaps, compute tables from the measured "
+        "durations, CPU/GPU AdamW (U and V tasks: one update per unit and step), the GPU clip redo and copy rates "
+        "scaled until the simulated ready-to-done times of their tasks add up to the measured ones, each kind of "
+        "step simulated with its facts")}
+    fitted = replace(p, name=f"{profile.name}-calibrated", notes=notes,
+                     description=f"{profile.description} Calibrated to a run of {program.model.name}.")
+    return (fitted, kind_table(program, fitted, classes)) if with_kinds else fitted
 
 
-def _overheads(rows: pd.DataFrame, profile: HardwareProfile) -> dict[str, float]:
-    """The mean measured gap before a task, by stream; the norm's median ready-to-done time as its kind's."""
-    out = {s: float(g.mean()) for s, g in rows.groupby("stream")["gap_s"]}
-    norm = rows[rows["kind"] == "N"]
-    if len(norm):
-        out["N"] = float(norm["span_s"].median())
+def kind_table(program: Program, profile: HardwareProfile, classes: list[_Class]) -> pd.DataFrame:
+    """Per task kind and stream: tasks, and their summed ready-to-done seconds per step, predicted by `profile` and
+    measured (each kind of step weighed by its share): a kind the fit leaves unpriced shows here."""
+    rows: dict[tuple[str, str], dict] = {}
+    for c in classes:
+        span = with_spans(simulate(program, profile, c.facts).timeline, program).set_index("task")["span_s"]
+        for tid, t in program.tasks.items():
+            r = rows.setdefault((t.kind, t.stream), {"kind": t.kind, "stream": t.stream, "n": 0, "pred_s": 0.0,
+                                                      "meas_s": 0.0})
+            r["pred_s"] += c.weight * float(span[tid])
+            r["meas_s"] += c.weight * float(c.med.at[tid, "span_s"])
+    n = {}
+    for t in program.tasks.values():
+        n[(t.kind, t.stream)] = n.get((t.kind, t.stream), 0) + 1
+    for k, r in rows.items():
+        r["n"] = n[k]
+    return pd.DataFrame(list(rows.values())).sort_values(["kind", "stream"]).reset_index(drop=True)
+
+
+def _overheads(program: Program, classes: list[_Class]) -> dict[str, float]:
+    """Per stream the mean over its tasks (the norm's left out) of their gap before the start; the norm's
+    ready-to-done time as its kind's (each kind of step weighed by its share)."""
+    out: dict[str, float] = {}
+    streams: dict[str, list[str]] = {}
+    for tid, t in program.tasks.items():
+        if t.kind != "N":  # the norm has its own entry: its gap would skew its stream's
+            streams.setdefault(t.stream, []).append(tid)
+    for c in classes:
+        for s, tids in streams.items():
+            out[s] = out.get(s, 0.0) + c.weight * float(c.med.loc[tids, "gap_s"].mean())
+        norm = [t for t, task in program.tasks.items() if task.kind == "N"]
+        if norm:
+            out["N"] = out.get("N", 0.0) + c.weight * float(c.med.loc[norm, "span_s"].median())
     return out
 
 
-def _tables(program: Program, profile: HardwareProfile, rows: pd.DataFrame) -> tuple[ComputeTable, ...]:
-    """Compute tables of this model at the run's token counts: the median measured duration of each task kind and
-    unit class (they replace the profile's tables for the same key and seq)."""
+def _tables(program: Program, profile: HardwareProfile, classes: list[_Class]) -> tuple[ComputeTable, ...]:
+    """Compute tables of this model at the run's token counts: per task kind, unit class and tokens, the mean over
+    its tasks of their median measured duration, so that the tables' sum is the measured one (they replace the
+    profile's tables for the same key and seq; the layer's are of the compiled layer when the Program compiles)."""
     sig, dtype = model_signature(program.model), program.placement.compute_dtype
     compiled = program.placement.layer_kernel == "compiled"
-    durs: dict[tuple[str, str], dict[int, list[float]]] = {}
-    for task, dur in zip(rows["task"], rows["dur_s"]):
-        t = program.tasks[task]
+    tasks: dict[tuple[str, str], dict[int, list[str]]] = {}
+    for tid, t in program.tasks.items():
         if t.stream != "compute" or t.kind not in COMPUTE_KINDS or t.tokens <= 0:
             continue
-        durs.setdefault((t.kind, unit_class(t.unit)), {}).setdefault(t.tokens, []).append(float(dur))
+        tasks.setdefault((t.kind, unit_class(t.unit)), {}).setdefault(t.tokens, []).append(tid)
     new = []
-    for (kind, uclass), by_tokens in sorted(durs.items()):
+    for (kind, uclass), by_tokens in sorted(tasks.items()):
         toks = sorted(by_tokens)
-        new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks),
-                                tuple(max(0.0, statistics.median(by_tokens[n])) for n in toks), dtype,
+        durs = tuple(max(0.0, sum(c.weight * float(c.med.loc[by_tokens[n], "dur_s"].mean()) for c in classes))
+                     for n in toks)
+        new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks), durs, dtype,
                                 compiled and uclass == "layer"))
     replaced = {(t.key, t.seq) for t in new}
     return tuple(t for t in profile.compute_tables if (t.key, t.seq) not in replaced) + tuple(new)
 
 
 def _flow_groups(program: Program) -> dict[str, list[str]]:
-    """The tasks whose time each fitted rate sets: host updates, device updates, each copy direction's curve."""
+    """The tasks whose time each fitted rate sets: host updates (U and V on the cpu stream: a unit's update runs
+    in its U, or in its V when speculative clipping deferred it), device updates (U on the compute stream), the
+    device's clip redo (V there: undo and update again), each copy direction's curve."""
     groups: dict[str, list[str]] = {}
     for tid, t in program.tasks.items():
-        if t.kind == "U":
-            groups.setdefault("cpu_update" if t.stream == "cpu" else "gpu_update", []).append(tid)
+        if t.kind in ("U", "V") and t.stream == "cpu":
+            groups.setdefault("cpu_update", []).append(tid)
+        elif t.kind == "U":
+            groups.setdefault("gpu_update", []).append(tid)
+        elif t.kind == "V":
+            groups.setdefault("gpu_redo", []).append(tid)
         elif t.stream in COPY_STREAMS and t.bytes > 0:
             groups.setdefault(TaskKind(t.kind).copy, []).append(tid)
     return groups
 
 
-def _seeded(p: HardwareProfile, program: Program, measured: pd.Series) -> HardwareProfile:
+def _seeded(p: HardwareProfile, program: Program, classes: list[_Class]) -> HardwareProfile:
     """Finite starting rates where the profile has none (inf = free) but the run measured time: the fixed point
     can only scale a rate that costs something."""
     groups, changes = _flow_groups(program), {}
 
-    def work(tasks):  # measured seconds beyond the launch overhead, and the tasks' params / bytes
+    def work(tasks):  # measured seconds beyond the launch overhead, per step
         over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-        return sum(measured[t] for t in tasks) - over
+        return sum(c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over) for c in classes)
 
     if "gpu_update" in groups and math.isinf(p.gpu_adam_params_per_s) and work(groups["gpu_update"]) > 0:
         changes["gpu_adam_params_per_s"] = (sum(program.tasks[t].params for t in groups["gpu_update"])
@@ -239,14 +348,14 @@ def _scaled(p: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
             changes["cpu_convert_params_per_s"] = p.cpu_convert_params_per_s / f
     if "gpu_update" in factors and math.isfinite(p.gpu_adam_params_per_s):
         changes["gpu_adam_params_per_s"] = p.gpu_adam_params_per_s / factors["gpu_update"]
+    if "gpu_redo" in factors:  # in updates of the (just fitted) GPU rate
+        changes["clip_redo_updates"] = p.clip_redo_updates * factors["gpu_redo"] / factors.get("gpu_update", 1.0)
     for d in ("h2d", "d2h"):
         if d in factors:
             c = getattr(p, d)
             if all(math.isfinite(b) for b in c.Bps):
                 changes[d] = CopyCurve(c.sizes_bytes, tuple(b / factors[d] for b in c.Bps), c.latency_s)
     return replace(p, **changes)
-
-
 
 
 WARMUP_STEPS = 2  # the first step allocates and selects kernels (and with `overlap` its updates are no-ops)
@@ -273,14 +382,16 @@ def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult
     return cal
 
 
-def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, tol: float = 1e-4) -> HardwareProfile:
+def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, tol: float = 1e-4,
+                    facts: StepFacts = StepFacts()) -> HardwareProfile:
     """`profile` with its CPU update rate scaled so that `program` simulates in `step_s`: a one-number fit for runs
     that kept only their step times (no timelines to `calibrate_run` on). The CPU update is the rate the H200 runs'
     calibrations found off (docs/benchmarks.md, run 18), and the only one scaled; raises ValueError when no rate
-    between 1/20 and 20 times the profile's reaches `step_s` (then something else is off)."""
+    between 1/20 and 20 times the profile's reaches `step_s` (then something else is off). `facts`: the run's share of
+    clipping steps (a speculative Program's clipping steps defer or redo their updates)."""
     def step_at(k: float) -> float:
         rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
-        return simulate(program, replace(profile, cpu_adam_params_per_s=rates)).step_s
+        return simulate(program, replace(profile, cpu_adam_params_per_s=rates), facts).mean_step_s
 
     lo, hi = 0.05, 20.0  # slower update -> longer step: step_at falls as k rises
     if not step_at(hi) <= step_s <= step_at(lo):

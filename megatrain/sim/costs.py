@@ -179,14 +179,15 @@ def _compute_cost(cm: CostModel, task: ProgramTask) -> float:
 
 @register_cost(TaskKind.OPTIMIZER, TaskKind.CLIP_REDO)
 def _update_cost(cm: CostModel, task: ProgramTask) -> float:
-    """A GPU update on its params; a GPU redo undoes and updates again (only in a step that clips); a CPU update its
-    time alone on host memory (the engine shares it with the copies); a CPU task that does nothing this step, its
-    launch only."""
+    """A GPU update on its params; a GPU redo undoes and updates again, `clip_redo_updates` updates' time (only in a
+    step that clips; `adamw_undo` is several element-wise passes where the update is one fused kernel); a CPU update
+    its time alone on host memory (the engine shares it with the copies); a CPU task that does nothing this step,
+    its launch only."""
     p, over = cm.profile, cm.profile.overhead(task.stream, task.kind)
     if task.stream == "compute":
         if task.kind == TaskKind.OPTIMIZER:
             return over + task.params / p.gpu_adam_params_per_s
-        return over + (2 * task.params / p.gpu_adam_params_per_s if cm.clip_activates else 0.0)
+        return over + (p.clip_redo_updates * task.params / p.gpu_adam_params_per_s if cm.clip_activates else 0.0)
     if cm.is_cpu_optimizer(task):
         u = cm.cpu_update(task)
         return u.delay_s + max(u.alone_s, u.nvme_s)

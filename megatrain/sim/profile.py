@@ -10,6 +10,8 @@ A profile holds
                          analytic fallback
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
+    clip_redo_updates    speculative clipping, a step that clips: a GPU unit's CLIP_REDO (undo + update again) in
+                         GPU AdamW updates of the unit (default 2, an assumption; live calibration fits it)
     host_memory_Bps      the host DRAM bandwidth that every host-side flow draws on at once: CPU updates and
                          every host<->GPU copy (sim/hostmem.py shares it max-min fairly); a profile without it
                          derives it from the legacy contention fields below (see `derive_host_memory_Bps`)
@@ -194,6 +196,7 @@ class HardwareProfile:
     cpu_adam_params_per_s: dict[int, float] = field(default_factory=lambda: {1: 1e9})
     cpu_threads: int = 1
     gpu_adam_params_per_s: float = math.inf
+    clip_redo_updates: float = 2.0
     clip_norm_params_per_s: float = math.inf
     dma_factor_cpu_optimizer: float = 1.0
     cpu_optimizer_slowdown: dict[int, float] = field(default_factory=dict)
@@ -248,7 +251,7 @@ class HardwareProfile:
         "duplex_Bps": check.RATE, "gpu_memory_Bps": check.RATE, "gpu_adam_params_per_s": check.RATE,
         "clip_norm_params_per_s": check.RATE, "cpu_convert_params_per_s": check.RATE, "nvme_read_Bps": check.RATE,
         "nvme_write_Bps": check.RATE, "inter_host_Bps": check.RATE, "cpu_update_bytes_per_param": check.SIZE,
-        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME,
+        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME, "clip_redo_updates": check.TIME,
         "dma_factor_cpu_optimizer": check.FRACTION, "cpu_threads": check.COUNT,
     }
     # field -> (bound of its values, keys are thread counts, lower limit of its values)
