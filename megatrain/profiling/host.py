@@ -64,7 +64,8 @@ def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Work
         return median(cpu.time_for(update, each, warmup=1, rounds=2 if quick else 3))
 
     def copy_Bps(worker: Worker, fn) -> float:
-        return (nbytes if fn is copy_in else out_bytes) / median(worker.time(fn, reps, warmup=1))
+        n = nbytes if worker is h2d else out_bytes
+        return n / median(worker.time(fn, reps, warmup=1))
 
     out: dict = {"copy_bytes": nbytes, "copy_out_bytes": out_bytes, "threads": threads}
     try:

@@ -81,6 +81,7 @@ class RuntimeCut:
         self.landing = self.store.grad(UNIT)
         self.grad_bytes = self.landing.numel() * self.landing.element_size()
         self.update_task = self._host_task("U")
+        backend.synchronize()  # the fills above are done before another stream's copy reads them
 
     def _host_task(self, kind: str) -> ProgramTask:
         """The Program's task of `kind` on the measured layer, as a host task of this step (a schedule that updates
