@@ -17,7 +17,7 @@ from megatrain.profiling import ProfileRequest, measure_profile
 from megatrain.profiling.assemble import operating_cpu_rate
 from megatrain.profiling.bench import Worker
 from megatrain.profiling.copies import with_point
-from megatrain.profiling.operating import UNIT, RuntimeCut, conversion_passes, measure_operating_point
+from megatrain.profiling.operating import RuntimeCut, conversion_passes, measure_operating_point
 from megatrain.profiling.units import layer_variants, measure_unit, run_batches
 from megatrain.sim import load_profile
 from megatrain.sim.profile import CopyCurve
@@ -25,7 +25,9 @@ from megatrain.sim.profile import CopyCurve
 DEBUG = PRESETS["debug"]
 WIRES = {"bf16 weights, fp32 grads": knobs_for("overlap", compute_dtype="fp32"),
          "bf16 weights, bf16 grads": knobs_for("overlap", compute_dtype="fp32", grad_wire="bf16"),
-         "fp32 weights": knobs_for("overlap", compute_dtype="fp32", weight_wire="fp32")}
+         "fp32 weights": knobs_for("overlap", compute_dtype="fp32", weight_wire="fp32"),
+         # a run's 4 resident layers on the 2-layer cut: one stays resident, layer 1 streams and is measured
+         "resident layers": knobs_for("arrival-resident", compute_dtype="fp32", resident_layers=4)}
 
 
 @pytest.mark.parametrize("wires", list(WIRES))
@@ -33,13 +35,14 @@ def test_the_copies_measured_are_the_runtimes_prefetch_and_offload(wires):
     knobs = WIRES[wires]
     cut = RuntimeCut(DEBUG, 2, 16, knobs, get_backend("cpu"))
     tasks = cut.program.tasks
+    assert cut.unit == (1 if knobs.resident_layers else 0) and cut.program.placement.unit(cut.unit).resident is False
     # The bytes of the Program's PREFETCH and OFFLOAD of a layer: what the runtime copies, in its wire dtypes.
-    assert cut.weight_bytes == tasks[f"P{UNIT}"].bytes and cut.grad_bytes == tasks[f"O{UNIT}"].bytes
-    assert cut.params == tasks[f"U{UNIT}"].params
+    assert cut.weight_bytes == tasks[f"P{cut.unit}"].bytes and cut.grad_bytes == tasks[f"O{cut.unit}"].bytes
+    assert cut.params == tasks[f"U{cut.unit}"].params
     # From the host store's own tiles (the streaming copy, or the master on an fp32 wire; the landing tile).
     sources = [src for _, src in cut._in]
-    assert [s.data_ptr() for s in sources] == [s.data_ptr() for _, s in cut.store.stream_segments(UNIT)]
-    assert cut.landing.data_ptr() == cut.store.grad(UNIT).data_ptr() and cut.landing.dtype == cut.store.grad_dtype
+    assert [s.data_ptr() for s in sources] == [s.data_ptr() for _, s in cut.store.stream_segments(cut.unit)]
+    assert cut.landing.data_ptr() == cut.store.grad(cut.unit).data_ptr() and cut.landing.dtype == cut.store.grad_dtype
     cut.copy_in()
     cut.copy_out()
     assert torch.equal(cut.weights[:sources[0].numel()].float(), sources[0].float())
@@ -55,7 +58,7 @@ def test_the_update_measured_is_the_runtimes_own_task_body(monkeypatch):
 
         def spy(self, t, real=real, name=name):
             calls[name] += 1
-            assert t.unit == UNIT and t.stream == "cpu"
+            assert t.unit == 0 and t.stream == "cpu"
             return real(self, t)
         monkeypatch.setattr(Updates, name, spy)
     backend = get_backend("cpu")

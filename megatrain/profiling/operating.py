@@ -39,8 +39,8 @@ from megatrain.ir.program import ProgramTask
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling import copies, host
 from megatrain.profiling.bench import Worker, median
+from megatrain.profiling.overhead import profile_cut
 
-UNIT = 0  # the layer measured: every decoder layer of a model has the same shape
 UPDATE_PATH = "exec.updates.Updates.update"  # what the update measurement calls (recorded, and tested)
 REDO_PATH = "exec.updates.Updates.clip_redo"
 _CFG = AdamWConfig(lr=1e-5, weight_decay=0.1)
@@ -58,27 +58,29 @@ class RuntimeCut:
     device buffers of one layer's size for the copies. Built in the calling thread (a Worker's, on CUDA)."""
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: Backend):
-        self.cut = spec.with_layers(min(spec.num_layers, 2))
+        self.cut, knobs = profile_cut(spec, knobs)
+        # The layer measured: the first streamed one (every decoder layer of a model has the same shape).
+        self.unit = knobs.resident_layers
         self.backend = backend
         self.store = HostStore(self.cut, resolve_host_layout(self.cut, knobs), backend)
         self.program = lower(build_schedule(self.cut, batch, seq, knobs))
         self.buffers = DeviceBuffers(self.program, self.store, backend)
         self.updates = Updates(self.program, self.store, self.buffers, backend, _CFG)
         # Values of a trained layer's scale (no denormals; AdamW's speed does not depend on them).
-        self.store.master(UNIT).fill_(0.02)
-        self.store.grad(UNIT).fill_(1e-3)
-        self.store.refresh_stream(UNIT)
-        self.params = self.store.master(UNIT).numel()
+        self.store.master(self.unit).fill_(0.02)
+        self.store.grad(self.unit).fill_(1e-3)
+        self.store.refresh_stream(self.unit)
+        self.params = self.store.master(self.unit).numel()
         self.passes = conversion_passes(self.store)
         # PREFETCH's copy: the streaming segments of the layer into a device buffer in the weight wire dtype.
-        segs = self.store.stream_segments(UNIT)
-        numel = self.store.layouts[UNIT].numel
+        segs = self.store.stream_segments(self.unit)
+        numel = self.store.layouts[self.unit].numel
         self.weights = backend.empty(numel * self.store.wire_dtype.itemsize).view(self.store.wire_dtype)
         self._in = [(self.weights[off:off + src.numel()], src) for off, src in segs]
         self.weight_bytes = sum(src.numel() * src.element_size() for _, src in segs)
         # OFFLOAD's copy: the fp32 gradient area into the pinned landing tile, in the gradient wire dtype.
         self.grads = backend.empty(4 * numel).view(torch.float32).fill_(1e-3)
-        self.landing = self.store.grad(UNIT)
+        self.landing = self.store.grad(self.unit)
         self.grad_bytes = self.landing.numel() * self.landing.element_size()
         self.update_task = self._host_task("U")
         backend.synchronize()  # the fills above are done before another stream's copy reads them
@@ -86,9 +88,9 @@ class RuntimeCut:
     def _host_task(self, kind: str) -> ProgramTask:
         """The Program's task of `kind` on the measured layer, as a host task of this step (a schedule that updates
         layers on the GPU still updates some units on the host; the host path is the one priced by the rate)."""
-        found = [t for t in self.program.tasks.values() if t.kind == kind and t.unit == UNIT]
+        found = [t for t in self.program.tasks.values() if t.kind == kind and t.unit == self.unit]
         if not found:
-            raise AssertionError(f"the Program of {self.cut.name} has no {kind} task of layer {UNIT}")
+            raise AssertionError(f"the Program of {self.cut.name} has no {kind} task of layer {self.unit}")
         return replace(found[0], stream="cpu", step_offset=0, fills=None)
 
     def copy_in(self) -> None:
@@ -107,8 +109,9 @@ class RuntimeCut:
 
     def redo(self) -> None:
         """One CLIP_REDO of the layer's host update in a step that clips: undo, then update with the coefficient."""
-        plan = UpdatePlan(step=0, lr=_CFG.lr, clip_coef=0.5, applied_units=[UNIT])
-        self.store.steps[UNIT] = max(1, self.store.steps[UNIT])  # undo divides by the bias correction of step >= 1
+        plan = UpdatePlan(step=0, lr=_CFG.lr, clip_coef=0.5, applied_units=[self.unit])
+        # undo divides by the bias correction of a step >= 1
+        self.store.steps[self.unit] = max(1, self.store.steps[self.unit])
         self.updates.begin_step(plan, plan)
         self.updates.clip_redo(self.update_task)
 
@@ -118,7 +121,7 @@ def measure_operating_point(spec: ModelSpec, batch: int, seq: int, knobs: Schedu
     """The record of the runtime's copies and update (module docstring). `w`: the workers by stream."""
     cut = w["cpu"].call(RuntimeCut, spec, batch, seq, knobs, backend)
     try:
-        rec: dict = {"unit": UNIT, "params": cut.params, "passes": cut.passes, "threads": threads,
+        rec: dict = {"unit": cut.unit, "params": cut.params, "passes": cut.passes, "threads": threads,
                      "weight_bytes": cut.weight_bytes, "grad_bytes": cut.grad_bytes,
                      "update_path": UPDATE_PATH, "redo_path": REDO_PATH}
         rec["copies"] = copies.measure_pair(w["h2d"], w["d2h"], cut.copy_in, cut.copy_out, cut.weight_bytes,
