@@ -221,7 +221,7 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         unit_bytes = 6 * layer_n  # a layer's weights in (bf16) and gradients out (fp32), about
         plan.add("the runtime's copies (a layer's PREFETCH / OFFLOAD) alone, both at once, beside its CPU update "
                  "(Updates.update) and the update beside them; its clipping redo",
-                 1.25 * budget + 0.5 + 60 * unit_bytes / 5e9 + 4 * layer_n * 20e-9,
+                 budget + 0.5 + 60 * unit_bytes / 5e9 + 4 * layer_n * 4e-9 + 60 * adam_1 / threads,
                  lambda: _operating_point(m, spec, req, backend, w, threads, budget, quick))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
