@@ -15,8 +15,9 @@ What is measured, and the profile field it fills:
                  CPU AdamW (+ streaming-copy refresh) by thread count, fixed cost per call cpu_adam_params_per_s
                  AdamW on device tiles                                                     gpu_adam_params_per_s
     host.py      host memory bandwidth alone (streaming read + write at the update threads)
-                 the CPU update alone / beside h2d, d2h, both; copies beside it   host_memory_Bps, cpu_update_bytes_
-                                                                                  per_param (fitted), legacy fields
+    operating.py the runtime's own PREFETCH / OFFLOAD copies of a layer and its Updates.update: alone, both
+                 copies at once, the update beside h2d, d2h, both   h2d / d2h points, duplex_Bps, cpu_adam_params_
+                 and copies beside it (host.py's fit); the redo    per_s, host_memory_Bps, cpu_update_bytes_per_param
     overhead.py  ready-to-start gaps of real steps of a 2-layer cut of the model           task_overhead_s
     collectives.py  (under torchrun, every rank, before the rest: cli/profile.py) all-gather,
                  reduce-scatter, all-reduce by message size                                collectives
