@@ -91,6 +91,36 @@ def operating_note(op: dict) -> str:
             f"{op['redo_s'] * 1e3:.3f} ms, x{op['redo_over_update']:.2f} the update (not simulated yet).")
 
 
+def _duplex_note(m: dict, op: dict | None) -> str:
+    if op is None:
+        return "measured: each direction timed while the other copies in a loop; the sum of the two rates."
+    sweep = m["duplex"]
+    return (f"measured at the runtime's operating point: a layer's PREFETCH copy ({op['weight_bytes']:,} B from the "
+            f"store's pinned streaming tile) timed while its OFFLOAD copy ({op['grad_bytes']:,} B into the pinned "
+            f"landing tile) runs in a loop, and the other way round; the sum of the two rates (the sweep's "
+            f"{sweep['bytes'] / 2**20:.0f} MiB buffers gave {sweep['duplex_Bps'] / 1e9:.1f} GB/s).")
+
+
+def _cpu_rate_note(adam: dict, threads: int, op: dict | None, runtime_rate: float | None, isolated: float | None,
+                   in_step: float | None) -> str:
+    g = 1e9
+    out = (f"measured: exec.optim.adamw_update (no refresh) on {adam['params']:,}-parameter tiles; fixed cost "
+           f"{adam['fixed_s'] * 1e6:.0f} us per update fitted over 3 sizes at {threads} threads (in "
+           "task_overhead_s['cpu'])")
+    if runtime_rate is not None and isolated:
+        out += (f"; scaled to the runtime's own update ({op['update_path']} on the host store's "
+                f"{op['params']:,}-parameter layer tiles, {op['passes']} conversion passes taken out at "
+                f"cpu_convert_params_per_s): {runtime_rate / g:.2f} Gparam/s at {threads} threads against "
+                f"{isolated / g:.2f} in the isolated loop")
+        if in_step is not None:
+            out += (f"; the host updates of the real steps below give {in_step / g:.2f} (not used: they mix in "
+                    "contention the simulator does not model, and divide by the legacy slowdown factors)")
+    elif in_step is not None and isolated:
+        out += (f"; scaled to the host updates of the real steps below: {in_step / g:.2f} Gparam/s at {threads} "
+                f"threads against {isolated / g:.2f} in the isolated loop")
+    return out + "."
+
+
 # ---- the profile ---------------------------------------------------------------------------------------------
 def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
     """Per unit class: analytic FLOPs / (matmul rate x measured time) of the model's measured tasks at the largest
@@ -154,13 +184,9 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     notes = {
         "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
                f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
-        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us.",
-        "duplex_Bps": ("measured at the runtime's operating point: a layer's PREFETCH copy (" 
-                       f"{op['weight_bytes']:,} B from the store's pinned streaming tile) timed while its OFFLOAD copy "
-                       f"({op['grad_bytes']:,} B into the pinned landing tile) runs in a loop, and the other way round; "
-                       f"the sum of the two rates (the sweep's {m['duplex']['bytes'] / 2**20:.0f} MiB buffers gave "
-                       f"{m['duplex']['duplex_Bps'] / 1e9:.1f} GB/s)." if op is not None else
-                       "measured: each direction timed while the other copies in a loop; the sum of the two rates."),
+        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us"
+               + (" (each curve has the runtime's copy of a layer as a point: see 'operating point')." if op else "."),
+        "duplex_Bps": _duplex_note(m, op),
         "operating point": (operating_note(op) if op is not None else "not measured."),
         "matmul_flops_per_s": "measured: square matmuls (the analytic fallback only).",
         "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
@@ -172,17 +198,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_convert_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
                                     "the runtime's threads; charged to a CPU update once per bf16 wire (weights, "
                                     "gradients).",
-        "cpu_adam_params_per_s": (f"measured: exec.optim.adamw_update (no refresh) on "
-                                  f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
-                                  f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu'])"
-                                  + (f"; scaled to the runtime's own update ({op['update_path']} on the host "
-                                     f"store's {op['params']:,}-parameter layer tiles, {op['passes']} conversion "
-                                     f"passes taken out at cpu_convert_params_per_s): {runtime_rate / 1e9:.2f} "
-                                     f"Gparam/s at {threads} threads against {isolated / 1e9:.2f} in the isolated "
-                                     f"loop" if runtime_rate is not None and isolated else "")
-                                  + (f"; {'the real steps below give' if runtime_rate is not None else 'scaled to the host updates of the real steps below:'} "
-                                     f"{in_step / 1e9:.2f} Gparam/s at {threads} threads" if in_step is not None and isolated else "")
-                                  + "."),
+        "cpu_adam_params_per_s": _cpu_rate_note(adam, threads, op, runtime_rate, isolated, in_step),
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",

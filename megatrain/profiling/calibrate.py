@@ -343,8 +343,9 @@ def _operating_point(m, spec, req, backend, w, threads, budget, quick):
     c, k = r["copies"], r["contention"]
     g = 1e9
     return (f"h2d {r['weight_bytes'] / copies.MiB:.1f} MiB {c['h2d_alone_Bps'] / g:.1f} GB/s, d2h "
-            f"{r['grad_bytes'] / copies.MiB:.1f} MiB {c['d2h_alone_Bps'] / g:.1f}, both at once {c['duplex_Bps'] / g:.1f}"
-            f"; update {k['update_alone_s'] * 1e3:.2f} ms alone, {k['update_both_s'] * 1e3:.2f} beside both; "
+            f"{r['grad_bytes'] / copies.MiB:.1f} MiB {c['d2h_alone_Bps'] / g:.1f}, both at once "
+            f"{c['duplex_Bps'] / g:.1f}; update {k['update_alone_s'] * 1e3:.2f} ms alone, "
+            f"{k['update_both_s'] * 1e3:.2f} beside both; "
             f"redo x{r['redo_over_update']:.2f}")
 
 

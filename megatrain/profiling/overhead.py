@@ -77,8 +77,8 @@ def profile_cut(spec: ModelSpec, knobs: ScheduleKnobs) -> tuple[ModelSpec, Sched
 
 def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: Backend,
                          steps: int, cpu_threads: int | None = None) -> dict:
-    """Run `steps` real steps of `spec` cut to at most 2 layers (`profile_cut`); return the gaps by stream and kind (steps after
-    the first), the global norm's ready-to-done time, and the measured timelines."""
+    """Run `steps` real steps of `spec` cut to at most 2 layers (`profile_cut`); return the gaps by stream and
+    kind (steps after the first), the global norm's ready-to-done time, and the measured timelines."""
 
     cut, knobs = profile_cut(spec, knobs)
     optim = AdamWConfig(lr=1e-5)
