@@ -135,3 +135,21 @@ def test_the_profile_is_built_from_the_operating_point(calibration):
 def test_profiles_written_before_the_operating_point_still_load():
     p = load_profile("h200-measured")
     assert p.duplex_Bps > 0 and p.h2d.rate(1 << 28) > 0
+
+
+def test_the_fallback_efficiency_is_fitted_on_the_variant_the_run_asks_for():
+    from megatrain.profiling.assemble import _efficiency
+    from megatrain.sim.profile import ComputeTable, model_signature
+
+    sig = model_signature(DEBUG)
+
+    def tables(compiled, scale, seq=16):
+        return [ComputeTable(sig, k, "layer", seq, (64,), (scale * (2 if k == "B" else 1),), "fp32", compiled)
+                for k in ("F", "B")]
+    m = {"matmul_flops_per_s": {"fp32": 1e12}}
+    eager, compiled = tables(False, 1e-3), tables(True, 0.5e-3)
+    both = _efficiency(m, DEBUG, eager + compiled, "fp32", compiled=True)["layer"]
+    assert both == _efficiency(m, DEBUG, compiled, "fp32", compiled=True)["layer"] != 1.0
+    assert _efficiency(m, DEBUG, eager + compiled, "fp32")["layer"] == _efficiency(m, DEBUG, eager, "fp32")["layer"]
+    # several sequence lengths: the longest one's tables (a fit was skipped altogether before)
+    assert _efficiency(m, DEBUG, eager + tables(False, 1e-3, seq=8), "fp32")["layer"] != 1.0

@@ -122,7 +122,8 @@ def _cpu_rate_note(adam: dict, threads: int, op: dict | None, runtime_rate: floa
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------
-def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
+def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str,
+                compiled: bool = False) -> dict[str, float]:
     """Per unit class: analytic FLOPs / (matmul rate x measured time) of the model's measured tasks at the largest
     token count (a layer's forward and backward together, as a step mixes them; the head's fused task), so that
     the analytic fallback (shapes or dtypes without a table) is calibrated on this machine."""
@@ -130,7 +131,12 @@ def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str
     rate = m["matmul_flops_per_s"][dtype]
     sig = model_signature(spec)
     for uclass, kinds in (("layer", ("F", "B")), ("head", ("F",))):
-        found = [t for t in tables if t.model == sig and t.unit == uclass and t.kind in kinds and t.dtype == dtype]
+        # the layer's tables of the variant the run asks for (a compiled run has eager tables beside them)
+        # (and, with several sequence lengths, each kind's table at the longest)
+        match = [t for t in tables if t.model == sig and t.unit == uclass and t.kind in kinds and t.dtype == dtype
+                 and t.compiled == (compiled and uclass == "layer")]
+        found = [max((t for t in match if t.kind == k), key=lambda t: t.seq) for k in kinds
+                 if any(t.kind == k for t in match)]
         if len(found) != len(kinds):
             continue
         flops = sum(units.analytic_flops(spec, uclass, t.kind, t.tokens[-1] // t.seq, t.seq) for t in found)
@@ -227,7 +233,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         h2d=h2d, d2h=d2h,
         duplex_Bps=duplex,
         matmul_flops_per_s={k: float(v) for k, v in m["matmul_flops_per_s"].items()},
-        efficiency=_efficiency(m, spec, tables, dtypes[0]),
+        efficiency=_efficiency(m, spec, tables, dtypes[0], req.knobs.compile_layers),
         gpu_memory_Bps=float(m["gpu_memory_Bps"]),
         compute_tables=tuple(tables),
         cpu_adam_params_per_s=cpu_rates,
