@@ -121,10 +121,12 @@ def run(args) -> int:
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.
     from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
+    from megatrain.profiling.overhead import profile_cut  # the cut the profile runs (torch: as above)
     print(f"profiling {', '.join(m.name for m in models)}, batch up to {batch[0]} x seq "
           f"{','.join(map(str, seqs))}, device {device}")  # the shape first, as every command that takes --batch
     for shape in models:
-        check_fits(shape.with_layers(min(2, shape.num_layers)), batch[0], max(seqs), knobs, device,
+        cut, cut_knobs = profile_cut(shape, knobs)
+        check_fits(cut, batch[0], max(seqs), cut_knobs, device,
                    f"profiling {shape.name}", ADVICE, profile_host_reserve(spec, device, args.quick))
     req = ProfileRequest(spec, batch=batch[0], seqs=seqs, device=device, dtypes=dtypes, quick=args.quick,
                          knobs=knobs, cpu_threads=args.cpu_threads, name=args.name, also_models=models[1:])

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from megatrain.ir.streams import ONE_GPU_STREAMS
 from megatrain.sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCurve, HardwareProfile, model_signature
 from megatrain.model.spec import ModelSpec
-from megatrain.profiling import host, units
+from megatrain.profiling import copies, host, units
 from megatrain.profiling.bench import median
 
 if TYPE_CHECKING:
@@ -69,8 +69,61 @@ def in_step_cpu_rate(m: dict, slowdown: dict[int, float], convert_rate: float) -
     return float(median(rates)) if rates else None
 
 
+def operating_cpu_rate(op: dict, fixed_s: float, convert_rate: float) -> float | None:
+    """The AdamW rate (params/s, alone) of the runtime's own update at the operating point: its time alone less
+    the fixed cost per update (charged as the cpu stream's overhead) and its conversion passes (charged at
+    cpu_convert_params_per_s), as the simulator rebuilds it. None when nothing is left (a fit gone wrong)."""
+    n, c = op["params"], op["contention"]
+    adam_s = c["update_alone_s"] - fixed_s - op["passes"] * n / convert_rate
+    return n / adam_s if adam_s > 0.1 * c["update_alone_s"] else None
+
+
+def operating_note(op: dict) -> str:
+    """The profile note of the operating-point measurement (profiling/operating.py)."""
+    c, k, g = op["copies"], op["contention"], 1e9
+    return (f"the runtime's own copies and update on a 2-layer cut (profiling/operating.py): a layer's PREFETCH "
+            f"{op['weight_bytes']:,} B at {c['h2d_alone_Bps'] / g:.2f} GB/s alone, {c['h2d_shared_Bps'] / g:.2f} "
+            f"beside its OFFLOAD, {k['h2d_update_Bps'] / g:.2f} beside the update; OFFLOAD {op['grad_bytes']:,} B "
+            f"at {c['d2h_alone_Bps'] / g:.2f}, {c['d2h_shared_Bps'] / g:.2f}, {k['d2h_update_Bps'] / g:.2f} GB/s "
+            f"(these sizes are points of the h2d / d2h curves); {op['update_path']} of {op['params']:,} parameters "
+            f"at {op['threads']} threads {k['update_alone_s'] * 1e3:.3f} ms alone, {k['update_both_s'] * 1e3:.3f} "
+            f"ms beside both copies; the clipping redo ({op['redo_path']}: undo + update) "
+            f"{op['redo_s'] * 1e3:.3f} ms, x{op['redo_over_update']:.2f} the update (not simulated yet).")
+
+
+def _duplex_note(m: dict, op: dict | None) -> str:
+    if op is None:
+        return "measured: each direction timed while the other copies in a loop; the sum of the two rates."
+    sweep = m["duplex"]
+    return (f"measured at the runtime's operating point: a layer's PREFETCH copy ({op['weight_bytes']:,} B from the "
+            f"store's pinned streaming tile) timed while its OFFLOAD copy ({op['grad_bytes']:,} B into the pinned "
+            f"landing tile) runs in a loop, and the other way round; the sum of the two rates (the sweep's "
+            f"{sweep['bytes'] / 2**20:.0f} MiB buffers gave {sweep['duplex_Bps'] / 1e9:.1f} GB/s).")
+
+
+def _cpu_rate_note(adam: dict, threads: int, op: dict | None, runtime_rate: float | None, isolated: float | None,
+                   in_step: float | None) -> str:
+    g = 1e9
+    out = (f"measured: exec.optim.adamw_update (no refresh) on {adam['params']:,}-parameter tiles; fixed cost "
+           f"{adam['fixed_s'] * 1e6:.0f} us per update fitted over 3 sizes at {threads} threads (in "
+           "task_overhead_s['cpu'])")
+    if runtime_rate is not None and isolated:
+        out += (f"; scaled to the runtime's own update ({op['update_path']} on the host store's "
+                f"{op['params']:,}-parameter layer tiles, {op['passes']} conversion passes taken out at "
+                f"cpu_convert_params_per_s): {runtime_rate / g:.2f} Gparam/s at {threads} threads against "
+                f"{isolated / g:.2f} in the isolated loop")
+        if in_step is not None:
+            out += (f"; the host updates of the real steps below give {in_step / g:.2f} (not used: they mix in "
+                    "contention the simulator does not model, and divide by the legacy slowdown factors)")
+    elif in_step is not None and isolated:
+        out += (f"; scaled to the host updates of the real steps below: {in_step / g:.2f} Gparam/s at {threads} "
+                f"threads against {isolated / g:.2f} in the isolated loop")
+    return out + "."
+
+
 # ---- the profile ---------------------------------------------------------------------------------------------
-def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str) -> dict[str, float]:
+def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str,
+                compiled: bool = False) -> dict[str, float]:
     """Per unit class: analytic FLOPs / (matmul rate x measured time) of the model's measured tasks at the largest
     token count (a layer's forward and backward together, as a step mixes them; the head's fused task), so that
     the analytic fallback (shapes or dtypes without a table) is calibrated on this machine."""
@@ -78,7 +131,12 @@ def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str
     rate = m["matmul_flops_per_s"][dtype]
     sig = model_signature(spec)
     for uclass, kinds in (("layer", ("F", "B")), ("head", ("F",))):
-        found = [t for t in tables if t.model == sig and t.unit == uclass and t.kind in kinds and t.dtype == dtype]
+        # the layer's tables of the variant the run asks for (a compiled run has eager tables beside them)
+        # (and, with several sequence lengths, each kind's table at the longest)
+        match = [t for t in tables if t.model == sig and t.unit == uclass and t.kind in kinds and t.dtype == dtype
+                 and t.compiled == (compiled and uclass == "layer")]
+        found = [max((t for t in match if t.kind == k), key=lambda t: t.seq) for k in kinds
+                 if any(t.kind == k for t in match)]
         if len(found) != len(kinds):
             continue
         flops = sum(units.analytic_flops(spec, uclass, t.kind, t.tokens[-1] // t.seq, t.seq) for t in found)
@@ -95,6 +153,12 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                            compiled=t.get("compiled", False)) for t in m["compute_tables"]]
     h2d = CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
     d2h = CopyCurve(tuple(m["d2h"]["sizes_bytes"]), tuple(m["d2h"]["Bps"]), m["d2h"]["latency_s"])
+    op = m.get("operating_point")  # the runtime's own copies and update (profiling/operating.py)
+    duplex = float(m["duplex"]["duplex_Bps"])
+    if op is not None:  # the runtime's sizes take the rates measured there; both at once is the runtime's pair
+        h2d = copies.with_point(h2d, op["weight_bytes"], op["copies"]["h2d_alone_s"])
+        d2h = copies.with_point(d2h, op["grad_bytes"], op["copies"]["d2h_alone_s"])
+        duplex = float(op["copies"]["duplex_Bps"])
     rt, adam = m["runtime"], m["cpu_adam"]
     gaps = rt["gap_by_stream_s"]
     overhead = {s: float(gaps.get(s, 0.0)) for s in STREAMS}
@@ -105,7 +169,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     overhead["N"] = float(rt["norm_span_s"])
     hc = m["host_contention"]
     slowdown = _update_slowdown(m)
-    passes = int(req.knobs.weight_wire == "bf16")  # the measured update refreshes the bf16 streaming copy
+    # the conversion passes of the measured update: the runtime's (operating point), or the isolated loop's refresh
+    passes = int(hc["passes"]) if "passes" in hc else int(req.knobs.weight_wire == "bf16")
     copy_draw = 1.0 if info["device"] == "cuda" else 2.0  # DMA reads or writes host memory; memcpy does both
     hfit = host.fit_host_memory(hc, hc["params"], passes, copy_draw, m["host_memory"]["Bps"])
     m["host_fit"] = hfit
@@ -113,15 +178,22 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
-    if in_step is not None and isolated:  # the runtime's thread count from real steps; the curve keeps its shape
-        cpu_rates = {t: v * in_step / isolated for t, v in cpu_rates.items()}
+    runtime_rate = operating_cpu_rate(op, adam["fixed_s"], convert_rate) if op is not None else None
+    # The runtime's own update at its threads and tiles when measured (the in-step estimate, which divides by the
+    # legacy slowdown factors rather than the host memory model the simulator runs, stays in the notes); else the
+    # in-step estimate. The curve over thread counts keeps its shape.
+    scale_to = runtime_rate if runtime_rate is not None else in_step
+    if scale_to is not None and isolated:
+        cpu_rates = {t: v * scale_to / isolated for t, v in cpu_rates.items()}
     what = info["gpu"] if info["device"] == "cuda" else info["cpu"]
     where = f"{info['device']} backend, {what}, {info['cores']} cores, torch {info['torch']}"
     notes = {
         "h2d": f"measured: {len(h2d.sizes_bytes)} sizes, pinned buffers (cudaHostRegister on CUDA), issued from the "
                f"h2d stream's thread; latency = smallest copy ({h2d.latency_s * 1e6:.1f} us).",
-        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us.",
-        "duplex_Bps": "measured: each direction timed while the other copies in a loop; the sum of the two rates.",
+        "d2h": f"measured as h2d; latency {d2h.latency_s * 1e6:.1f} us"
+               + (" (each curve has the runtime's copy of a layer as a point: see 'operating point')." if op else "."),
+        "duplex_Bps": _duplex_note(m, op),
+        "operating point": (operating_note(op) if op is not None else "not measured."),
         "matmul_flops_per_s": "measured: square matmuls (the analytic fallback only).",
         "efficiency": "derived: analytic FLOPs / (matmul rate x measured time) of the largest measured task.",
         "gpu_memory_Bps": "measured: device-to-device copy, read + write bytes.",
@@ -132,12 +204,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_convert_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
                                     "the runtime's threads; charged to a CPU update once per bf16 wire (weights, "
                                     "gradients).",
-        "cpu_adam_params_per_s": (f"measured: exec.optim.adamw_update (no refresh) on "
-                                  f"{adam['params']:,}-parameter tiles; fixed cost {adam['fixed_s'] * 1e6:.0f} us "
-                                  f"per update fitted over 3 sizes at {threads} threads (in task_overhead_s['cpu'])"
-                                  + (f"; scaled to the host updates of the real steps below: {in_step / 1e9:.2f} "
-                                     f"Gparam/s at {threads} threads against {isolated / 1e9:.2f} in the isolated "
-                                     f"loop" if in_step is not None and isolated else "") + "."),
+        "cpu_adam_params_per_s": _cpu_rate_note(adam, threads, op, runtime_rate, isolated, in_step),
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
@@ -164,9 +231,9 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     return HardwareProfile(
         name=req.name or _default_name(info),
         h2d=h2d, d2h=d2h,
-        duplex_Bps=float(m["duplex"]["duplex_Bps"]),
+        duplex_Bps=duplex,
         matmul_flops_per_s={k: float(v) for k, v in m["matmul_flops_per_s"].items()},
-        efficiency=_efficiency(m, spec, tables, dtypes[0]),
+        efficiency=_efficiency(m, spec, tables, dtypes[0], req.knobs.compile_layers),
         gpu_memory_Bps=float(m["gpu_memory_Bps"]),
         compute_tables=tuple(tables),
         cpu_adam_params_per_s=cpu_rates,

@@ -15,8 +15,9 @@ What is measured, and the profile field it fills:
                  CPU AdamW (+ streaming-copy refresh) by thread count, fixed cost per call cpu_adam_params_per_s
                  AdamW on device tiles                                                     gpu_adam_params_per_s
     host.py      host memory bandwidth alone (streaming read + write at the update threads)
-                 the CPU update alone / beside h2d, d2h, both; copies beside it   host_memory_Bps, cpu_update_bytes_
-                                                                                  per_param (fitted), legacy fields
+    operating.py the runtime's own PREFETCH / OFFLOAD copies of a layer and its Updates.update: alone, both
+                 copies at once, the update beside h2d, d2h, both   h2d / d2h points, duplex_Bps, cpu_adam_params_
+                 and copies beside it (host.py's fit); the redo    per_s, host_memory_Bps, cpu_update_bytes_per_param
     overhead.py  ready-to-start gaps of real steps of a 2-layer cut of the model           task_overhead_s
     collectives.py  (under torchrun, every rank, before the rest: cli/profile.py) all-gather,
                  reduce-scatter, all-reduce by message size                                collectives
@@ -40,7 +41,7 @@ from megatrain.compile.knobs import ScheduleKnobs, knobs_for
 from megatrain.sim.profile import HardwareProfile
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.engine.trainer import set_update_threads
-from megatrain.profiling import copies, host, rates, units
+from megatrain.profiling import copies, host, operating, rates, units
 from megatrain.profiling.assemble import build_profile
 from megatrain.profiling.bench import Progress, Worker, _fmt_s, median
 from megatrain.profiling.machine import this_machine
@@ -218,10 +219,11 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         host_bytes = _host_stream_bytes(on_gpu, quick)
         plan.add(f"host memory bandwidth ({host_bytes // copies.MiB} MiB streaming copy, {threads} threads)",
                  budget / 2 + 0.1 + 3 * host_bytes / 5e9, lambda: _host_memory(m, w, threads, host_bytes, budget / 2))
-        contention_bytes = min(max_copy, (64 if quick else 256) * copies.MiB)
-        plan.add("CPU update alone and beside h2d / d2h / both copies; copies beside it",
-                 budget + 0.3 + 40 * contention_bytes / 5e9,
-                 lambda: _host_contention(m, bufs, w, layer_n, threads, stream_copy, contention_bytes, budget, quick))
+        unit_bytes = 6 * layer_n  # a layer's weights in (bf16) and gradients out (fp32), about
+        plan.add("the runtime's copies (a layer's PREFETCH / OFFLOAD) alone, both at once, beside its CPU update "
+                 "(Updates.update) and the update beside them; its clipping redo",
+                 budget + 0.5 + 60 * unit_bytes / 5e9 + 4 * layer_n * 4e-9 + 60 * adam_1 / threads,
+                 lambda: _operating_point(m, spec, req, backend, w, threads, budget, quick))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
@@ -333,16 +335,18 @@ def _host_memory(m, w, threads, nbytes, budget):
     return f"{m['host_memory']['Bps'] / 1e9:.1f} GB/s read + write"
 
 
-def _host_contention(m, bufs, w, n, threads, stream_copy, nbytes, budget, quick):
-    a, b = bufs["buffers"]
-    r = host.measure_contention(w["cpu"], _update_fn(n, stream_copy), threads, w["h2d"], w["d2h"],
-                                a.copier("h2d", nbytes), b.copier("d2h", nbytes), nbytes, budget, quick)
-    r["params"] = n
-    m["host_contention"] = r
-    ms = {k: r[f"update_{k}_s"] * 1e3 for k in ("alone", "h2d", "d2h", "both")}
-    return (f"update {ms['alone']:.2f} ms alone, {ms['h2d']:.2f} / {ms['d2h']:.2f} / {ms['both']:.2f} beside h2d / "
-            f"d2h / both; h2d {r['h2d_alone_Bps'] / 1e9:.1f} -> {r['h2d_update_Bps'] / 1e9:.1f}, d2h "
-            f"{r['d2h_alone_Bps'] / 1e9:.1f} -> {r['d2h_update_Bps'] / 1e9:.1f} GB/s beside the update")
+def _operating_point(m, spec, req, backend, w, threads, budget, quick):
+    r = operating.measure_operating_point(spec, req.batch, req.seqs[0], _run_knobs(req, backend), backend, w,
+                                          threads, budget, quick)
+    m["operating_point"] = r
+    m["host_contention"] = r["contention"]  # the host fit's input (profiling/assemble.py)
+    c, k = r["copies"], r["contention"]
+    g = 1e9
+    return (f"h2d {r['weight_bytes'] / copies.MiB:.1f} MiB {c['h2d_alone_Bps'] / g:.1f} GB/s, d2h "
+            f"{r['grad_bytes'] / copies.MiB:.1f} MiB {c['d2h_alone_Bps'] / g:.1f}, both at once "
+            f"{c['duplex_Bps'] / g:.1f}; update {k['update_alone_s'] * 1e3:.2f} ms alone, "
+            f"{k['update_both_s'] * 1e3:.2f} beside both; "
+            f"redo x{r['redo_over_update']:.2f}")
 
 
 def _layer_forward(spec, req, backend, w):

@@ -1,5 +1,9 @@
 """Copy bandwidth between host and device, by size and direction, alone and with both directions at once.
 
+Two kinds of measurement: a sweep of sizes on buffers of its own (`measure_curve`, `measure_duplex`), and the
+runtime's own copies at its operating point (`measure_pair`: the unit sizes, from the host store's pinned tiles;
+profiling/operating.py), whose points `with_point` puts into the swept curves.
+
 The buffers are the runtime's kind: host memory from `Backend.host_region` page-locked with `Backend.pin` (the
 host store's cudaHostRegister, not torch's caching host allocator) and device memory from `Backend.empty`; each
 direction is issued from its own stream's thread ("h2d", "d2h"). On the CPU backend both ends are host memory and a
@@ -105,3 +109,35 @@ def measure_duplex(bufs_a: CopyBuffers, bufs_b: CopyBuffers, h2d: Worker, d2h: W
     out["duplex_Bps"] = out["h2d_shared_Bps"] + out["d2h_shared_Bps"]
     out["bytes"] = nbytes
     return out
+
+
+def measure_pair(h2d: Worker, d2h: Worker, copy_in, copy_out, in_bytes: int, out_bytes: int, quick: bool) -> dict:
+    """The runtime's two copies (`copy_in`: `in_bytes` host -> device, `copy_out`: `out_bytes` device -> host, each
+    a callable on its own worker's stream): seconds of each alone, and of each while the other one copies in a loop
+    (the runtime overlaps a PREFETCH with an OFFLOAD); their bytes/s alone and shared, and the shared sum."""
+    reps = 3 if quick else 6
+    out: dict = {"h2d_bytes": in_bytes, "d2h_bytes": out_bytes}
+    out["h2d_alone_s"] = median(h2d.time(copy_in, reps, warmup=1))
+    out["d2h_alone_s"] = median(d2h.time(copy_out, reps, warmup=1))
+    with Background(d2h, copy_out):
+        out["h2d_shared_s"] = median(h2d.time(copy_in, reps, warmup=1))
+    with Background(h2d, copy_in):
+        out["d2h_shared_s"] = median(d2h.time(copy_out, reps, warmup=1))
+    for d, n in (("h2d", in_bytes), ("d2h", out_bytes)):
+        out[f"{d}_alone_Bps"] = n / out[f"{d}_alone_s"]
+        out[f"{d}_shared_Bps"] = n / out[f"{d}_shared_s"]
+    out["duplex_Bps"] = out["h2d_shared_Bps"] + out["d2h_shared_Bps"]
+    return out
+
+
+def with_point(curve: CopyCurve, nbytes: int, time_s: float) -> CopyCurve:
+    """`curve` with the copy of `nbytes` measured at `time_s` as one of its points (replacing a point of that size),
+    so the simulator's duration at the runtime's copy size is the time measured there. The latency stays; a copy
+    that is mostly latency (time <= 2 x latency, as `fit_curve` rules) leaves the curve as it is."""
+    if not time_s > 2 * curve.latency_s:
+        return curve
+    rate = nbytes / (time_s - curve.latency_s)
+    points = dict(zip(curve.sizes_bytes, curve.Bps))
+    points[int(nbytes)] = rate
+    sizes = sorted(points)
+    return CopyCurve(tuple(sizes), tuple(points[n] for n in sizes), curve.latency_s)

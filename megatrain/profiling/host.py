@@ -51,9 +51,11 @@ def measure_host_memory(worker: Worker, threads: int, nbytes: int, budget_s: flo
 
 
 def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Worker, copy_in, copy_out,
-                       nbytes: int, budget_s: float, quick: bool) -> dict:
+                       nbytes: int, budget_s: float, quick: bool, out_bytes: int | None = None) -> dict:
     """The update's seconds alone and beside each copy mix; each copy direction's bytes/s alone, beside the
-    update, and beside the update and the other direction. `copy_in` / `copy_out` copy `nbytes` each."""
+    update, and beside the update and the other direction. `copy_in` copies `nbytes`, `copy_out` `out_bytes`
+    (default `nbytes`: the runtime's copies differ, a layer's weights in and its gradients out)."""
+    out_bytes = nbytes if out_bytes is None else out_bytes
     reps = 3 if quick else 6
     each = budget_s / 4
     before = cpu.call(torch.get_num_threads)
@@ -62,9 +64,10 @@ def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Work
         return median(cpu.time_for(update, each, warmup=1, rounds=2 if quick else 3))
 
     def copy_Bps(worker: Worker, fn) -> float:
-        return nbytes / median(worker.time(fn, reps, warmup=1))
+        n = nbytes if worker is h2d else out_bytes
+        return n / median(worker.time(fn, reps, warmup=1))
 
-    out: dict = {"copy_bytes": nbytes, "threads": threads}
+    out: dict = {"copy_bytes": nbytes, "copy_out_bytes": out_bytes, "threads": threads}
     try:
         cpu.call(torch.set_num_threads, threads)
         out["update_alone_s"] = update_s()

@@ -12,6 +12,8 @@ uses to compare each task's time from ready to done, predicted against measured.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 
 from megatrain.exec.backend import Backend
@@ -61,12 +63,24 @@ def with_spans(step: pd.DataFrame, program: Program) -> pd.DataFrame:
     return out
 
 
+CUT_LAYERS = 2  # the decoder layers of the model cut that the profile runs real steps and the runtime's objects on
+
+
+def profile_cut(spec: ModelSpec, knobs: ScheduleKnobs) -> tuple[ModelSpec, ScheduleKnobs]:
+    """The model cut to at most CUT_LAYERS layers and the knobs that run on it: `resident_layers` (layers
+    0..r-1 live on the GPU) keeps at least one layer streamed, so the cut has a PREFETCH, an OFFLOAD and a host
+    update of a layer to measure (a run's r=4 on a 2-layer cut is r=1; the measured layer is layer r)."""
+    cut = spec.with_layers(min(spec.num_layers, CUT_LAYERS))
+    resident = min(knobs.resident_layers, cut.num_layers - 1)
+    return cut, (knobs if resident == knobs.resident_layers else replace(knobs, resident_layers=resident))
+
+
 def measure_runtime_gaps(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: Backend,
                          steps: int, cpu_threads: int | None = None) -> dict:
-    """Run `steps` real steps of `spec` cut to at most 2 layers; return the gaps by stream and kind (steps after
-    the first), the global norm's ready-to-done time, and the measured timelines."""
+    """Run `steps` real steps of `spec` cut to at most 2 layers (`profile_cut`); return the gaps by stream and
+    kind (steps after the first), the global norm's ready-to-done time, and the measured timelines."""
 
-    cut = spec.with_layers(min(spec.num_layers, 2))
+    cut, knobs = profile_cut(spec, knobs)
     optim = AdamWConfig(lr=1e-5)
     trainer = StreamedTrainer(cut, knobs, optim=optim, backend=backend, seed=0,
                               cpu_threads=cpu_threads)

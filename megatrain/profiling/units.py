@@ -13,6 +13,7 @@ random activations. The results become the profile's `compute_tables`:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -101,11 +102,39 @@ def token_batches(batch: int, quick: bool) -> list[int]:
     return out + [batch]
 
 
+def run_batches(batches: list[int], knobs: ScheduleKnobs) -> list[int]:
+    """`batches` plus the sequences of one micro-batch of the run (the largest batch over `knobs.micro_batches`),
+    the tokens per task the run's Program gives its compute tasks: a table measured there needs no interpolation."""
+    micro = max(1, max(batches) // knobs.micro_batches)
+    return sorted(set(batches) | {micro})
+
+
+def layer_variants(uclass: str, knobs: ScheduleKnobs) -> list[bool]:
+    """Compiled or not, the variants of a unit class to measure: a decoder layer with `compile_layers` both
+    (eager too: so a profile prices the choice between them, and the eager fallback is measured, not assumed);
+    every other unit eager (only the decoder layer is ever compiled)."""
+    return [False, True] if uclass == "layer" and knobs.compile_layers else [False]
+
+
 def measure_unit(spec: ModelSpec, uclass: str, knobs: ScheduleKnobs, seq: int, batches: list[int],
                  backend: Backend, worker: Worker, budget_s: float) -> tuple[list[ComputeTable], list[dict]]:
-    """Compute tables of one unit class at one sequence length: median seconds per task for each token count.
+    """Compute tables of one unit class at one sequence length: median seconds per task for each token count
+    (`batches` and the run's micro-batch, `run_batches`), compiled and eager where `layer_variants` says.
 
     Returns the tables and the raw rows (every timing) for the measurement record."""
+    batches = run_batches(batches, knobs)
+    variants = layer_variants(uclass, knobs)
+    tables, raw = [], []
+    for compiled in variants:
+        t, r = _measure_variant(spec, uclass, replace(knobs, compile_layers=compiled), seq, batches, backend,
+                                worker, budget_s / len(variants))
+        tables += t
+        raw += r
+    return tables, raw
+
+
+def _measure_variant(spec: ModelSpec, uclass: str, knobs: ScheduleKnobs, seq: int, batches: list[int],
+                     backend: Backend, worker: Worker, budget_s: float) -> tuple[list[ComputeTable], list[dict]]:
     slot = worker.call(UnitSlot, spec, UNIT_OF_CLASS[uclass], knobs, backend)
     kinds = KINDS_OF_CLASS[uclass]
     dur: dict[str, list[float]] = {k: [] for k in kinds}

@@ -1,0 +1,155 @@
+"""`megatrain profile` at the runtime's operating point (issue 24 item 2): the copies measured are the runtime's (a
+layer's PREFETCH and OFFLOAD bytes, from the host store's pinned tiles), the update measured is the runtime's own
+task body at its threads, and the profile takes its copy points, duplex cap, host fit and CPU rate from them.
+
+Timings on a shared 2-core machine are noise: these tests check what was measured (sizes, code path, structure,
+positivity) and how the profile is built from it, never how two timings compare."""
+import math
+
+import pytest
+import torch
+
+from megatrain.compile.knobs import knobs_for
+from megatrain.exec.backend import get_backend
+from megatrain.exec.updates import Updates
+from megatrain.model.presets import PRESETS
+from megatrain.profiling import ProfileRequest, measure_profile
+from megatrain.profiling.assemble import operating_cpu_rate
+from megatrain.profiling.bench import Worker
+from megatrain.profiling.copies import with_point
+from megatrain.profiling.operating import RuntimeCut, conversion_passes, measure_operating_point
+from megatrain.profiling.units import layer_variants, measure_unit, run_batches
+from megatrain.sim import load_profile
+from megatrain.sim.profile import CopyCurve
+
+DEBUG = PRESETS["debug"]
+WIRES = {"bf16 weights, fp32 grads": knobs_for("overlap", compute_dtype="fp32"),
+         "bf16 weights, bf16 grads": knobs_for("overlap", compute_dtype="fp32", grad_wire="bf16"),
+         "fp32 weights": knobs_for("overlap", compute_dtype="fp32", weight_wire="fp32"),
+         # a run's 4 resident layers on the 2-layer cut: one stays resident, layer 1 streams and is measured
+         "resident layers": knobs_for("arrival-resident", compute_dtype="fp32", resident_layers=4)}
+
+
+@pytest.mark.parametrize("wires", list(WIRES))
+def test_the_copies_measured_are_the_runtimes_prefetch_and_offload(wires):
+    knobs = WIRES[wires]
+    cut = RuntimeCut(DEBUG, 2, 16, knobs, get_backend("cpu"))
+    tasks = cut.program.tasks
+    assert cut.unit == (1 if knobs.resident_layers else 0) and cut.program.placement.unit(cut.unit).resident is False
+    # The bytes of the Program's PREFETCH and OFFLOAD of a layer: what the runtime copies, in its wire dtypes.
+    assert cut.weight_bytes == tasks[f"P{cut.unit}"].bytes and cut.grad_bytes == tasks[f"O{cut.unit}"].bytes
+    assert cut.params == tasks[f"U{cut.unit}"].params
+    # From the host store's own tiles (the streaming copy, or the master on an fp32 wire; the landing tile).
+    sources = [src for _, src in cut._in]
+    assert [s.data_ptr() for s in sources] == [s.data_ptr() for _, s in cut.store.stream_segments(cut.unit)]
+    assert cut.landing.data_ptr() == cut.store.grad(cut.unit).data_ptr() and cut.landing.dtype == cut.store.grad_dtype
+    cut.copy_in()
+    cut.copy_out()
+    assert torch.equal(cut.weights[:sources[0].numel()].float(), sources[0].float())
+    assert torch.allclose(cut.landing.float(), torch.full_like(cut.landing, 1e-3).float())
+    lay = cut.store.layout
+    assert cut.passes == conversion_passes(cut.store) == ((lay.weight_wire == "bf16") + (lay.grad_wire == "bf16"))
+
+
+def test_the_update_measured_is_the_runtimes_own_task_body(monkeypatch):
+    calls = {"update": 0, "clip_redo": 0}
+    for name in calls:
+        real = getattr(Updates, name)
+
+        def spy(self, t, real=real, name=name):
+            calls[name] += 1
+            assert t.unit == 0 and t.stream == "cpu"
+            return real(self, t)
+        monkeypatch.setattr(Updates, name, spy)
+    backend = get_backend("cpu")
+    w = {s: Worker(backend, s) for s in ("h2d", "d2h", "cpu")}
+    try:
+        rec = measure_operating_point(DEBUG, 2, 16, WIRES["bf16 weights, fp32 grads"], backend, w, 1, 0.05, True)
+    finally:
+        for wk in w.values():
+            wk.close()
+    assert calls["update"] > 0 and calls["clip_redo"] > 0
+    assert rec["update_path"] == "exec.updates.Updates.update" and rec["redo_path"] == "exec.updates.Updates.clip_redo"
+    c, k = rec["copies"], rec["contention"]
+    for key in ("h2d_alone_s", "d2h_alone_s", "h2d_shared_s", "d2h_shared_s", "duplex_Bps"):
+        assert 0 < c[key] < math.inf, key
+    assert c["duplex_Bps"] == pytest.approx(c["h2d_shared_Bps"] + c["d2h_shared_Bps"])
+    for key in ("update_alone_s", "update_h2d_s", "update_d2h_s", "update_both_s", "h2d_update_Bps",
+                "d2h_update_Bps", "h2d_both_Bps", "d2h_both_Bps"):
+        assert 0 < k[key] < math.inf, key
+    assert (k["copy_bytes"], k["copy_out_bytes"]) == (rec["weight_bytes"], rec["grad_bytes"])
+    assert k["threads"] == rec["threads"] == 1 and k["params"] == rec["params"] and k["source"] == "operating point"
+    assert rec["redo_s"] > 0 and rec["redo_over_update"] > 0
+
+
+def test_a_measured_copy_becomes_a_point_of_the_curve():
+    curve = CopyCurve((4096, 1 << 20, 1 << 26), (10e9, 20e9, 25e9), 10e-6)
+    n, t = 3 << 20, 200e-6
+    c = with_point(curve, n, t)
+    assert n in c.sizes_bytes and c.duration(n) == pytest.approx(t, rel=1e-12) and c.latency_s == curve.latency_s
+    assert c.duration(1 << 26) == curve.duration(1 << 26)  # the other points stay
+    assert with_point(c, n, 2 * t).duration(n) == pytest.approx(2 * t)  # a size measured again: replaced
+    assert with_point(curve, 4096, 15e-6) is curve  # mostly latency: nothing to learn about the rate
+
+
+def test_layer_tables_at_the_runs_micro_batch_and_eager_beside_compiled():
+    assert run_batches([1, 8], knobs_for("overlap", micro_batches=4)) == [1, 2, 8]
+    assert run_batches([1, 8], knobs_for("overlap")) == [1, 8]
+    compiled = knobs_for("overlap", compile_layers=True)
+    assert layer_variants("layer", compiled) == [False, True] and layer_variants("head", compiled) == [False]
+    assert layer_variants("layer", knobs_for("overlap")) == [False]
+    backend = get_backend("cpu")
+    w = Worker(backend, "compute")
+    try:
+        tables, raw = measure_unit(DEBUG, "layer", knobs_for("overlap", compute_dtype="fp32", micro_batches=2), 16,
+                                   [1, 4], backend, w, 0.05)
+    finally:
+        w.close()
+    assert {t.tokens for t in tables} == {(16, 32, 64)} and all(not t.compiled for t in tables)
+    assert all(d > 0 for t in tables for d in t.dur_s) and len(raw) == 9
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    req = ProfileRequest(DEBUG, batch=2, seqs=[16], device="cpu", dtypes=["fp32"], quick=True,
+                         knobs=knobs_for("overlap", compute_dtype="fp32", grad_wire="bf16"))
+    return measure_profile(req, log=lambda _: None)
+
+
+def test_the_profile_is_built_from_the_operating_point(calibration):
+    p, m = calibration.profile, calibration.measurements
+    op = m["operating_point"]
+    assert m["host_contention"] is op["contention"] and op["passes"] == 2  # bf16 refresh + bf16 gradients
+    assert p.duplex_Bps == pytest.approx(op["copies"]["duplex_Bps"])
+    for curve, nbytes, key in ((p.h2d, op["weight_bytes"], "h2d_alone_s"), (p.d2h, op["grad_bytes"], "d2h_alone_s")):
+        t = op["copies"][key]
+        if t > 2 * curve.latency_s:  # a copy that is not all latency is a point of the curve, at the runtime's size
+            assert nbytes in curve.sizes_bytes and curve.duration(nbytes) == pytest.approx(t, rel=1e-9)
+    rate = operating_cpu_rate(op, m["cpu_adam"]["fixed_s"], m["cpu_refresh"]["rate"])
+    if rate is not None:  # the rate at the runtime's threads is its own update's, conversion passes taken out
+        assert p.cpu_adam_rate() == pytest.approx(rate, rel=1e-9)
+    assert "Updates.update" in p.notes["operating point"] and "redo" in p.notes["operating point"]
+    assert "operating point" in p.notes["duplex_Bps"]
+
+
+def test_profiles_written_before_the_operating_point_still_load():
+    p = load_profile("h200-measured")
+    assert p.duplex_Bps > 0 and p.h2d.rate(1 << 28) > 0
+
+
+def test_the_fallback_efficiency_is_fitted_on_the_variant_the_run_asks_for():
+    from megatrain.profiling.assemble import _efficiency
+    from megatrain.sim.profile import ComputeTable, model_signature
+
+    sig = model_signature(DEBUG)
+
+    def tables(compiled, scale, seq=16):
+        return [ComputeTable(sig, k, "layer", seq, (64,), (scale * (2 if k == "B" else 1),), "fp32", compiled)
+                for k in ("F", "B")]
+    m = {"matmul_flops_per_s": {"fp32": 1e12}}
+    eager, compiled = tables(False, 1e-3), tables(True, 0.5e-3)
+    both = _efficiency(m, DEBUG, eager + compiled, "fp32", compiled=True)["layer"]
+    assert both == _efficiency(m, DEBUG, compiled, "fp32", compiled=True)["layer"] != 1.0
+    assert _efficiency(m, DEBUG, eager + compiled, "fp32")["layer"] == _efficiency(m, DEBUG, eager, "fp32")["layer"]
+    # several sequence lengths: the longest one's tables (a fit was skipped altogether before)
+    assert _efficiency(m, DEBUG, eager + tables(False, 1e-3, seq=8), "fp32")["layer"] != 1.0
