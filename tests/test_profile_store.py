@@ -169,3 +169,20 @@ def test_train_prints_one_profile_line_and_a_resume_starts_from_its_calibrated_p
     assert main(base[:2] + ["7"] + base[3:] + ["--resume"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "profile: " in line and "(" in line]
     assert any(f"profile: {cal} (this resumed run's own calibrated profile" in line for line in lines), lines
+
+
+def test_the_profile_command_writes_the_cache_by_default(monkeypatch, capsys):
+    """`megatrain profile` without --out: this machine's cache file (the measurement itself is stubbed: the
+    measuring is tests/test_calibrate.py's), and twice keeps the first run's tables."""
+    from megatrain.cli import main
+    from megatrain.profiling import calibrate, report
+
+    here = this_machine("cpu")
+    runs = iter([_table("sig-a", 16), _table("sig-b", 16)])
+    monkeypatch.setattr(calibrate, "measure_profile", lambda req: Calibration(_profile(here, next(runs)), {}))
+    monkeypatch.setattr(report, "calibration_report", lambda cal: "(report)")
+    args = ["profile", "--model", "debug", "--batch", "2", "--seq", "16", "--device", "cpu", "--quick"]
+    assert main(args) == 0 and main(args) == 0
+    out = capsys.readouterr().out
+    assert f"profile written to {cache_path()}" in out and "it is this machine's profile in the per-user cache" in out
+    assert sorted(t.model for t in load_profile(cache_path()).compute_tables) == ["sig-a", "sig-b"]
