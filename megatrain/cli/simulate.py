@@ -272,7 +272,6 @@ def run(args) -> int:
     # the shape first, as every command that takes --batch (each has its own default: --help)
     print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs{hosts}" if world > 1
                                                                  else "") + f", profile {profile.name}")
-    print(choice.line())
     if args.schedule == "auto":
         if args.hosts > 1:
             raise UserError("--schedule auto chooses for one host; with --hosts > 1 name a schedule (e.g. "
@@ -300,6 +299,7 @@ def run(args) -> int:
         rows.append(row_of(v, result))
     stale = remove_stale_variants(out, written)
     print(table(rows))
+    print(choice.line())  # which profile and why, below the table (the table's header is the second line)
     if args.hosts > 1:
         print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; each host trains {args.gpus}x the tokens, the "
               f"job {world}x; collectives cross hosts at most {args.gpus} x {profile.inter_host_Bps / 1e9:g} GB/s, "
