@@ -186,3 +186,18 @@ def test_the_profile_command_writes_the_cache_by_default(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"profile written to {cache_path()}" in out and "it is this machine's profile in the per-user cache" in out
     assert sorted(t.model for t in load_profile(cache_path()).compute_tables) == ["sig-a", "sig-b"]
+
+
+def test_compare_resolves_its_profile_in_one_line(capsys, monkeypatch):
+    """compare's profile (without --measure-profile) is the store's: the shipped one for the device, then
+    $MEGATRAIN_PROFILE (the measuring itself is tests/test_compare.py's)."""
+    from argparse import Namespace
+
+    from megatrain.cli.compare import _profile_for
+
+    args = Namespace(measure_profile=False, profile=None, model="debug", batch=2, seq=16)
+    assert _profile_for(args, None, "cpu", None, Path("unused")).name == "cpu"
+    assert capsys.readouterr().out.startswith("profile: cpu (shipped default for cpu, NOT this machine's")
+    monkeypatch.setenv("MEGATRAIN_PROFILE", "h200")
+    assert _profile_for(args, None, "cpu", None, Path("unused")).name == load_profile("h200").name
+    assert capsys.readouterr().out.splitlines()[0] == "profile: h200 ($MEGATRAIN_PROFILE)"
