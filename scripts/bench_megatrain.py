@@ -9,7 +9,7 @@ run's calibrated profile for that.
 
 `--schedule auto` chooses as `megatrain train --schedule auto` does, through the same code
 (train/autoswitch.py `choose_before_run`: the budget rule of megatrain/tune/auto.py, `--profile` if given, else this
-machine's profile under runs/profiles, measured quickly first when there is none), and re-checks the choice after
+machine's profile in the per-user cache, measured quickly first when there is none: docs/profiles.md), and re-checks the choice after
 the warm-up as the trainer does (`AutoChoice.recheck`, `switch_trainer`): 2 more steps are measured, and after a
 switch 2 more warm-up steps run before the timed ones.
 

@@ -1,8 +1,9 @@
-"""Test-session hook: MEGATRAIN_TEST_MUTANT=<name> breaks one implementation on purpose for the whole session.
+"""Test-session hooks: MEGATRAIN_TEST_MUTANT=<name> breaks one implementation on purpose for the whole session;
+every test gets its own empty profile cache (the fixture at the end).
 
 tests/test_mutations.py runs the equality tests that guard each of these in a subprocess with the mutant applied and
 expects them to fail: a test that still passes with AdamW, the undo or the loss normaliser broken proves nothing.
-Without the variable this file does nothing.
+Without the variable the mutant hook does nothing.
 """
 from __future__ import annotations
 
@@ -60,3 +61,11 @@ def pytest_configure(config):
     if name not in MUTANTS:
         raise pytest.UsageError(f"MEGATRAIN_TEST_MUTANT={name!r} is not a mutant; use one of {sorted(MUTANTS)}")
     MUTANTS[name]()
+
+
+@pytest.fixture(autouse=True)
+def _profile_cache(tmp_path_factory, monkeypatch):
+    """No test reads or writes the real per-user profile cache (~/.cache/megatrain, profiling/store.py), and none
+    picks up a MEGATRAIN_PROFILE of the shell: every test (and every subprocess it spawns) gets an empty cache."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path_factory.mktemp("megatrain-cache")))
+    monkeypatch.delenv("MEGATRAIN_PROFILE", raising=False)

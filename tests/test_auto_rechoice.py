@@ -102,9 +102,12 @@ def test_auto_without_a_profile_of_this_machine_profiles_quickly_first(tmp_path,
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "no profile of this machine" in out and "so it is profiled quickly first" in out
-    made = list((tmp_path / "runs" / "profiles").rglob("debug-b2-s16-cpu.json"))
-    assert len(made) == 1 and load_profile(made[0]).machine["cores"] >= 1
-    assert f"profile {made[0].stem}" in out  # the choice was made with it
+    from megatrain.profiling.store import cache_path  # the per-user cache (tests/conftest.py: a tmp dir)
+
+    made = cache_path()
+    assert made.is_file() and load_profile(made).machine["cores"] >= 1
+    assert not (tmp_path / "runs" / "profiles").exists()  # the old per-run-dir cache is gone
+    assert f"profile: {made} (this machine's profile in the cache)" in out  # the run used it, in one line
     assert main(args) == 0  # the next run finds it
     out = capsys.readouterr().out
-    assert f"using this machine's profile {made[0]}" in out and "profiled quickly" not in out
+    assert f"using this machine's profile {made}" in out and "profiled quickly" not in out

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from megatrain.sim.profile import HardwareProfile, ProfileError, load_profile
+from megatrain.sim.profile import ComputeTable, HardwareProfile, ProfileError, load_profile, model_signature
 
 CPU = json.loads(load_profile("cpu").to_json().replace("Infinity", "1e30"))
 BAD = (-1.0, 0, math.nan, "fast", True, None)
@@ -105,31 +105,35 @@ def test_valid_profiles_still_round_trip():
 
 
 def test_a_cached_profile_that_does_not_load_is_measured_again(tmp_path, monkeypatch):
-    """A truncated profile under runs/profiles broke every later `--schedule auto` with a traceback; now it is named
-    in one line and measured again (the cache is rewritten)."""
+    """A truncated profile in the cache broke every later `--schedule auto` with a traceback; now it is named in one
+    line and measured again (the cache is rewritten)."""
     from megatrain.compile.knobs import knobs_for
     from megatrain.model.presets import PRESETS
-    from megatrain.profiling.machine import key, this_machine
+    from megatrain.profiling.calibrate import Calibration
+    from megatrain.profiling.machine import this_machine
+    from megatrain.profiling.store import cache_path
     from megatrain.train import autoswitch
 
     spec = PRESETS["debug"]
-    path = tmp_path / "profiles" / key(this_machine("cpu")) / f"{spec.name}-b2-s16-cpu.json"
+    path = cache_path(this_machine("cpu"))  # tests/conftest.py points the cache at a tmp dir
     path.parent.mkdir(parents=True)
     path.write_text(load_profile("cpu").to_json()[:300])  # truncated mid-write
     measured = []
 
     def fake_measure(request, log):
         measured.append(request)
-        return load_profile("cpu").with_(machine=this_machine("cpu"))
+        # a profile of this machine that covers the debug model at seq 16 (what auto checks before measuring)
+        table = ComputeTable(model_signature(spec), "F", "layer", 16, (32,), (1e-3,), dtype=request.knobs.compute_dtype)
+        return Calibration(load_profile("cpu").with_(machine=this_machine("cpu"), compute_tables=(table,)), {})
 
     monkeypatch.setattr(autoswitch, "measure_profile", fake_measure)
     lines = []
-    got = autoswitch.machine_profile(tmp_path, spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
-    assert measured and got == str(path)
+    got = autoswitch.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    assert measured and got.profile == str(path)
     assert any("does not load" in line and str(path) in line for line in lines), lines
     assert load_profile(path).name == "cpu"  # the cache holds a profile again
     lines.clear()
-    autoswitch.machine_profile(tmp_path, spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    autoswitch.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
     assert len(measured) == 1 and "using this machine's profile" in lines[0]
 
 

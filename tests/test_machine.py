@@ -43,4 +43,4 @@ def test_train_says_when_the_profile_measured_another_machine(tmp_path, capsys):
     assert main(["train", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cpu", "--no-progress",
                  "--out-dir", str(tmp_path / "runs"), "--set", f"run.profile={path}"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if "measured on another machine" in line]
-    assert len(notes) == 1 and "cpu Some Other CPU ->" in notes[0] and "--set run.profile=" in notes[0]
+    assert len(notes) == 1 and "cpu Some Other CPU ->" in notes[0] and "megatrain profile --quick" in notes[0]

@@ -21,8 +21,8 @@ NOT_RUN = {
                  "--model debug`, which tests/test_training.py covers",
     "make test": "`make` builds a fresh .venv (network), then runs this very suite",
     ".venv/bin/megatrain profile --model bench-3b --device cuda": "needs a GPU (--device cuda)",
-    ".venv/bin/megatrain compare --model bench-3b --profile my.json": "needs a GPU and my.json, the GPU profile of "
-                                                                      "the line before",
+    ".venv/bin/megatrain compare --model bench-3b": "needs a GPU (it uses the profile the line before measures "
+                                                    "into the per-user cache)",
 }
 
 

@@ -34,7 +34,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured, h200, "
-                     "cpu (default: the shipped profile of the device)")
+                     "cpu (default: $MEGATRAIN_PROFILE, else this machine's profile in the per-user cache, else the "
+                     "shipped profile of the device: docs/profiles.md)")
     src.add_argument("--measure-profile", action="store_true",
                      help="run `megatrain profile` for this model and batch first (written to DIR/profile.json)")
     p.add_argument("--quick", action="store_true", help="with --measure-profile: the quick profile")
@@ -54,12 +55,23 @@ def _profile_for(args, spec, device: str, first_knobs, out: Path):
                              dtypes=[first_knobs.compute_dtype], quick=args.quick, knobs=first_knobs)
         cal = measure_profile(req)
         path, _ = cal.save(out / "profile.json")
-        print(f"profile written to {path}")
+        print(f"profile: {path} (--measure-profile: measured just now)")
         return cal.profile
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.profiling.machine import mismatch_line
+    from megatrain.profiling.store import reprofile_command, resolve_profile
+
+    choice = resolve_profile(device, flag=args.profile)
+    print(choice.line())
     try:
-        return load_profile(args.profile or ("h200-measured" if device.startswith("cuda") else "cpu"))
+        profile = load_profile(choice.profile)
     except ProfileError as e:
         raise UserError(str(e)) from None
+    line = choice.explicit and mismatch_line(profile, profile.name, reprofile_command(
+        device, args.model, args.batch, args.seq), " (into this machine's cache, which compare then uses)")
+    if line:
+        print(line)
+    return profile
 
 
 def run(args) -> int:

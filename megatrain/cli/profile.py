@@ -1,6 +1,11 @@
 """`megatrain profile`: measure this machine for a model shape and write a hardware profile for the simulator.
 
-    megatrain profile --model bench-3b --batch 8 --seq 2048 [--device cuda] [--out h200.json] [--quick]
+    megatrain profile --model bench-3b --batch 8 --seq 2048 [--device cuda] [--out FILE] [--quick]
+
+Writes this machine's profile into the per-user cache ($MEGATRAIN_CACHE, else $XDG_CACHE_HOME/megatrain, else
+~/.cache/megatrain; profiles/<machine key>.json), which simulate, compare, train and --schedule auto then use
+(profiling/store.py, docs/profiles.md); a profile of this machine already there keeps its compute tables of other
+model shapes and sequence lengths. `--out FILE` writes FILE instead.
 
 Measures copy bandwidth (by size, each direction, both at once), the model's per-unit forward / recompute /
 backward times at 1..batch sequences, AdamW rates (host threads, device), the runtime's per-task overheads and the
@@ -36,7 +41,14 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="measure this machine for a model shape; write a hardware profile JSON")
+    p = sub.add_parser("profile", help="measure this machine for a model shape; write a hardware profile JSON",
+                       description="Measure this machine for a model shape and write its hardware profile into the "
+                                   "per-user cache ($MEGATRAIN_CACHE, else $XDG_CACHE_HOME/megatrain, else "
+                                   "~/.cache/megatrain: profiles/<machine key>.json). simulate, compare, train and "
+                                   "--schedule auto on this machine then use it, unless --profile, run.profile or "
+                                   "$MEGATRAIN_PROFILE name another; each prints `profile: ... (why)`. Measuring "
+                                   "again keeps the cached compute tables of other shapes. --out FILE writes FILE "
+                                   "instead of the cache.")
     p.add_argument("--model", default="bench-3b",
                    help="preset name or HF model dir / config.json; more, comma-separated, add compute tables for "
                         "their shapes too (copies, optimizer and overheads are measured for the first)")
@@ -52,14 +64,18 @@ def register(sub) -> None:
     p.add_argument("--cpu-threads", type=positive_int, help="AdamW threads of the runtime (default: the trainer's choice)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, token counts and repetitions")
     p.add_argument("--name", help="profile name (default: from the device)")
-    p.add_argument("--out", help="profile JSON to write (default runs/profile-<model>-<device>.json)")
+    p.add_argument("--out", help="profile JSON to write (default: this machine's profile in the per-user cache, "
+                                 "$MEGATRAIN_CACHE or ~/.cache/megatrain/profiles/<machine key>.json, which every "
+                                 "command on this machine then uses; compute tables of other shapes measured before "
+                                 "are kept)")
     p.add_argument("--wait-timeout", dest="wait_timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="bound of every wait of a measurement; a hung copy or kernel ends with an error")
     p.add_argument("--collectives-only", dest="collectives_only", action="store_true",
                    help="under torchrun: measure only the collectives between the ranks (seconds) and write them "
                         "into the profile --base")
     p.add_argument("--base", help="with --collectives-only: the profile (shipped name or JSON) whose other fields the "
-                                  "written profile keeps (default: h200-measured on CUDA, cpu on the CPU backend)")
+                                  "written profile keeps (default: the profile every command resolves: "
+                                  "$MEGATRAIN_PROFILE, this machine's cached one, else h200-measured on CUDA, cpu)")
     p.set_defaults(func=run)
 
 
@@ -117,7 +133,6 @@ def run(args) -> int:
     _check_rank_device(args, device, ranks)
     if ranks > 1 and device == "cuda":  # this rank's GPU, before the memory check looks at one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    out = Path(args.out or f"runs/profile-{spec.name}-{device.replace(':', '')}.json")
     # Memory first, as `train` does: the real steps of a 2-layer cut at the largest batch and sequence (the
     # per-unit compute tables need no more than that), plus the copy buffers.
     from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
@@ -147,12 +162,20 @@ def run(args) -> int:
 
         cal = replace(cal, profile=with_collectives(cal.profile, rec), measurements=dict(cal.measurements,
                                                                                            collectives=rec))
-    path, raw = cal.save(out)
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.profiling.store import save_measured
+
+    path, raw = save_measured(cal, args.out)  # default: this machine's cache, earlier tables of other shapes kept
     print()
     print(calibration_report(cal))
     print()
     print(f"profile written to {path} (every timing in {raw}) after {time.perf_counter() - t0:.1f} s")
-    print(f"use it: megatrain simulate --profile {path} ...   megatrain compare --profile {path} ...")
+    if args.out:
+        print(f"use it: megatrain simulate --profile {path} ...   megatrain compare --profile {path} ...   "
+              f"(or export MEGATRAIN_PROFILE={path})")
+    else:
+        print("it is this machine's profile in the per-user cache: simulate, compare, train and --schedule auto on "
+              "this machine use it unless --profile / run.profile / $MEGATRAIN_PROFILE say otherwise")
     return 0
 
 
@@ -168,10 +191,14 @@ def _collectives_only(args, device: str, knobs, ranks: int) -> int:
     from megatrain.profiling.calibrate import Calibration
     from megatrain.profiling.collectives import measure_launch, report, with_collectives
     from megatrain.profiling.machine import this_machine
+    from megatrain.profiling.store import resolve_profile
     from megatrain.sim.profile import load_profile
 
     _check_rank_device(args, device, ranks)
-    base_name = args.base or ("h200-measured" if device == "cuda" else "cpu")
+    choice = resolve_profile(device, flag=args.base, flag_name="--base")
+    base_name = choice.profile
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(choice.line())
     base = load_profile(base_name)  # before joining: a bad --base fails every rank alike, at once
     out = Path(args.out or f"runs/profile-collectives-{ranks}x{device}.json")
     t0 = time.perf_counter()

@@ -3,6 +3,9 @@
     megatrain simulate --model bench-3b --batch 8 --seq 2048 --schedule overlap \\
         --sweep buffers=1,2,3 --sweep optimizer=after,overlap [--set micro_batches=2] [--profile h200] [--out DIR]
 
+The hardware profile is profiling/store.py's: --profile, else $MEGATRAIN_PROFILE, else this machine's profile in
+the per-user cache, else the shipped h200-measured; one line says which and why.
+
 Prints a comparison table (one row per variant, fastest first, times in milliseconds) and writes, per variant,
 the predicted timeline (CSV and JSON), a Chrome trace, a Gantt chart, the summary and the resolved configuration;
 `comparison.csv` holds the table (sweep order, seconds, as every file of the project). `--sweep` takes
@@ -29,9 +32,11 @@ from megatrain.cli.common import add_run_arguments, positive_float
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="predict step time and GPU idle time of schedules (no GPU needed)")
     add_run_arguments(p, model="bench-3b", batch=8, seq=2048)
-    p.add_argument("--profile", default="h200-measured",
-                   help="hardware profile: h200-measured (run 7 of docs/calibration.md), h200 (copy, matmul and AdamW ceilings measured on the GPU machine; not calibrated), "
-                        "cpu, or a profile JSON path")
+    p.add_argument("--profile",
+                   help="hardware profile: a profile JSON path, or a shipped one: h200-measured (run 7 of "
+                        "docs/calibration.md), h200 (copy, matmul and AdamW ceilings of the GPU machine; not "
+                        "calibrated), cpu. Default: $MEGATRAIN_PROFILE, else this machine's profile in the per-user "
+                        "cache (`megatrain profile` writes it), else h200-measured (docs/profiles.md)")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="simulate every value (repeat to sweep several knobs; KNOB may be 'schedule')")
     p.add_argument("--out", help="artefact directory (default runs/simulate-<model>)")
@@ -285,17 +290,19 @@ def run(args) -> int:
         facts = StepFacts(clip_share=args.clip_share)
     except ValueError as e:
         raise UserError(f"--clip-share: {e}") from None
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.profiling.machine import mismatch_line
+    from megatrain.profiling.store import reprofile_command, resolve_profile
+
+    # simulate predicts a GPU run: without a profile of this machine, the shipped GPU profile (said so)
+    choice = resolve_profile("cuda", flag=args.profile)
     try:
-        profile = load_profile(args.profile)
+        profile = load_profile(choice.profile)
     except ProfileError as e:
         raise UserError(str(e)) from None
     out = Path(args.out or f"runs/simulate-{spec.name}")
-    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
-    from megatrain.profiling.machine import mismatch_line
-
-    mine = f"runs/profile-{spec.name}.json"
-    line = mismatch_line(profile, profile.name, f"megatrain profile --quick --model {args.model} --batch {args.batch} "
-                         f"--seq {args.seq} --out {mine}", f" (then --profile {mine})")
+    line = choice.explicit and mismatch_line(profile, profile.name, reprofile_command(
+        "cuda", args.model, args.batch, args.seq), " (into this machine's cache, which simulate then uses)")
     hosts = f" x {args.hosts} hosts" if args.hosts > 1 else ""
     # the shape first, as every command that takes --batch (each has its own default: --help)
     print(f"{spec.name}, batch {args.batch} x seq {args.seq}" + (f" per GPU x {args.gpus} GPUs{hosts}" if world > 1
@@ -328,6 +335,7 @@ def run(args) -> int:
         results[v.label] = result
     stale = remove_stale_variants(out, written)
     print(table(rows))
+    print(choice.line())  # which profile and why, below the table (the table's header is the second line)
     if args.hosts > 1:
         print(f"(one rank's step: tokens/s and TFLOP/s are per GPU; each host trains {args.gpus}x the tokens, the "
               f"job {world}x; collectives cross hosts at most {args.gpus} x {profile.inter_host_Bps / 1e9:g} GB/s, "

@@ -43,6 +43,7 @@ from megatrain.sim import (
 )
 from megatrain.sim.profile import COMPUTE_KINDS, unit_class
 from megatrain.profiling.compare import step_time_s, task_table
+from megatrain.profiling.machine import this_machine
 from megatrain.profiling.overhead import with_spans
 
 FIT_ITERATIONS = 6
@@ -374,11 +375,14 @@ def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult
             f"kept {len(steps)}")
         return None
     cal = calibrate_run(program, predicted.profile, steps, warmup=0)
-    cal = replace(cal, step_range=(int(steps[0]["step"].iloc[0]), int(steps[-1]["step"].iloc[0])))
+    # fitted to steps measured here: it records this machine, so a resume here starts from it (profiling/store.py)
+    cal = replace(cal, step_range=(int(steps[0]["step"].iloc[0]), int(steps[-1]["step"].iloc[0])),
+                  profile=replace(cal.profile, machine=this_machine()))
     path = cal.save(run_dir)
     for line in cal.lines(profile_name):
         log(line)
-    log(f"calibrated profile: {path} (use it with --set run.profile={path} or `megatrain simulate --profile`)")
+    log(f"calibrated profile: {path} (a resume of this run starts from it; elsewhere --set run.profile={path} or "
+        f"`megatrain simulate --profile {path}`)")
     return cal
 
 

@@ -2,7 +2,7 @@
 after the warm-up, and choose again once. The choice itself is megatrain/tune/auto.py's (the one `auto`, with the
 one budget rule); this module adds what needs the machine and the running trainer.
 
-    auto = choose_before_run(spec, batch, seq, knobs, "cuda", out_dir)       # budget, profile, choice (printed)
+    auto = choose_before_run(spec, batch, seq, knobs, "cuda")                # budget, profile, choice (printed)
     decision = auto.recheck(program, profile, timelines, log)                 # after WARMUP + MIN_STEPS steps
     if decision.knobs is not None: program, applied = switch_trainer(trainer, batch, seq, decision.knobs, label)
 
@@ -39,8 +39,9 @@ from megatrain.model.spec import ModelSpec
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
 from megatrain.profiling.compare import step_time_s
 from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS, calibrate_run
-from megatrain.profiling.machine import differences, key, this_machine
-from megatrain.sim import ProfileError, estimate_line, load_profile, simulate
+from megatrain.profiling.store import ProfileChoice, reprofile_command, resolve_profile, save_measured
+from megatrain.sim import estimate_line, load_profile, simulate
+from megatrain.sim.profile import model_signature
 from megatrain.train.fit import check_fits
 from megatrain.tune.auto import AutoBudget, auto_budget, choose_auto, choose_schedule
 
@@ -112,17 +113,19 @@ class AutoChoice:
         return Decision(best.knobs, label, cal)
 
 
-def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, backend: str, out_dir,
-                      profile: str | None = None, gpu_gib: float | None = None, log=print) -> tuple[AutoChoice, str]:
+def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, backend: str, run_dir=None,
+                      profile: str | None = None, gpu_gib: float | None = None, log=print,
+                      resumed: bool = False) -> tuple[AutoChoice, str]:
     """`--schedule auto` before a run on this machine (`train`, scripts/bench_megatrain.py): the budget by the one
-    rule (`tune.auto.auto_budget`, GPU and host), this machine's profile when none is given (`machine_profile`),
+    rule (`tune.auto.auto_budget`, GPU and host), `profile` when given, else this machine's (`machine_profile`:
+    profiling/store.py's precedence; `run_dir` and `resumed`: a resumed run's own calibrated profile comes first),
     the choice (`tune.auto.choose_auto`), logged with the next best. Returns the AutoChoice that re-checks it after
     the warm-up and the profile it was made with. ScheduleError when nothing fits, BudgetError without a budget."""
     budget = auto_budget(backend, gpu_gib)
     if not profile:
-        profile = machine_profile(out_dir, spec, batch, seq, base, backend, log)
+        profile = machine_profile(spec, batch, seq, base, backend, log, run_dir, resumed).profile
     pick = choose_auto(spec, batch, seq, base, profile, budget)
-    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {Path(profile).stem}): fastest of "
+    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {pick.profile}): fastest of "
         f"{len(pick.table)} that fit:")
     for row in pick.table.head(3).itertuples():
         log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
@@ -131,40 +134,45 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
     return AutoChoice.of(spec, batch, seq, pick.knobs, budget, pick.label), profile
 
 
-def machine_profile(out_dir, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
-                    log=print) -> str:
-    """The path of a profile of this machine for (spec, batch, seq): one `auto` measured before under `out_dir`
-    /profiles when its recorded machine is this one, else a `megatrain profile --quick` measured now (and said
-    so; it is kept there for the next run)."""
-    here = this_machine(backend)
-    path = Path(out_dir) / "profiles" / key(here) / f"{spec.name}-b{batch}-s{seq}-{backend}.json"
-    why = f"{path} is missing"
-    if path.is_file():
-        try:  # a cache: one that no longer loads (truncated, edited) is measured again, never fatal
-            cached = load_profile(path)
-        except ProfileError as e:
-            why = f"the cached one does not load ({e})"
-        else:
-            if not differences(cached.machine, here):
-                log(f"--schedule auto: using this machine's profile {path}")
-                return str(path)
-            why = f"{path} was measured on another machine"
-    cmd = (f"megatrain profile --quick --model {spec.name} --batch {batch} --seq {seq} --device {backend} "
-           f"--out {path}")
-    log(f"--schedule auto: no profile of this machine ({why}), so it is profiled quickly first (as `{cmd}`)")
+def covers(profile, spec: ModelSpec, seq: int, dtype: str) -> bool:
+    """Whether `profile` has measured compute tables of `spec`'s shape at `seq` in `dtype`."""
+    sig = model_signature(spec)
+    return any(t.model == sig and t.seq == seq and t.dtype == dtype for t in profile.compute_tables)
+
+
+def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str, log=print,
+                    run_dir=None, resumed: bool = False) -> ProfileChoice:
+    """The profile `--schedule auto` chooses with when none is given: the one profiling/store.py resolves
+    ($MEGATRAIN_PROFILE, a resumed run's calibrated profile, this machine's cached one). When that is only the
+    shipped default, or the cached profile has no compute tables of this model at `seq`, this machine is profiled
+    quickly first (as `megatrain profile --quick`, said so) and the tables are merged into the cache for the next
+    run."""
+    choice = resolve_profile(backend, run_dir=run_dir, resumed=resumed)
+    if choice.source in ("env", "run"):  # asked for, or fitted to this very run
+        log(f"--schedule auto: {choice.line()}")
+        return choice
+    if choice.source == "cache":
+        if covers(load_profile(choice.profile), spec, seq, knobs.compute_dtype):
+            log(f"--schedule auto: using this machine's profile {choice.profile}")
+            return choice
+        why = f"this machine's profile {choice.profile} has no compute tables of {spec.name} at seq {seq}"
+    else:
+        why = f"no profile of this machine: {choice.reason}"
+    cmd = reprofile_command(backend, spec.name, batch, seq)
+    log(f"--schedule auto: {why}; so it is profiled quickly first (as `{cmd}`)")
     check_fits(spec.with_layers(min(2, spec.num_layers)), batch, seq, knobs, backend, f"profiling {spec.name}",
                "lower --batch / --seq, or give --set run.profile=FILE", profile_host_reserve(spec, backend, True))
     t0 = time.perf_counter()
     cal = measure_profile(ProfileRequest(spec, batch=batch, seqs=[seq], device=backend,
                                          dtypes=[knobs.compute_dtype], quick=True, knobs=knobs),
                           log=lambda _line: None)
-    cal.save(path)
+    path, _ = save_measured(cal, log=lambda line: log(f"--schedule auto: {line}"))
     del cal
     if backend == "cuda":  # the profile's buffers are gone; give their cached blocks back before the run
         gc.collect()
         torch.cuda.empty_cache()
     log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path}")
-    return str(path)
+    return ProfileChoice(str(path), "this machine's profile in the cache, measured just now", "cache")
 
 
 def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: str):

@@ -93,7 +93,8 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
     """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/auto.py:
     the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that re-checks it
     after the warm-up (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
-    kept. Without run.profile it uses this machine's profile, measured quickly first when there is none."""
+    kept. Without run.profile it uses the profile of profiling/store.py's precedence, and measures this machine
+    quickly first (into the per-user cache) when that is only the shipped default."""
     try:  # each rank would choose (and re-choose) on its own, and ranks must run one Program (the resolver says so)
         check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
     except ScheduleError as e:
@@ -106,12 +107,13 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and gpu_memory() is not None)
     spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
     try:
-        choice, profile = choose_before_run(spec, batch, seq, base, "cuda" if cuda else "cpu", cfg.run.out_dir,
-                                            cfg.run.profile, budget_gib)
+        choice, _ = choose_before_run(spec, batch, seq, base, "cuda" if cuda else "cpu", cfg.run.run_dir,
+                                      cfg.run.profile, budget_gib, resumed=bool(cfg.run.resume))
     except (ScheduleError, BudgetError) as e:
         raise ConfigError(f"--schedule auto: {e}") from None
-    extra = [] if cfg.run.profile else [f"run.profile={profile}"]
-    return schedule_overrides(choice.knobs, cfg.schedule.micro_batches) + extra, choice
+    # No run.profile is set for the run: the profile auto chose with is the one the run resolves itself
+    # (profiling/store.py; auto wrote this machine's into the cache when it had to measure it).
+    return schedule_overrides(choice.knobs, cfg.schedule.micro_batches), choice
 
 
 def run_from_args(args) -> int:

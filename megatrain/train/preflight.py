@@ -18,6 +18,7 @@ from megatrain.train.fit import check_memory
 from megatrain.compile.builders import build_schedule
 from megatrain.io.hf_checkpoint import check_hf_dir
 from megatrain.profiling.machine import mismatch_line
+from megatrain.profiling.store import reprofile_command, resolve_profile
 from megatrain.sim import ProfileError, load_profile
 
 
@@ -47,20 +48,21 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
     if cfg.run.eval_every and data.eval is None:
         log("note: run.eval_every is set but there is no held-out split (data.eval_fraction = 0); no eval")
     profile, profile_name = None, None
-    if cfg.run.simulate:
-        profile_name = cfg.run.profile or ("h200-measured" if backend == "cuda" else "cpu")
-        profile = load_profile_checked(profile_name)
-
-        out = f"{cfg.run.out_dir}/profiles/{spec.name}-{backend}.json"
-        line = mismatch_line(profile, Path(profile_name).stem, f"megatrain profile --quick --model {cfg.model.name} "
-                             f"--batch {batch} --seq {seq} --device {backend} --out {out}",
-                             f" (then --set run.profile={out})")
+    if cfg.run.simulate:  # the profile of profiling/store.py's precedence, named in one line with why
+        choice = resolve_profile(backend, flag=cfg.run.profile, flag_name="run.profile", run_dir=cfg.run.run_dir,
+                                 resumed=bool(cfg.run.resume))
+        log(choice.line())
+        profile = load_profile_checked(choice.profile)
+        profile_name = profile.name if choice.source in ("cache", "run") else Path(choice.profile).stem
+        line = choice.explicit and mismatch_line(
+            profile, profile_name, reprofile_command(backend, cfg.model.name, batch, seq),
+            " (into this machine's cache, which a run without run.profile then uses)")
         if line:
             log(line)
     if cfg.model.pretrained:
 
         check_hf_dir(cfg.model.name, spec, strict=not cfg.model.num_layers)
-    return Preflight(plan, data, profile, Path(profile_name).stem if profile_name else None)
+    return Preflight(plan, data, profile, profile_name)
 
 
 def load_profile_checked(name: str):
