@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-# eval_fraction suggestions are the nearest fitting value on the coarsest grid that has one (0.01, then finer).
-_FRACTION_GRIDS = (100, 1000, 10000)
+# eval_fraction suggestions are the nearest fitting value on the coarsest grid that has one (0.01, then 0.001).
+_FRACTION_GRIDS = (100, 1000)
 
 
 def windows_in(tokens: int, seq_len: int) -> int:
@@ -89,6 +89,7 @@ def suggestions(shape: DataShape, batch_multiple: int = 1) -> list[tuple[str, st
 
 
 def shape_fits(shape: DataShape, **changes) -> bool:
+    """Whether `shape` with `changes` (DataShape fields) fits."""
     return replace(shape, **changes).fits()
 
 
