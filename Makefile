@@ -1,4 +1,5 @@
 # Two commands work on a fresh machine: `make demo` (the main job on the embedded default) and `make test`.
+# `make notebook` opens JupyterLab on notebooks/ (it installs the `notebook` extra, which demo and test never do).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,4 +25,19 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-.PHONY: venv demo test
+# JupyterLab in the same venv, so the notebooks' kernel imports this checkout. On a remote machine, serve without a
+# browser on a port you forward (ssh -L 8888:localhost:8888 host), e.g.
+#   make notebook JUPYTER_ARGS="--no-browser --port 8888"
+# (as root, in a container, Jupyter also wants --allow-root).
+JUPYTER_ARGS ?=
+
+$(BIN)/jupyter-lab: $(BIN)/megatrain
+	@echo "installing JupyterLab (the 'notebook' extra of pyproject.toml: jupyterlab, ipykernel) into $(VENV) ..."
+	@$(BIN)/pip install -q -c constraints.txt -e '.[test,notebook]'
+	@touch $@
+
+notebook: $(BIN)/jupyter-lab
+	@echo "opening JupyterLab on notebooks/ (Ctrl-C stops it; JUPYTER_ARGS=\"--no-browser --port 8888\" on a remote machine) ..."
+	$(BIN)/jupyter lab $(JUPYTER_ARGS) notebooks/
+
+.PHONY: venv demo test notebook

@@ -35,6 +35,7 @@ import torch
 from megatrain.model.spec import ModelSpec
 from megatrain.data.errors import DataError  # noqa: F401  (re-exported: `from megatrain.data.batches import DataError`)
 from megatrain.data.filetokens import FileTokens
+from megatrain.data.sizing import DataShape, held_out_tokens, shortfall, windows_in
 from megatrain.data.tokenization import (  # noqa: F401  (ByteTokenizer and load_tokenizer are re-exported)
     BYTE_VOCAB_SIZE,
     ByteTokenizer,
@@ -183,7 +184,7 @@ class Windows:
 
     def __init__(self, stream: TokenStream, seq_len: int):
         self.stream, self.seq_len = stream, seq_len
-        self.count = (len(stream) - 1) // seq_len if len(stream) > 0 else 0
+        self.count = windows_in(len(stream), seq_len)
 
     def __len__(self) -> int:
         return self.count
@@ -321,9 +322,11 @@ def data_tokenizer(cfg, model=None) -> TokenizerChoice:
         raise DataError(str(e)) from None
 
 
-def open_data(cfg, vocab_size: int, model=None) -> Data:
+def open_data(cfg, vocab_size: int, model=None, batch_multiple: int = 1) -> Data:
     """Open the data a `DataConfig` describes, check every token id against `vocab_size`, and split off eval.
-    `model` (a ModelConfig): a Hugging Face model directory's own tokenizer is the default tokenizer."""
+    `model` (a ModelConfig): a Hugging Face model directory's own tokenizer is the default tokenizer.
+    `batch_multiple`: what a data.batch_size must be a multiple of (the schedule's micro-batches), so that the
+    batch size the too-little-data error suggests is one the config accepts."""
     path = Path(cfg.path) if cfg.path else CORPUS_PATH
     choice = data_tokenizer(cfg, model)
     opts = dict(fmt=cfg.format, dtype=cfg.dtype, tokenizer="" if choice.is_bytes else str(choice.path),
@@ -339,17 +342,17 @@ def open_data(cfg, vocab_size: int, model=None) -> Data:
     evals = None
     if eval_path:
         evals = read_stream(eval_path, **opts)
-    elif cfg.eval_fraction > 0:
-        train, evals = train.split(len(train) - int(len(train) * cfg.eval_fraction))
+    shape = DataShape(len(train), len(evals) if evals is not None else None, cfg.eval_fraction, cfg.seq_len,
+                      cfg.batch_size)
+    source = train.source if evals is None else f"{train.source} (held out: {evals.source})"
+    if (short := shortfall(shape, source, batch_multiple)) is not None:  # before the vocabulary scan: seconds
+        raise DataError(short)
+    if evals is None and cfg.eval_fraction > 0:
+        train, evals = train.split(len(train) - held_out_tokens(len(train), cfg.eval_fraction))
     for stream in (train, evals):
         if stream is not None:
             stream.check_vocab(vocab_size)
-    eval_windows = None
-    if evals is not None:
-        eval_windows = Windows(evals, cfg.seq_len)
-        if len(eval_windows) == 0:
-            raise DataError(f"the held-out split of {evals.source} has {len(evals)} tokens, less than one window of "
-                            f"{cfg.seq_len + 1}; raise data.eval_fraction or set it to 0")
+    eval_windows = Windows(evals, cfg.seq_len) if evals is not None else None
     loader = TrainLoader(Windows(train, cfg.seq_len), cfg.batch_size, cfg.seed, cfg.shuffle)
     return Data(loader, eval_windows, choice)
 

@@ -40,7 +40,8 @@ def preflight(cfg: RunConfig, spec, batch: int, seq: int, knobs, backend: str,
     build_schedule(spec, batch, seq, knobs)  # ScheduleError: a rule of the knobs is broken
     plan, lines = check_memory(spec, batch, seq, knobs, backend)
     log("memory: " + "; ".join(line.strip() for line in lines))
-    data = open_data(cfg.data, spec.vocab_size, cfg.model)  # memory-mapped; every token id checked
+    # every token id checked; a batch size the too-little-data error suggests splits into the micro-batches
+    data = open_data(cfg.data, spec.vocab_size, cfg.model, batch_multiple=cfg.schedule.micro_batches)
     log(f"data: {data.describe()}")
     if seq > spec.max_position_embeddings:
         log(f"note: data.seq_len={seq} is beyond the model's max_position_embeddings="
