@@ -79,22 +79,30 @@ def measure(a) -> int:
     elif not profile_path.is_file():
         t0 = time.perf_counter()
         base = next(iter(schedules.values()))
-        tables = []
-        cal = None
-        for compiled in (False, True):  # the quick profile measures the layer the way the knobs run it
-            knobs = replace(base, compile_layers=compiled, clip=0.0)
-            cal = measure_profile(ProfileRequest(spec, batch=a.batch, seqs=[a.seq], device=a.device,
-                                                 dtypes=[base.compute_dtype], quick=True, knobs=knobs),
-                                  log=lambda line: None)
-            tables.extend(cal.profile.compute_tables)
-            cal.save(out / f"profile-quick-{'compiled' if compiled else 'eager'}.json")
-        merged = {(t.key, t.seq): t for t in tables}
-        replace(cal.profile, compute_tables=tuple(merged.values())).save(profile_path)
-        say(f"profile: {profile_path} (measured now, --quick eager + compiled, {time.perf_counter() - t0:.1f} s)")
+        # compile_layers on: the quick profile measures the decoder layer compiled and eager (units.layer_variants)
+        knobs = replace(base, compile_layers=True, clip=0.0)
+        cal = measure_profile(ProfileRequest(spec, batch=a.batch, seqs=[a.seq], device=a.device,
+                                             dtypes=[base.compute_dtype], quick=True, knobs=knobs),
+                              log=lambda line: None)
+        cal.save(profile_path)
+        say(f"profile: {profile_path} (measured now, --quick, layer eager + compiled, "
+            f"{time.perf_counter() - t0:.1f} s)")
         if a.device == "cuda":
             torch.cuda.empty_cache()
     rows_path = out / "rows.jsonl"
     tl_parts: list = []
+    done: set = set()
+    if rows_path.is_file():  # a resumed measurement: keep what was measured, measure the rest
+        import pandas as pd
+
+        done = {(r["config"], r["round"]) for r in map(json.loads, rows_path.read_text().splitlines()) if r}
+        if (out / "timelines.csv.gz").is_file():
+            tl_parts.append(pd.read_csv(out / "timelines.csv.gz"))
+        say(f"resuming: {len(done)} (schedule, round) rows already measured in {rows_path}")
+    todo = {n: k for n, k in schedules.items() if any((n, r) not in done for r in range(a.rounds))}
+    if not todo:
+        say("every row is measured already")
+        return 0
 
     def on_row(row) -> None:
         with open(rows_path, "a") as f:
@@ -106,8 +114,8 @@ def measure(a) -> int:
         pd.concat(tl_parts).to_csv(out / "timelines.csv.gz", index=False)  # rewritten: an interruption keeps it
 
     t0 = time.perf_counter()
-    rows = measure_rounds(spec, schedules, a.batch, a.seq, rounds=a.rounds, warmup=a.warmup, steps=a.steps,
-                          device=a.device, predict={"quick": str(profile_path)}, on_row=on_row, log=say)
+    rows = measure_rounds(spec, todo, a.batch, a.seq, rounds=a.rounds, warmup=a.warmup, steps=a.steps,
+                          device=a.device, predict={"quick": str(profile_path)}, on_row=on_row, log=say, skip=done)
     total = time.perf_counter() - t0
     from megatrain.profiling.rounds import median_table
 

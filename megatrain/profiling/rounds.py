@@ -134,11 +134,13 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
                    warmup: int = 2, steps: int = 3, device: str = "auto", seed: int = 0,
                    predict: dict[str, HardwareProfile | str] | None = None, timeout_s: float = 300.0,
                    on_row: Callable[[MeasuredRow], None] | None = None,
-                   log: Callable[[str], None] | None = None) -> list[MeasuredRow]:
+                   log: Callable[[str], None] | None = None,
+                   skip: set[tuple[str, int]] = frozenset()) -> list[MeasuredRow]:
     """Measure every schedule of `schedules` ({name: knobs}) `rounds` times at (batch, seq), one host store per host
     layout (module docstring). `predict` ({label: profile}) adds the simulator's step time per row; `on_row` sees
     each row as it is measured (write it out: an interrupted run keeps what it measured). Returns every row, in
-    the order measured."""
+    the order measured. `skip` holds (name, round) pairs measured before (a resumed measurement): not measured
+    again."""
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"rounds={rounds}, steps={steps}, warmup={warmup}: give rounds and steps >= 1, warmup >= 0")
     if not schedules:
@@ -156,6 +158,8 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
         try:
             for r in range(rounds):
                 for name, knobs in group.items():
+                    if (name, r) in skip:
+                        continue
                     program, timed, switch_s, peak = measure_on(trainer, name, knobs, batches, warmup=warmup,
                                                                 steps=steps, batch=batch, seq=seq)
                     times = [t.time_s for t in timed]
