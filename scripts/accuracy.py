@@ -153,18 +153,24 @@ def report(a) -> int:
         print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
         return 2
     data = {d.name: _load_shape(d) for d in shapes}
-    quick = [load_profile(d / "profile-quick.json") for d in shapes]
-    tables = {(t.key, t.seq): t for p in quick for t in p.compute_tables}
-    machine = replace(quick[0], name=f"quick ({root.name})", compute_tables=tuple(tables.values()))
+    # (a) for a shape: the quick profile measured for that shape (its rates), with every shape's compute tables
+    quick = {d.name: load_profile(d / "profile-quick.json") for d in shapes}
+    tables = tuple({(t.key, t.seq): t for p in quick.values() for t in p.compute_tables}.values())
+    machine = {name: replace(p, compute_tables=tables) for name, p in quick.items()}
     cal_shape, cal_config = a.calibrate_on.split(":", 1)
     rows, tl = data[cal_shape]
     cal_row = next(r for r in rows if r["config"] == cal_config and r["round"] == 0)
     cal_program = program_of(cal_row["record"])
-    cal = calibrate_run(cal_program, machine, _steps_of(tl, cal_config, 0), warmup=0)
+    cal_steps = _steps_of(tl, cal_config, 0)
+    clipped = [cal_row["clip_share"] >= 0.5] * len(cal_steps)  # the row's share: all or none of its steps clip
+    try:
+        cal = calibrate_run(cal_program, machine[cal_shape], cal_steps, warmup=0, clipped=clipped)
+    except TypeError:  # a calibration that does not take the clip facts (before issue 24)
+        cal = calibrate_run(cal_program, machine[cal_shape], cal_steps, warmup=0)
     transfer = cal.profile
     lines = [f"# Prediction errors: {root}", "",
-             f"(a) quick: fresh `--quick` profiles of this machine ({', '.join(d.name for d in shapes)}), "
-             "no training run. (b) transfer: (a) calibrated on round 0 of "
+             f"(a) quick: for each shape, the fresh `--quick` profile measured for it on this machine, with the "
+             f"compute tables of every shape ({', '.join(d.name for d in shapes)}); no training run. (b) transfer: (a) calibrated on round 0 of "
              f"{cal_shape} {cal_config} ({len(_steps_of(tl, cal_config, 0))} timed steps). Error = predicted / "
              "measured - 1 of the step time (+ = predicted too slow); measured = median over rounds of each "
              "round's median timed step (min-max over rounds).", "",
@@ -183,7 +189,7 @@ def report(a) -> int:
             measured = statistics.median(meds)
             program = program_of(rs[0]["record"])
             facts = StepFacts(clip_share=statistics.median(r["clip_share"] for r in rs))
-            pa_sim = simulate(program, machine, facts)
+            pa_sim = simulate(program, machine[shape], facts)
             pa, pb = pa_sim.mean_step_s, simulate(program, transfer, facts).mean_step_s
             ea, eb = pa / measured - 1, pb / measured - 1
             sample = ("in-sample" if (shape, config) == (cal_shape, cal_config) else "same shape"
