@@ -154,7 +154,7 @@ def report(a) -> int:
         return 2
     data = {d.name: _load_shape(d) for d in shapes}
     # (a) for a shape: the quick profile measured for that shape (its rates), with every shape's compute tables
-    quick = {d.name: load_profile(d / "profile-quick.json") for d in shapes}
+    quick = {d.name: load_profile(d / a.quick_file) for d in shapes}
     tables = tuple({(t.key, t.seq): t for p in quick.values() for t in p.compute_tables}.values())
     machine = {name: replace(p, compute_tables=tables) for name, p in quick.items()}
     cal_shape, cal_config = a.calibrate_on.split(":", 1)
@@ -175,7 +175,7 @@ def report(a) -> int:
              "measured - 1 of the step time (+ = predicted too slow); measured = median over rounds of each "
              "round's median timed step (min-max over rounds).", "",
              "| shape | schedule | measured s (min-max) | tok/s | clip share | (a) pred s | (a) err | (b) pred s "
-             "| (b) err | (b) sample | worst groups when |err| > 10% |",
+             "| (b) err | (b) sample | task groups furthest off, when an error exceeds 10% (predicted - measured, summed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {"a": [], "b": [], "b_all": []}
     taus = []
@@ -202,8 +202,10 @@ def report(a) -> int:
             if abs(ea) > 0.10 or abs(eb) > 0.10:
                 steps = _steps_of(tl, config, 0)
                 groups = error_by_group(task_table(program, pa_sim.timeline, steps))
-                groups = groups.reindex(groups["bias_pct"].abs().sort_values(ascending=False).index).head(3)
-                worst = ", ".join(f"{g.group} {g.bias_pct:+.0f}%" for g in groups.itertuples())
+                # the groups whose summed predicted time is furthest from the measured: what moved the step
+                off = groups["n"] * (groups["pred_ms"] - groups["meas_ms"])
+                groups = groups.assign(off_ms=off).reindex(off.abs().sort_values(ascending=False).index).head(3)
+                worst = ", ".join(f"{g.group} {g.off_ms:+.0f} ms ({g.bias_pct:+.0f}%)" for g in groups.itertuples())
             lines.append(f"| {shape} | {config} | {measured:.3f} ({min(meds):.3f}-{max(meds):.3f}) | "
                          f"{rs[0]['batch'] * rs[0]['seq'] / measured:,.0f} | {facts.clip_share:.2f} | {pa:.3f} | "
                          f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {worst} |")
@@ -254,6 +256,9 @@ def main(argv=None) -> int:
     r = sub.add_parser("report", help="the table of prediction errors of a measured directory")
     r.add_argument("dir")
     r.add_argument("--calibrate-on", required=True, metavar="SHAPE:SCHEDULE")
+    r.add_argument("--quick-file", default="profile-quick.json",
+                   help="the file name of each shape's quick profile (a resumed run keeps the earlier one as "
+                        "profile-quick-<run>.json)")
     r.add_argument("--write", help="write the markdown table here (and the transfer profile beside it)")
     r.set_defaults(func=report)
     a = p.parse_args(argv)
