@@ -12,13 +12,8 @@ from megatrain.compile.knobs import knobs_for
 from megatrain.compile.lower import lower
 from megatrain.model.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile
-from megatrain.profiling.compare import (
-    compare,
-    kendall_tau,
-    measure_interleaved,
-    ranking,
-    task_group,
-)
+from megatrain.profiling.compare import compare, kendall_tau, ranking, task_group
+from megatrain.profiling.rounds import measure_rounds
 from megatrain.sim import load_profile, simulate
 from megatrain.sim.profile import ComputeTable, model_signature
 from megatrain.model.spec import EMBED, HEAD
@@ -93,8 +88,8 @@ VARIANTS = {
 def _loop():
     cal = measure_profile(ProfileRequest(DEBUG, batch=4, seqs=[64], device="cpu", dtypes=["fp32"], quick=True,
                                          knobs=VARIANTS["overlap"]), log=lambda _: None)
-    runs = measure_interleaved(DEBUG, VARIANTS, 4, 64, steps=3, device="cpu")
-    return cal, {name: compare(prog, steps, cal.profile) for name, (prog, steps) in runs.items()}
+    rows = measure_rounds(DEBUG, VARIANTS, 4, 64, rounds=1, warmup=1, steps=2, device="cpu")
+    return cal, {row.config: compare(row.program, row.timelines, cal.profile, warmup=0) for row in rows}
 
 
 def test_profile_simulate_compare_loop_on_the_cpu_backend():
@@ -115,7 +110,7 @@ def test_profile_simulate_compare_loop_on_the_cpu_backend():
     # Whether the two rankings agree is the machine's business (above); that each ranks its own column's times, row by
     # row in the variants' order, is the code's: rank = 1 + the number of strictly faster variants (ties share one).
     rk = ranking(cmp)
-    assert list(rk["variant"]) == list(VARIANTS)
+    assert sorted(rk["variant"]) == sorted(VARIANTS)
     for time, rank in (("pred_step_s", "pred_rank"), ("meas_step_s", "meas_rank")):
         assert list(rk[rank]) == [1 + sum(t < x for t in rk[time]) for x in rk[time]], rk
 
@@ -148,9 +143,37 @@ def test_compare_command_writes_the_stacked_trace_and_ranks(profile_path, tmp_pa
         spans = pd.DataFrame([e for e in trace if e["ph"] == "X"])
         tasks = pd.read_csv(d / "tasks.csv")
         assert spans.groupby("pid").size().tolist() == [len(tasks)] * 2  # one step each, every task
-        assert len(pd.read_csv(d / "timeline_measured.csv")) == 3 * len(tasks)
+        assert len(pd.read_csv(d / "timeline_measured.csv")) == 2 * len(tasks)  # the timed steps: 3 - 1 warm-up
     rank = json.loads((out / "ranking.json").read_text())
     assert len(rank["rows"]) == 2 and isinstance(rank["same_order"], bool)
+    assert [json.loads(line)["config"] for line in (out / "rows.jsonl").read_text().splitlines()] == \
+        ["serial[compute_dtype=fp32]", "overlap[compute_dtype=fp32]"]
+
+
+def test_compare_measures_every_variant_and_round_in_one_process(tmp_path, capsys):
+    """Three schedules, two rounds: six rows, each the Program that ran (its hash is the fingerprint of the
+    schedule's Program), overlap and arrival on one host store (same host layout), lean on its own."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", "debug", "--batch", "2", "--seq", "16", "--schedule", "overlap,arrival,lean",
+                 "--rounds", "2", "--steps", "3", "--device", "cpu", "--profile", "cpu", "--no-plots",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 host store(s)" in text and "min_ms" in text and "median over 2 rounds" in text
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["round"], r["layout_group"]) for r in rows] == [
+        ("overlap", 0, 0), ("arrival", 0, 0), ("overlap", 1, 0), ("arrival", 1, 0), ("lean", 0, 1), ("lean", 1, 1)]
+    for r in rows:
+        knobs = knobs_for(r["config"])
+        assert r["program_hash"] == lower(build_schedule(DEBUG, 2, 16, knobs)).fingerprint(), r["config"]
+        assert r["steps"] == 2 and r["predicted_step_s[cpu]"] > 0 and r["record"]["knobs"] == knobs.to_dict()
+    timelines = pd.read_csv(out / "timelines.csv.gz")
+    assert timelines.groupby(["config", "round"])["timed_step"].nunique().tolist() == [2] * 6
+    for name in ("overlap", "arrival", "lean"):
+        summary = json.loads((out / name / "compare.json").read_text())
+        assert len(summary["measured_steps_s"]) == 2  # the median round's timed steps
+    rank = json.loads((out / "ranking.json").read_text())
+    assert rank["rounds"] == 2 and [r["variant"] for r in rank["rows"]] == ["overlap", "arrival", "lean"]
+    assert all(r["min_s"] <= r["meas_step_s"] <= r["max_s"] for r in rank["rows"])
 
 
 def test_compare_can_measure_its_own_profile(tmp_path, capsys):

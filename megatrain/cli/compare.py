@@ -1,17 +1,23 @@
-"""`megatrain compare`: run real steps of a schedule, simulate the same Program, compare them task by task.
+"""`megatrain compare`: run real steps of schedules, simulate the same Programs, compare them task by task.
 
-    megatrain compare --model debug --batch 4 --seq 64 --schedule overlap --steps 6 [--profile FILE |
-        --measure-profile [--quick]] [--set knob=value] [--sweep knob=v1,v2] [--device auto] [--out DIR]
+    megatrain compare --model debug --batch 4 --seq 64 --schedule overlap,arrival --steps 6 [--rounds 3]
+        [--profile FILE | --measure-profile [--quick]] [--set knob=value] [--sweep knob=v1,v2] [--device auto]
+        [--out DIR]
 
-Per variant: step time, GPU idle % and tokens/s predicted vs measured, the per-task error distribution by task
-group (median and p90 of |pred - meas| / meas of each task's ready-to-done time), the tasks with the largest
-error; and in DIR/<variant>/ the timelines (CSV), tasks.csv, by_group.csv, compare.json, trace.json (predicted
-and measured stacked, one process each) and gantt.png (side by side). With several variants (`--sweep`, or a
-comma-separated --schedule) it ranks them by predicted and by measured step time and says whether the orders agree.
+Every variant (`--sweep`, or a comma-separated --schedule) is measured in this one process by
+`profiling.rounds.measure_rounds`: one host store per host layout, the variants of a layout taking turns on it,
+interleaved over `--rounds` rounds; each (variant, round) is a line of DIR/rows.jsonl (knobs, Program hash, step
+times, clipping share, prediction), written as it is measured, and its timed steps' timelines are appended to
+DIR/timelines.csv.gz. Per variant, of its median round: step time, GPU idle % and tokens/s predicted vs measured,
+the per-task error distribution by task group (median and p90 of |pred - meas| / meas of each task's
+ready-to-done time), the tasks with the largest error; and in DIR/<variant>/ the timelines (CSV), tasks.csv,
+by_group.csv, compare.json, trace.json (predicted and measured stacked, one process each) and gantt.png (side by
+side). Then the step table (median over rounds, with min-max when there are several) and, with several variants,
+the ranking by predicted and by measured step time and whether the orders agree.
 """
 from __future__ import annotations
 
-import gc
+import gzip
 import json
 from pathlib import Path
 
@@ -30,7 +36,12 @@ def register(sub) -> None:
                       schedule_help="named schedule or TOML file; several, comma-separated, are compared and ranked")
     p.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="compare every value (repeat to sweep several knobs)")
-    p.add_argument("--steps", type=positive_int, default=6, help="measured steps per variant (the first is a warm-up)")
+    p.add_argument("--steps", type=positive_int, default=6,
+                   help="steps per variant and round: after each switch to the variant one warm-up step (not "
+                        "compared), then STEPS-1 timed steps")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="measure every variant this many times, interleaved (round r measures each variant once "
+                        "before round r+1); the step table gives the median over rounds with min-max")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="hardware profile: a JSON from `megatrain profile`, or h200-measured, h200, "
@@ -80,11 +91,11 @@ def run(args) -> int:
     import torch
 
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
-    from megatrain.model.init import init_tiles
     from megatrain.ir.dag import ScheduleError
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.model.presets import get_model
-    from megatrain.profiling.compare import compare, kendall_tau, measure_steps, ranking
+    from megatrain.profiling.compare import compare
+    from megatrain.profiling.rounds import layout_groups, measure_rounds
 
     if args.steps < 2:
         raise UserError(f"--steps {args.steps}: compare needs at least 2 steps (the first is a warm-up)")
@@ -96,58 +107,130 @@ def run(args) -> int:
     spec = get_model(args.model)
     schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
     runs = [v for s in schedules for v in variants(s, args.set, parse_sweeps(args.sweep))]
-    resolved = []
+    resolved = {}
     for v in runs:
+        if v.label in resolved:
+            raise UserError(f"variant {v.label} is asked for twice; give each schedule once")
         try:
-            resolved.append((v, *resolve_knobs(v.schedule, v.overrides)))
+            resolved[v.label] = resolve_knobs(v.schedule, v.overrides)[1]
         except ScheduleError as e:
             raise UserError(f"{v.label}: {e}") from None
     out = Path(args.out or f"runs/compare-{spec.name}")
-    # Memory first, as `train` does: every variant's host store, buffers and activations against this machine
-    # (with several variants, one fp32 copy of the initial weights is shared by all of them and held throughout).
-    shared = 4 * spec.num_params if len(resolved) > 1 else 0
+    groups = layout_groups(spec, resolved)
     print(f"{spec.name}: {spec.num_params / 1e6:.2f} M parameters, batch {args.batch} x seq {args.seq}, device "
-          f"{device}; {args.steps} steps per variant")  # the shape first, as every command that takes --batch
-    from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
-    for v, _, knobs in resolved:
-        check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {v.label}", ADVICE, shared)
+          f"{device}; {len(resolved)} variant(s) x {args.rounds} round(s), {args.steps} steps each (1 warm-up, "
+          f"{args.steps - 1} timed)")  # the shape first, as every command that takes --batch
+    _check_memory(args, spec, device, groups)
     if args.measure_profile:
         # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
         from megatrain.profiling.calibrate import profile_host_reserve
+        from megatrain.train.fit import check_fits  # imports torch: the CLI loads it only for a command that runs
 
-        check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, resolved[0][2], device,
+        first = next(iter(resolved.values()))
+        check_fits(spec.with_layers(min(2, spec.num_layers)), args.batch, args.seq, first, device,
                    "measuring the profile", ADVICE, profile_host_reserve(spec, device, args.quick))
-    profile = _profile_for(args, spec, device, resolved[0][2], out)
+    profile = _profile_for(args, spec, device, next(iter(resolved.values())), out)
     print(f"profile {profile.name}: {profile.description}")
-    tiles = init_tiles(spec) if len(resolved) > 1 else None  # one initialization shared by every variant
+    out.mkdir(parents=True, exist_ok=True)
+    on_row = _row_writer(out)
+    try:
+        rows = measure_rounds(spec, resolved, args.batch, args.seq, rounds=args.rounds, warmup=1,
+                              steps=args.steps - 1, device=device, predict={profile.name: profile}, on_row=on_row,
+                              log=print)
+    except (ScheduleError, ValueError) as e:
+        raise UserError(str(e)) from None
+    by: dict[str, list] = {}
+    for row in rows:
+        by.setdefault(row.config, []).append(row)
     results = {}
-    for v, name, knobs in resolved:
-        print(f"\n== {v.label} ==")
-        try:
-            program, steps = measure_steps(spec, knobs, args.batch, args.seq, args.steps, device, name=v.label,
-                                           tiles=tiles, log=print)
-        except (ScheduleError, ValueError) as e:
-            raise UserError(f"{v.label}: {e}") from None
-        c = compare(program, steps, profile)
-        gc.collect()  # free this variant's host store (and its page-locking) before the next one's
+    for label in resolved:  # in the order asked for
+        rs = sorted(by[label], key=lambda r: r.median_step_s)
+        rep = rs[(len(rs) - 1) // 2]  # the median round (lower median)
+        print(f"\n== {label} ==" + (f" (round {rep.round}: the median of {len(rs)} rounds)" if len(rs) > 1 else ""))
+        c = compare(rep.program, rep.timelines, profile, warmup=0)
         print(c.report(args.worst))
-        paths = c.write(out / slug(v.label), plots=not args.no_plots)
+        paths = c.write(out / slug(label), plots=not args.no_plots)
         print(f"artefacts in {paths['summary'].parent}/ (trace.json: predicted and measured stacked"
               f"{'; gantt.png side by side' if 'gantt' in paths else ''})")
-        results[v.label] = c
-    heads = pd.DataFrame([c.headline() for c in results.values()])
-    out.mkdir(parents=True, exist_ok=True)
-    heads.to_csv(out / "comparison.csv", index=False)
-    if len(results) > 1:
-        rk = ranking(results)
-        tau = kendall_tau(list(rk["pred_step_s"]), list(rk["meas_step_s"]))
-        print("\nranking (1 = fastest):")
-        print(rk.assign(pred_ms=rk["pred_step_s"] * 1e3, meas_ms=rk["meas_step_s"] * 1e3)[
-            ["variant", "pred_ms", "meas_ms", "step_err_pct", "pred_rank", "meas_rank"]].to_string(
-            index=False, float_format=lambda x: f"{x:.2f}"))
-        same = list(rk["pred_rank"]) == list(rk["meas_rank"])
-        print(f"same order predicted and measured: {'yes' if same else 'no'} (Kendall tau {tau:.2f})")
-        (out / "ranking.json").write_text(json.dumps({"same_order": same, "kendall_tau": tau,
-                                                      "rows": rk.to_dict(orient="records")}, indent=1) + "\n")
-    print(f"\nsummary of every variant in {out / 'comparison.csv'}")
+        results[label] = c
+    _step_table(rows, list(resolved), profile.name, args.rounds, out)
+    pd.DataFrame([c.headline() for c in results.values()]).to_csv(out / "comparison.csv", index=False)
+    print(f"\nsummary of every variant (its median round) in {out / 'comparison.csv'}; every (variant, round) in "
+          f"{out / 'rows.jsonl'}, their timed steps in {out / 'timelines.csv.gz'}")
     return 0
+
+
+def _check_memory(args, spec, device: str, groups: list[dict]) -> None:
+    """Memory first, as `train` does. One host store lives at a time (the layout group's, measure_rounds), and a
+    switch frees a variant's GPU buffers before the next variant's are allocated: so each variant is checked with
+    its group's store and its own buffers and activations, nothing shared besides."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.ir.dag import ScheduleError
+    from megatrain.train.fit import check_fits
+
+    for g, group in enumerate(groups):
+        for label, knobs in group.items():
+            try:
+                check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {label}", ADVICE)
+            except ScheduleError as e:
+                raise UserError(f"{label}: {e}") from None
+    print(f"memory: fits; {len(groups)} host store(s), one per host layout and one at a time ("
+          + "; ".join(f"{', '.join(group)}" for group in groups)
+          + "), each variant checked with its layout's store and its own GPU buffers and activations")
+
+
+def _row_writer(out: Path):
+    """on_row for measure_rounds: one JSON line per (variant, round) in rows.jsonl and its timed steps' timelines
+    in timelines.csv.gz (columns config, round, timed_step added), both appended as each row is measured, so an
+    interrupted run keeps what it measured. Both files are started afresh by this run."""
+    rows_path, tl_path = out / "rows.jsonl", out / "timelines.csv.gz"
+    rows_path.write_text("")
+    gzip.open(tl_path, "wt").close()
+    columns: list[str] = []
+
+    def on_row(row) -> None:
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row.to_dict()) + "\n")
+        # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+        import pandas as pd
+
+        steps = pd.concat([t.assign(config=row.config, round=row.round, timed_step=i)
+                           for i, t in enumerate(row.timelines)], ignore_index=True)
+        first = not columns
+        columns[:] = columns or list(steps.columns)
+        with gzip.open(tl_path, "at") as f:  # one gzip member per row: a reader sees one CSV
+            steps.reindex(columns=columns).to_csv(f, header=first, index=False)
+
+    return on_row
+
+
+def _step_table(rows: list, order: list[str], label: str, rounds: int, out: Path) -> None:
+    """Per variant the median over rounds of each round's median timed step (min-max over rounds when several),
+    the prediction with the measured clipping share and its error; with several variants their ranks by predicted
+    and by measured step, Kendall's tau, and DIR/ranking.json."""
+    # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
+    from megatrain.profiling.compare import kendall_tau
+    from megatrain.profiling.rounds import median_table
+
+    tab = median_table(rows, [label]).set_index("config").loc[order].reset_index()
+    tab = tab.rename(columns={"config": "variant", "step_s": "meas_step_s", f"pred_s[{label}]": "pred_step_s"})
+    tab["step_err_pct"] = 100 * tab.pop(f"error[{label}]")
+    tab["pred_rank"] = tab["pred_step_s"].rank(method="min").astype(int)
+    tab["meas_rank"] = tab["meas_step_s"].rank(method="min").astype(int)
+    shown = tab.assign(meas_ms=tab["meas_step_s"] * 1e3, min_ms=tab["min_s"] * 1e3, max_ms=tab["max_s"] * 1e3,
+                       pred_ms=tab["pred_step_s"] * 1e3)
+    cols = ["variant", "meas_ms", *(["min_ms", "max_ms"] if rounds > 1 else []), "pred_ms", "step_err_pct",
+            "tokens_per_s", "clip_share", *(["pred_rank", "meas_rank"] if len(tab) > 1 else [])]
+    what = (f"median over {rounds} rounds of each round's median timed step, min-max over rounds" if rounds > 1
+            else "median timed step")
+    print(f"\nstep time per variant ({what}; predicted with {label} at the measured clipping share"
+          f"{'; rank 1 = fastest' if len(tab) > 1 else ''}):")
+    print(shown[cols].to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    if len(tab) > 1:
+        tau = kendall_tau(list(tab["pred_step_s"]), list(tab["meas_step_s"]))
+        same = list(tab["pred_rank"]) == list(tab["meas_rank"])
+        print(f"same order predicted and measured: {'yes' if same else 'no'} (Kendall tau {tau:.2f})")
+        keep = ["variant", "rounds", "pred_step_s", "meas_step_s", "min_s", "max_s", "step_err_pct", "clip_share",
+                "program_hash", "pred_rank", "meas_rank"]
+        (out / "ranking.json").write_text(json.dumps({"same_order": same, "kendall_tau": tau, "rounds": rounds,
+                                                      "rows": tab[keep].to_dict(orient="records")}, indent=1) + "\n")

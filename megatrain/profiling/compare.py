@@ -1,14 +1,16 @@
-"""Predicted vs measured: run real steps of a schedule, simulate the same Program, compare them task by task.
+"""Predicted vs measured: simulate the Program of measured steps, compare them task by task.
 
-    from megatrain.profiling.compare import measure_steps, compare
-    program, steps = measure_steps(PRESETS["debug"], knobs_for("overlap", compute_dtype="fp32"), 4, 64, steps=8,
-                                   device="cpu")
-    c = compare(program, steps, "my-profile.json")
+    from megatrain.profiling.rounds import measure_rounds
+    from megatrain.profiling.compare import compare
+    row, = measure_rounds(PRESETS["debug"], {"overlap": knobs_for("overlap", compute_dtype="fp32")}, 4, 64,
+                          rounds=1, warmup=1, steps=5, device="cpu")
+    c = compare(row.program, row.timelines, "my-profile.json", warmup=0)  # measure_rounds kept the timed steps only
     print(c.report()); c.write("runs/compare")        # CSVs, trace.json (both stacked), gantt.png (side by side)
 
-The first measured step is a warm-up (allocation, kernel selection; with the "overlap" placement its updates have
-no gradients yet) and is left out. Step-level numbers (step time, GPU idle %, tokens/s) come from the measured step
-of median step time; per-task numbers are medians over all steps after the first.
+The first `warmup` measured steps (default 1: allocation, kernel selection; with the "overlap" placement its
+updates have no gradients yet) are left out. Step-level numbers (step time, GPU idle %, tokens/s) come from the
+measured step of median step time; per-task numbers are medians over all steps after the warm-up. The prediction
+is of the measured share of clipping steps (`StepFacts.clip_share`, what `live.calibrate_run` prices).
 
 Per task the comparison is on the time from *ready* (its stream predecessor and its waits finished) to *done*:
 the simulator starts a task at its ready time and charges the runtime's launch/sync overhead inside it
@@ -28,17 +30,12 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.analysis.summary import StepSummary, summarize
-from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.compile.record import ProgramRecord
 from megatrain.ir.program import Program
-from megatrain.sim import HardwareProfile, estimate_line, load_profile, simulate
-from megatrain.model.spec import EMBED, HEAD, ModelSpec
+from megatrain.sim import HardwareProfile, estimate_line, load_profile
+from megatrain.model.spec import EMBED, HEAD
 from megatrain.profiling.overhead import with_spans
 from megatrain.analysis.viz import gantt, write_chrome_trace
-from megatrain.data.batches import synthetic_batches
-from megatrain.engine.trainer import StreamedTrainer
-from megatrain.exec.optim import AdamWConfig
-from megatrain.model.init import init_tiles
 
 
 def task_group(kind: str, unit) -> str:
@@ -46,59 +43,6 @@ def task_group(kind: str, unit) -> str:
     if unit is None or pd.isna(unit) or int(unit) >= 0:
         return kind
     return kind + ("E" if int(unit) == EMBED else "H" if int(unit) == HEAD else "")
-
-
-def measure_steps(spec: ModelSpec, knobs: ScheduleKnobs, batch: int, seq: int, steps: int, device: str = "auto",
-                  name: str = "custom", tiles=None, seed: int = 0, log=None) -> tuple[Program, list[pd.DataFrame]]:
-    """Run `steps` real training steps (synthetic tokens) with the StreamedTrainer; returns the Program and the
-    measured Timeline of every step."""
-
-    if steps < 2:
-        raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
-    optim = AdamWConfig(lr=1e-5)
-    trainer = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
-    trainer.schedule_name = name
-    batches = synthetic_batches(spec, batch, seq, seed)
-    timelines = []
-    for i in range(steps):
-        r = trainer.step(*next(batches))
-        timelines.append(r.timeline)
-        if log:
-            log(f"  step {i}: {float(r.timeline['end_s'].max() - r.timeline['start_s'].min()) * 1e3:.2f} ms"
-                f"{'  (warm-up, not compared)' if i == 0 else ''}")
-    program = trainer.program(batch, seq)
-    program.name = name
-    return program, timelines
-
-
-def measure_interleaved(spec: ModelSpec, variants: dict[str, ScheduleKnobs], batch: int, seq: int, steps: int,
-                        device: str = "auto", seed: int = 0) -> dict[str, tuple[Program, list[pd.DataFrame]]]:
-    """Like `measure_steps` for several schedules at once, one step of each in turn, on the same batches.
-
-    On a machine shared with other work the load drifts over seconds; interleaving the variants step by step
-    exposes them to the same load, so their measured order is the schedules' and not the moment's. Every variant's
-    trainer (host store) lives at once: for small models (tests, notebooks, CPU)."""
-
-    if steps < 2:
-        raise ValueError(f"steps={steps}: compare needs at least 2 steps (the first is a warm-up)")
-    tiles = init_tiles(spec, seed)
-    trainers = {}
-    for name, knobs in variants.items():
-        optim = AdamWConfig(lr=1e-5)
-        trainers[name] = StreamedTrainer(spec, knobs, tiles, optim=optim, backend=device, seed=seed)
-        trainers[name].schedule_name = name
-    timelines: dict[str, list[pd.DataFrame]] = {name: [] for name in variants}
-    batches = synthetic_batches(spec, batch, seq, seed)
-    for _ in range(steps):
-        ids, targets = next(batches)
-        for name, tr in trainers.items():
-            timelines[name].append(tr.step(ids, targets).timeline)
-    out = {}
-    for name, tr in trainers.items():
-        program = tr.program(batch, seq)
-        program.name = name
-        out[name] = (program, timelines[name])
-    return out
 
 
 def step_time_s(timeline: pd.DataFrame) -> float:
@@ -113,8 +57,8 @@ class Comparison:
     program: Program
     profile: HardwareProfile
     predicted: pd.DataFrame  # the simulated step
-    measured: pd.DataFrame  # the measured step of median step time (the first step excluded)
-    measured_steps_s: list[float]  # step time of every measured step after the first
+    measured: pd.DataFrame  # the measured step of median step time (warm-up steps excluded)
+    measured_steps_s: list[float]  # step time of every measured step after the warm-up
     tasks: pd.DataFrame  # one row per task: predicted and measured (median) times, errors
     by_group: pd.DataFrame  # error distribution by task group
     pred_summary: StepSummary
@@ -168,7 +112,9 @@ class Comparison:
         for c in p.wait_s:
             lines.append(_row(f"  GPU waits on {c} (ms)", p.wait_s[c] * 1e3, m.wait_s[c] * 1e3, "{:.2f}",
                               relative=False))
-        lines.append(f"measured step times over {len(ms)} steps (first excluded): median {m.step_s * 1e3:.2f} ms, "
+        warm = self.extra.get("warmup", 1)
+        which = f"{warm} warm-up excluded" if warm else "timed, after their warm-up"
+        lines.append(f"measured step times over {len(ms)} steps ({which}): median {m.step_s * 1e3:.2f} ms, "
                      f"min {ms[0] * 1e3:.2f}, max {ms[-1] * 1e3:.2f}")
         b = self.bound
         lines.append(f"limit: {b.describe()}; efficiency (bound / step) predicted {100 * b.efficiency(p.step_s):.0f}%, "
@@ -283,22 +229,26 @@ def error_by_group(tasks: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values("group", key=lambda s: s.map(lambda g: (order.get(g[0], 99), g))).reset_index(drop=True)
 
 
-def compare(program: Program, measured_steps: list[pd.DataFrame], profile) -> Comparison:
+def compare(program: Program, measured_steps: list[pd.DataFrame], profile, warmup: int = 1) -> Comparison:
     """Simulate `program` on `profile` (a HardwareProfile, shipped name or path) and compare it with measured steps
-    of the same Program (the first step is left out as a warm-up)."""
-    if len(measured_steps) < 2:
-        raise ValueError("compare needs at least 2 measured steps (the first is a warm-up)")
+    of the same Program; the first `warmup` steps are left out (1: `StreamedTrainer` steps from the start; 0: the
+    timed steps of `rounds.measure_rounds`, which ran its warm-up apart)."""
+    if warmup < 0 or len(measured_steps) < warmup + 1:
+        raise ValueError(f"compare needs a measured step after the {warmup} warm-up step(s); got "
+                         f"{len(measured_steps)} step(s)")
     profile = load_profile(profile)
-    sim = simulate(program, profile)
-    steps = measured_steps[1:]
+    from megatrain.profiling.live import calibrate_run  # live.py builds on this module's task table
+
+    calibration = calibrate_run(program, profile, measured_steps, warmup=warmup)
+    sim = calibration.before  # the profile's prediction, of the measured share of clipping steps
+    steps = measured_steps[warmup:]
     times = [step_time_s(s) for s in steps]
     order = sorted(range(len(steps)), key=lambda i: times[i])
     rep = steps[order[(len(order) - 1) // 2]]  # the median step (lower median)
     tasks = task_table(program, sim.timeline, steps)
-    from megatrain.profiling.live import calibrate_run  # live.py builds on this module's task table
-
-    extra = {"all_measured": pd.concat(measured_steps), "calibration": calibrate_run(program, profile, measured_steps),
-             "bound": sim.bound, "estimate_line": estimate_line(sim), "estimated_tasks": sum(sim.estimated.values())}
+    extra = {"all_measured": pd.concat(measured_steps), "calibration": calibration,
+             "bound": sim.bound, "estimate_line": estimate_line(sim), "estimated_tasks": sum(sim.estimated.values()),
+             "warmup": warmup}
     return Comparison(program=program, profile=profile, predicted=sim.timeline, measured=rep, measured_steps_s=times,
                       tasks=tasks, by_group=error_by_group(tasks), pred_summary=sim.summary,
                       meas_summary=summarize(rep, program), extra=extra)
