@@ -270,7 +270,8 @@ class _Training:
         """Run `knobs` from the next step: the public way to change a running session's schedule (what
         `--schedule auto` does while it measures its candidates, train/autoswitch.py). `program`: the Program the
         trainer now runs (after `switch_trainer`); `predicted`: its simulation; `applied`: the update plan the
-        switch's flush applied (its skipped units are counted and logged). The saved config records the schedule that runs from here on."""
+        switch's flush applied (its skipped units are counted and logged). The saved config records the schedule
+        that runs from here on."""
         self._log_skips(self.skips.settle(applied))
         self.knobs, self.program, self.predicted = knobs, program, predicted
         self.cfg = self.cfg.with_overrides(schedule_overrides(knobs, self.cfg.schedule.micro_batches))
