@@ -9,9 +9,12 @@ run's calibrated profile for that.
 
 `--schedule auto` chooses as `megatrain train --schedule auto` does, through the same code
 (train/autoswitch.py `choose_before_run`: the budget rule of megatrain/tune/auto.py, `--profile` if given, else this
-machine's profile in the per-user cache, measured quickly first when there is none: docs/profiles.md), and re-checks the choice after
-the warm-up as the trainer does (`AutoChoice.recheck`, `switch_trainer`): 2 more steps are measured, and after a
-switch 2 more warm-up steps run before the timed ones.
+machine's profile in the per-user cache, measured quickly first when there is none: docs/profiles.md; the compiled
+layer tried both ways unless `--set compile_layers=...` is given), then measures the `--auto-measure K` (default 3)
+best predicted candidates of the host layout of the best as the trainer does (`AutoChoice.before_step` /
+`after_step`, `switch_trainer`: 1 untimed + 2 timed steps each) and keeps the fastest measured; then `--warmup`
+steps of it and the timed steps. The RESULT line lists every measured candidate (`auto_measured`: predicted at the
+measured clip share, measured).
 
     PYTHONPATH=. python scripts/bench_megatrain.py --model bench-3b --batch 8 --seq 2048 --schedule overlap
     PYTHONPATH=. python scripts/bench_megatrain.py --schedule overlap-split --set retain_grads=10 --set state_buffers=3
@@ -38,7 +41,8 @@ from megatrain.engine.trainer import StreamedTrainer
 from megatrain.exec.optim import AdamWConfig
 from megatrain.model.presets import get_model
 from megatrain.sim import load_profile
-from megatrain.train.autoswitch import choose_before_run, switch_trainer
+from megatrain.ir.facts import StepFacts
+from megatrain.train.autoswitch import choose_before_run, measure_candidates, varies_compile
 from megatrain.tune.auto import auto_budget
 from megatrain.tune.search import best_gpu_fraction
 
@@ -99,6 +103,10 @@ def main() -> None:
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: the CPU backend (CI runs scripts/bench.py on it with the debug model)")
+    p.add_argument("--auto-measure", type=int, default=3, metavar="K",
+                   help="--schedule auto: candidates measured before the timed steps (0: the best predicted)")
+    p.add_argument("--clip-share", type=float, default=0.0, metavar="SHARE",
+                   help="--schedule auto: share of clipping steps assumed before any is measured (default 0)")
     p.add_argument("--tune", action="store_true",
                    help="choose the GPU share of the optimizer (and kept gradients, state buffers) by simulation")
     p.add_argument("--gpu-budget-gib", "--gpu-limit-gib", dest="gpu_budget_gib", type=float,
@@ -115,9 +123,12 @@ def main() -> None:
     auto = None
     if a.schedule == "auto":  # the fastest predicted schedule within the budget, numerics of --set kept
         base = resolve_knobs(DEFAULT_SCHEDULE, a.set)[1]
+        explicit = any(item.split("=", 1)[0].strip().removeprefix("schedule.") == "compile_layers" for item in a.set)
         auto, chosen_with = choose_before_run(spec, a.batch, a.seq, base, a.device, "runs",
                                               "h200-measured" if a.profile == "" else a.profile, a.gpu_budget_gib,
-                                              log=lambda line: print(line, flush=True))
+                                              log=lambda line: print(line, flush=True), measure=a.auto_measure,
+                                              vary_compile=varies_compile(explicit, a.device),
+                                              assumed=StepFacts(clip_share=a.clip_share))
         a.profile = chosen_with if a.profile is None else a.profile  # '' still skips the predictions
         name, knobs = f"auto:{auto.label}", auto.knobs
     else:
@@ -148,21 +159,17 @@ def main() -> None:
         return r
 
     i = 0
+    measured = []
+    if auto is not None:  # measure the best predicted candidates, as `megatrain train --schedule auto` does
+        chosen = measure_candidates(auto, trainer, lambda: step(len(losses)), lambda line: print(line, flush=True))
+        i = len(losses)
+        name, knobs = f"auto:{chosen.label}", chosen.knobs
+        plan = plan_memory(spec, a.batch, a.seq, knobs)
+        measured = [{"schedule": c.label, "predicted_step_s": round(c.step_s, 4),
+                     "measured_step_s": round(auto.measured_s(c.label), 4)} for c in auto.pool if c.label in auto.times]
     for _ in range(a.warmup):
         step(i)
         i += 1
-    if auto is not None and a.profile:  # re-check the choice on 2 measured steps, as the trainer does
-        check = [step(i + k).timeline for k in range(2)]
-        i += 2
-        decision = auto.recheck(trainer.program(a.batch, a.seq), load_profile(a.profile), check,
-                                lambda line: print(line, flush=True))
-        if decision.knobs is not None:
-            switch_trainer(trainer, a.batch, a.seq, decision.knobs, decision.label)
-            name, knobs = f"auto:{decision.label} (switched from {auto.label})", decision.knobs
-            plan = plan_memory(spec, a.batch, a.seq, knobs)
-            for _ in range(a.warmup):
-                step(i)
-                i += 1
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(a.steps):
@@ -188,6 +195,8 @@ def main() -> None:
         "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / 2**30, 2),
         "init_s": round(init_s, 1),
     }
+    if measured:
+        out["auto_measured"] = measured
     norms = sorted(r.grad_norm for r in results if r.grad_norm is not None)
     if norms:  # how often exact clipping scaled the update (at the schedule's max norm)
         out["grad_norm_median"] = round(norms[len(norms) // 2], 4)

@@ -24,4 +24,8 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model streamed from host memory (config, data, checkpoints, resume)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p)
+    p.add_argument("--auto-measure", dest="auto_measure", type=int, metavar="K",
+                   help="--schedule auto: measure the K fastest predicted candidates on the run's first steps (1 "
+                        "untimed + 2 timed steps each, training steps of the run) and train with the fastest "
+                        "measured (default 3; 0: the best predicted, not measured)")
     p.set_defaults(func=run_from_args)

@@ -1,143 +1,213 @@
-"""`--schedule auto` for a run on this machine: choose before the run, check the choice against the run's own steps
-after the warm-up, and choose again once. The choice itself is megatrain/tune/auto.py's (the one `auto`, with the
-one budget rule); this module adds what needs the machine and the running trainer.
+"""`--schedule auto` for a run on this machine: choose by simulation before the run, then measure the few best
+candidates on the run's first steps and train with the fastest measured. The ranking is megatrain/tune/auto.py's
+(the one `auto`, with the one budget rule); this module adds what needs the machine and the running trainer.
 
-    auto = choose_before_run(spec, batch, seq, knobs, "cuda")                # budget, profile, choice (printed)
-    decision = auto.recheck(program, profile, timelines, log)                 # after WARMUP + MIN_STEPS steps
-    if decision.knobs is not None: program, applied = switch_trainer(trainer, batch, seq, decision.knobs, label)
+    auto = choose_before_run(spec, batch, seq, knobs, "cuda", measure=3)      # budget, profile, ranking (printed)
+    auto.start(steps_left, log)                                               # before the first step
+    switch = auto.before_step()     # a Candidate to switch the trainer to before this step (switch_trainer), or None
+    auto.after_step(result)         # the StepResult of the step
 
-The choice was made with a profile (shared/DESIGN.md section 4: one machine on one day). When the measured step
-time is more than `TOLERANCE` from the prediction, the profile is refitted to the measured steps (live
-calibration, profiling/live.py) and every candidate is simulated again with the calibrated profile. The run
-switches when another candidate is now predicted at least `SWITCH_GAIN` faster than the running schedule (whose
-calibrated prediction is compared, not its stale one; a smaller gain is within what the fit can tell apart and
-does not pay for new GPU buffers and a second warm-up). It happens at most once per run.
+Measuring (`measure` = K, `--auto-measure K`, default 3): the best predicted candidate runs first (the trainer was
+built with it); each candidate runs `UNTIMED_STEPS` step after its switch (new GPU buffers, a compile of the layer)
+and `TIMED_STEPS` timed steps; the median of its timed steps is its measured step time. Then the next candidate is
+the fastest predicted one not measured yet, until K are measured; the run switches to the fastest measured and
+trains with it, and one line per candidate says its prediction, its measured time, the error and which was chosen.
+These are the run's own training steps, on its batches, counted, logged and checkpointed as any other: a schedule
+changes the speed, never the numbers computed (the candidates keep the run's numerics, `tune.auto_candidates`; a
+switch first applies the pending update, as a checkpoint does), so nothing is wasted but the slower steps.
+K = 0 trains with the best predicted candidate, measuring nothing. A run with fewer steps than K candidates need
+measures as many as its steps allow.
 
-Only candidates with the running schedule's host layout are considered (weight and gradient wires, GPU-updated
-units: `ir.resolve.resolve_host_layout`): the host store was built for that layout and holds the only copy of the
-master weights and AdamW moments. Switching to another layout would mean a second store of the same size (a
-7 B model's ~112 GiB twice) or converting it in place; a Program on the same store is what `use_program` supports
-and costs nothing but new GPU buffers. The candidates keep the run's numerics (`tune.auto_candidates`: clipping,
-dtypes, kernel, loss chunk, micro-batches), so a switch changes speed, never the numbers computed.
+Clipping is priced by the share of clipping steps (`StepFacts.clip_share`; speculative clipping redoes a clipping
+step's updates): before the run at `assumed` (0, a run that never clips, unless the caller gives a share), and once
+steps have run at the share measured on every step so far (`profiling.rounds.clipped_step`): each candidate with
+speculative clipping is simulated again before the next one is picked (`tune.auto.reprice`), and the predictions
+printed beside the measured times are at the measured share.
+
+Only candidates with the running schedule's host layout are measured (weight and gradient wires, GPU-updated
+units: `compile.resolve.resolve_host_layout`): the host store was built for that layout and holds the only copy of
+the master weights and AdamW moments. Another layout would need a second store of the same size (a 7 B model's
+~112 GiB twice), which may not fit; a Program on the same store is what `use_program` supports and costs nothing
+but new GPU buffers. A candidate among the K best predicted that has another layout is listed as not measured.
+
+The compiled layer (`compile_layers`) is a candidate knob (`varies_compile`): it computes the same math with other
+rounding. It is varied unless the user set it (config or --set), and not on the CPU backend, where compiling the
+layer takes about a minute per candidate.
 """
 from __future__ import annotations
 
 import gc
 import statistics
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs
-from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout
-from megatrain.ir.dag import ScheduleError
+from megatrain.engine.trainer import StepResult
+from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
-from megatrain.profiling.compare import step_time_s
-from megatrain.profiling.live import MIN_STEPS, WARMUP_STEPS, calibrate_run
+from megatrain.profiling.rounds import clipped_step
 from megatrain.profiling.store import ProfileChoice, reprofile_command, resolve_profile, save_measured
-from megatrain.sim import estimate_line, load_profile, simulate
-from megatrain.sim.profile import model_signature
+from megatrain.sim import estimate_line, load_profile
+from megatrain.sim.profile import HardwareProfile, model_signature
 from megatrain.train.fit import check_fits
-from megatrain.tune.auto import AutoBudget, auto_budget, choose_auto, choose_schedule
+from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
 
-TOLERANCE = 0.10  # |measured / predicted - 1| above this recalibrates and chooses again
-SWITCH_GAIN = 0.03  # a switch (new GPU buffers, warm-up again) needs a candidate predicted at least this much faster
+DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
+UNTIMED_STEPS = 1  # after a switch: new GPU buffers, a compile of the layer, the first pending update
+TIMED_STEPS = 2  # timed steps per candidate: their median is its measured step time
 
 
-@dataclass
-class Decision:
-    """What the re-check found: the knobs to switch to (None: keep) and the calibration it used."""
-
-    knobs: ScheduleKnobs | None
-    label: str | None
-    calibration: object | None  # profiling.live.LiveCalibration, None when within tolerance
+def varies_compile(explicit: bool, backend: str) -> bool:
+    """Whether `auto` tries the compiled layer both ways: not when the user set `compile_layers` (`explicit`), and
+    not on the CPU backend (a compile there takes about a minute per candidate measured)."""
+    return not explicit and backend == "cuda"
 
 
 @dataclass
 class AutoChoice:
-    """What `--schedule auto` chose before the run, and what it needs to choose again."""
+    """What `--schedule auto` chose before the run (`label`, `knobs`: the best predicted), every candidate it ranked
+    (`ranked`, fastest predicted first), the profile it ranked with, and the measuring of the K best on the run's
+    first steps (module docstring)."""
 
     spec: ModelSpec
     batch: int
     seq: int
     knobs: ScheduleKnobs  # the chosen knobs as the trainer runs them (step knobs)
-    gpu_bytes: int
-    host_bytes: int | None
     label: str
+    ranked: list[Candidate]
+    profile: HardwareProfile
+    measure: int = DEFAULT_MEASURE
+    assumed: StepFacts = field(default_factory=StepFacts)
+    # measuring state (start .. done)
+    pool: list[Candidate] = field(default_factory=list)  # candidates of the running host layout, fastest first
+    running: Candidate | None = None
+    times: dict[str, list[float]] = field(default_factory=dict)  # label -> timed step seconds
+    clipped: list[bool] = field(default_factory=list)  # every step since the start: did its update clip
+    limit: int = 0  # candidates to measure (K, or fewer when the run is short)
+    steps_on_running: int = 0
+    pending: Candidate | None = None
+    chosen: Candidate | None = None
     done: bool = False
 
-    @classmethod
-    def of(cls, spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, budget: AutoBudget,
-           label: str) -> AutoChoice:
-        """The choice `label` (`knobs`) made within `budget`, to be re-checked within the same budget."""
-        return cls(spec, batch, seq, knobs, budget.gpu_bytes, budget.host_bytes, label)
+    def start(self, steps_left: int, log) -> None:
+        """Before the run's first step, on a trainer built with `knobs`: `steps_left` steps will run; logs what
+        will be measured."""
+        self.log = log
+        layout = resolve_host_layout(self.spec, self.knobs)
+        self.pool = [c for c in self.ranked if resolve_host_layout(self.spec, c.knobs) == layout]
+        self.running = next(c for c in self.pool if c.label == self.label)
+        per = UNTIMED_STEPS + TIMED_STEPS
+        self.limit = min(self.measure, len(self.pool), max(steps_left, 0) // per)
+        if self.measure <= 0:
+            self.done = True
+            log(f"auto: not measuring (--auto-measure 0): training with the best predicted, {self.label}")
+            return
+        if self.limit < min(self.measure, len(self.pool)):
+            log(f"auto: {steps_left} steps measure {self.limit} candidate(s), not {self.measure} "
+                f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each)")
+        if self.limit == 0:
+            self.done = True
+            return
+        log(f"auto: measuring the {self.limit} fastest predicted with this host layout on the run's first steps "
+            f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each), first {self.label}: predicted "
+            f"{self.running.step_s * 1e3:,.1f} ms/step")
 
-    def recheck(self, program, profile, timelines: list, log) -> Decision:
-        """Compare the measured steps (`timelines`, after the warm-up) with the prediction of `profile`; beyond
-        TOLERANCE, calibrate, choose again among candidates with this host layout, and log why and what changed."""
+    def before_step(self) -> Candidate | None:
+        """The candidate to switch the trainer to before the next step (`switch_trainer`), or None: stay."""
+        switch, self.pending = self.pending, None
+        return switch
+
+    def after_step(self, result: StepResult) -> None:
+        """Count the step that ran on the running candidate; after its timed steps, pick the next or choose."""
+        if self.done:
+            return
+        self.clipped.append(clipped_step(result, self.running.knobs))
+        self.steps_on_running += 1
+        if self.steps_on_running <= UNTIMED_STEPS:
+            return
+        times = self.times.setdefault(self.running.label, [])
+        times.append(result.time_s)
+        if len(times) < TIMED_STEPS:
+            return
+        facts = StepFacts(clip_share=sum(self.clipped) / len(self.clipped))
+        self.pool = reprice(self.pool, self.profile, facts)  # clipping priced at the measured share
+        if len(self.times) < self.limit:
+            nxt = next((c for c in self.pool if c.label not in self.times), None)
+            if nxt is not None:
+                self.log(f"auto: measuring {nxt.label} ({len(self.times) + 1} of {self.limit}): predicted "
+                         f"{nxt.step_s * 1e3:,.1f} ms/step")
+                self._run(nxt)
+                return
+        self._finish(facts)
+
+    def _run(self, candidate: Candidate) -> None:
+        self.pending, self.running, self.steps_on_running = candidate, candidate, 0
+
+    def measured_s(self, label: str) -> float:
+        """The measured step time of a candidate: the median of its timed steps."""
+        return statistics.median(self.times[label])
+
+    def _finish(self, facts: StepFacts) -> None:
+        """Choose the fastest measured; one line per candidate (and per one of the K best not measured)."""
         self.done = True
-        measured = statistics.median(step_time_s(t.reset_index(drop=True)) for t in timelines)
-        predicted = simulate(program, profile).step_s
-        err = predicted / measured - 1.0
-        head = (f"auto: {self.label} measured {measured:.3f} s/step over {len(timelines)} steps after the warm-up, "
-                f"predicted {predicted:.3f} s ({profile.name} profile, {100 * err:+.0f}%)")
-        if abs(err) <= TOLERANCE:
-            log(f"{head}: within {100 * TOLERANCE:.0f}%, the choice stands")
-            return Decision(None, None, None)
-        cal = calibrate_run(program, profile, timelines, warmup=0)
-        log(f"{head}: more than {100 * TOLERANCE:.0f}% off, so auto recalibrates and chooses again (once); "
-            f"{cal.reason()}")
-        try:
-            best = choose_schedule(self.spec, self.batch, self.seq, self.knobs, cal.profile, self.gpu_bytes,
-                                   self.host_bytes, same_host_layout=True)
-        except ScheduleError as e:
-            log(f"auto: no candidate to choose again from ({e}); keeping {self.label}")
-            return Decision(None, None, cal)
-        now = cal.after.step_s
-        log(f"auto: with the calibrated profile {self.label} predicts {now:.3f} s/step; the fastest of "
-            f"{len(best.table)} candidates with this host layout:")
-        for row in best.table.head(3).itertuples():
-            log(f"  {row.schedule}: {row.step_s:.3f} s/step predicted")
-        label = best.table.schedule[0]
-        if best.knobs == self.knobs or best.result.step_s > now * (1 - SWITCH_GAIN):
-            log(f"auto: {self.label} stays (no candidate is predicted more than {100 * SWITCH_GAIN:.0f}% faster after "
-                "calibration)")
-            return Decision(None, None, cal)
-        log(f"auto: switching {self.label} -> {label} ({now:.3f} -> {best.result.step_s:.3f} s/step predicted, "
-            f"{100 * (best.result.step_s / now - 1):+.0f}%); same host store, same numerics")
-        return Decision(best.knobs, label, cal)
+        by_label = {c.label: c for c in self.pool}
+        measured = sorted(self.times, key=lambda label: (self.measured_s(label), label))
+        self.chosen = by_label[measured[0]]
+        share = f"{100 * facts.clip_share:.0f}% of the {len(self.clipped)} steps clipped"
+        self.log(f"auto: measured {len(measured)} candidate(s); predictions with clipping priced at the measured "
+                 f"share ({share}); profile {self.profile.name}:")
+        for label in sorted(measured, key=lambda label: by_label[label].step_s):
+            pred, meas = by_label[label].step_s, self.measured_s(label)
+            self.log(f"  {label}: predicted {pred * 1e3:,.1f} ms/step, measured {meas * 1e3:,.1f} ms/step "
+                     f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
+        for c in self.ranked[:self.measure]:
+            if c.label not in by_label:
+                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: another host layout "
+                         "than the running store's (a second host store may not fit)")
+        if self.chosen.label != self.running.label:
+            self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
+        else:
+            self.log(f"auto: {self.chosen.label}, the fastest measured, runs on")
+        self._run(self.chosen)  # switched to, or (the one running) its prediction at the measured share taken
 
 
 def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, backend: str, run_dir=None,
                       profile: str | None = None, gpu_gib: float | None = None, log=print,
-                      resumed: bool = False) -> tuple[AutoChoice, str]:
+                      resumed: bool = False, *, measure: int = DEFAULT_MEASURE, vary_compile: bool = False,
+                      assumed: StepFacts = StepFacts()) -> tuple[AutoChoice, str]:
     """`--schedule auto` before a run on this machine (`train`, scripts/bench_megatrain.py): the budget by the one
     rule (`tune.auto.auto_budget`, GPU and host), `profile` when given, else this machine's (`machine_profile`:
     profiling/store.py's precedence; `run_dir` and `resumed`: a resumed run's own calibrated profile comes first),
-    the choice (`tune.auto.choose_auto`), logged with the next best. Returns the AutoChoice that re-checks it after
-    the warm-up and the profile it was made with. ScheduleError when nothing fits, BudgetError without a budget."""
+    the ranking (`tune.auto.choose_auto`, clipping priced at `assumed`, the compiled layer tried both ways with
+    `vary_compile`), logged with the next best. Returns the AutoChoice that measures the `measure` best on the run's
+    first steps and the profile it ranked with. ScheduleError when nothing fits, BudgetError without a budget."""
     budget = auto_budget(backend, gpu_gib)
     if not profile:
-        profile = machine_profile(spec, batch, seq, base, backend, log, run_dir, resumed).profile
-    pick = choose_auto(spec, batch, seq, base, profile, budget)
-    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {pick.profile}): fastest of "
-        f"{len(pick.table)} that fit:")
-    for row in pick.table.head(3).itertuples():
+        knobs = replace(base, compile_layers=True) if vary_compile else base  # both kernels' tables
+        profile = machine_profile(spec, batch, seq, knobs, backend, log, run_dir, resumed).profile
+    loaded = load_profile(profile)
+    pick = choose_auto(spec, batch, seq, base, loaded, budget, vary_compile=vary_compile, facts=assumed)
+    compiled = ", the compiled layer tried both ways" if vary_compile else ""
+    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {pick.profile}, clipping priced at "
+        f"{100 * assumed.clip_share:.0f}% of steps{compiled}): fastest predicted of {len(pick.table)} that fit:")
+    for row in pick.table.head(max(3, measure)).itertuples():
         log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
     if estimate_line(pick.predicted):  # the ranking rests on FLOP estimates: say so (sim/estimates.py)
         log(estimate_line(pick.predicted))
-    return AutoChoice.of(spec, batch, seq, pick.knobs, budget, pick.label), profile
+    return AutoChoice(spec, batch, seq, pick.knobs, pick.label, pick.ranked, loaded, measure, assumed), profile
 
 
-def covers(profile, spec: ModelSpec, seq: int, dtype: str) -> bool:
-    """Whether `profile` has measured compute tables of `spec`'s shape at `seq` in `dtype`."""
+def covers(profile, spec: ModelSpec, seq: int, dtype: str, compiled: bool = False) -> bool:
+    """Whether `profile` has measured compute tables of `spec`'s shape at `seq` in `dtype` (and of the compiled
+    layer too when `compiled`)."""
     sig = model_signature(spec)
-    return any(t.model == sig and t.seq == seq and t.dtype == dtype for t in profile.compute_tables)
+    mine = [t for t in profile.compute_tables if t.model == sig and t.seq == seq and t.dtype == dtype]
+    return bool(mine) and (not compiled or any(t.compiled for t in mine))
 
 
 def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str, log=print,
@@ -152,7 +222,7 @@ def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
         log(f"--schedule auto: {choice.line()}")
         return choice
     if choice.source == "cache":
-        if covers(load_profile(choice.profile), spec, seq, knobs.compute_dtype):
+        if covers(load_profile(choice.profile), spec, seq, knobs.compute_dtype, knobs.compile_layers):
             log(f"--schedule auto: using this machine's profile {choice.profile}")
             return choice
         why = f"this machine's profile {choice.profile} has no compute tables of {spec.name} at seq {seq}"
@@ -176,18 +246,12 @@ def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
 
 
 def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: str):
-    """Run `knobs` on `trainer` from the next step: the pending update (overlap timing) is applied first with the
-    old Program, as a checkpoint does, then the new Program takes the same host store (`use_program`). Returns the
+    """Run `knobs` on `trainer` from the next step (`StreamedTrainer.switch_schedule`: the pending update is applied
+    first with the old Program, as a checkpoint does, then the new Program takes the same host store). Returns the
     new Program and the update plan the flush applied (None if none was pending)."""
     if resolve_host_layout(trainer.spec, knobs) != resolve_host_layout(trainer.spec, trainer.knobs):
         raise ValueError("auto switches only between schedules with the same host layout")  # see the docstring
-    applied = trainer.flush()
-    sched = build_schedule(trainer.spec, batch, seq, knobs)
-    sched.name = name
-    program = lower(sched)
-    trainer.use_program(program)
-    trainer.knobs, trainer.schedule_name = replace(knobs), name
-    return program, applied
+    return trainer.switch_schedule(replace(knobs), batch, seq, name)
 
 
 def schedule_overrides(knobs, micro_batches: int) -> list[str]:
@@ -196,16 +260,31 @@ def schedule_overrides(knobs, micro_batches: int) -> list[str]:
     return ["schedule.name=overlap"] + [f"schedule.{k}={v}" for k, v in knobs.to_dict().items() if v is not None]
 
 
-def switch_after_warmup(run, step: int, start: int, timelines: list) -> bool:
-    """`--schedule auto` after the warm-up: re-check the choice of `run` (a train/loop._Training) once, and switch
-    its trainer to another schedule when the calibrated profile predicts one faster; the run takes the new Program,
-    its prediction and knobs through its public `switch_schedule`. True when it switched."""
-    if run.auto is None or run.auto.done or run.predicted is None or step - start < WARMUP_STEPS + MIN_STEPS:
+def measure_candidates(auto: AutoChoice, trainer, step: Callable[[], StepResult], log=print) -> Candidate:
+    """`auto`'s measuring on `trainer` outside the training loop (scripts/bench_megatrain.py; the loop calls
+    `before_step` / `after_step` itself, `auto_before_step`): `step()` runs one training step; returns the
+    candidate the trainer runs afterwards (the fastest measured, or the best predicted with `measure` 0)."""
+    auto.start(2**62, log)  # as many steps as it takes
+    while True:
+        cand = auto.before_step()
+        if cand is not None and cand.knobs != trainer.knobs:
+            switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label)
+        if auto.done:
+            return auto.chosen or auto.running
+        auto.after_step(step())
+
+
+def auto_before_step(run) -> bool | None:
+    """`--schedule auto` before a step of `run` (a train/loop._Training): switch its trainer to the next candidate
+    to measure or to the fastest measured (the run takes the Program, its prediction and knobs through its public
+    `switch_schedule`). True: a new Program runs from this step; False: the same one, its prediction repriced at the
+    measured clip share; None: nothing changed."""
+    cand = run.auto.before_step()
+    if cand is None:
+        return None
+    if cand.knobs == run.trainer.knobs:  # the fastest measured is the one running
+        run.switch_schedule(cand.knobs, run.program, cand.result, None)
         return False
-    warm = [t for t in timelines if int(t["step"].iloc[0]) > start + WARMUP_STEPS]
-    decision = run.auto.recheck(run.program, run.predicted.profile, warm, run.log)
-    if decision.knobs is None:
-        return False
-    program, applied = switch_trainer(run.trainer, run.batch, run.seq, decision.knobs, decision.label)
-    run.switch_schedule(decision.knobs, program, simulate(program, run.predicted.profile), applied)
+    program, applied = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label)
+    run.switch_schedule(cand.knobs, program, cand.result, applied)
     return True

@@ -84,31 +84,39 @@ def config_from_args(args) -> RunConfig:
         overrides.append("run.progress=false")
     cfg = load_config(getattr(args, "config", None), overrides)
     if getattr(args, "schedule", None) == "auto":
-        overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None))
+        overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None),
+                                                     getattr(args, "auto_measure", None))
         cfg = cfg.with_overrides(overrides)
     return cfg
 
 
-def _auto_schedule(cfg: RunConfig, budget_gib: float | None):
+def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None = None):
     """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/auto.py:
-    the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that re-checks it
-    after the warm-up (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
+    the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that measures
+    the best few on the run's first steps (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
     kept. Without run.profile it uses the profile of profiling/store.py's precedence, and measures this machine
-    quickly first (into the per-user cache) when that is only the shipped default."""
-    try:  # each rank would choose (and re-choose) on its own, and ranks must run one Program (the resolver says so)
+    quickly first (into the per-user cache) when that is only the shipped default. measure: candidates measured on
+    the run's first steps (--auto-measure; None: the default); the compiled layer is a candidate knob unless the
+    config sets schedule.compile_layers (autoswitch.varies_compile)."""
+    try:  # each rank would choose (and measure) on its own, and ranks must run one Program (the resolver says so)
         check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 
     # Only `auto` needs these: the simulator and the candidates (tune), the profiler and torch (autoswitch).
-    from megatrain.train.autoswitch import choose_before_run, schedule_overrides
+    from megatrain.train.autoswitch import DEFAULT_MEASURE, choose_before_run, schedule_overrides, varies_compile
     from megatrain.tune.auto import BudgetError
 
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and gpu_memory() is not None)
     spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
+    measure = DEFAULT_MEASURE if measure is None else measure
+    if measure < 0:
+        raise ConfigError(f"--auto-measure {measure}: give the number of candidates to measure, 0 or more")
     try:
-        choice, _ = choose_before_run(spec, batch, seq, base, "cuda" if cuda else "cpu", cfg.run.run_dir,
-                                      cfg.run.profile, budget_gib, resumed=bool(cfg.run.resume))
+        backend = "cuda" if cuda else "cpu"
+        vary = varies_compile("compile_layers" in cfg.schedule.overrides, backend)  # set in the config or --set
+        choice, _ = choose_before_run(spec, batch, seq, base, backend, cfg.run.run_dir, cfg.run.profile, budget_gib,
+                                      resumed=bool(cfg.run.resume), measure=measure, vary_compile=vary)
     except (ScheduleError, BudgetError) as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     # No run.profile is set for the run: the profile auto chose with is the one the run resolves itself

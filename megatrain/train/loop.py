@@ -47,7 +47,7 @@ import torch
 from megatrain.data.filetokens import DataChangedError
 from megatrain.parallel.world import World
 from megatrain.plan.memory import GiB
-from megatrain.train.autoswitch import schedule_overrides, switch_after_warmup
+from megatrain.train.autoswitch import auto_before_step, schedule_overrides
 from megatrain.io.checkpoint import CheckpointManager, check_writable
 from megatrain.io.errors import CheckpointError
 from megatrain.train.checkpointing import SessionCheckpoints, trainer_state
@@ -99,7 +99,8 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     directory gets them too. stop_at_step: end the session after this step with a checkpoint, as a preemption
     would (`run.resume` continues it). trackers: callables given each step's metrics record (a dict of
     METRIC_KEYS), e.g. to send them to an experiment tracker (docs/training.md, "Metrics"). auto: the
-    `--schedule auto` choice (training/autoswitch.AutoChoice), re-checked once after the warm-up. Raises TrainingError
+    `--schedule auto` choice (train/autoswitch.AutoChoice), whose best predicted candidates are measured on the
+    run's first steps (each a training step of the run), then the fastest measured trains on. Raises TrainingError
     when the run stops on its own (divergence, a failed write, a hung step); the message says how to continue.
     """
 
@@ -267,9 +268,10 @@ class _Training:
 
     def switch_schedule(self, knobs, program, predicted, applied) -> None:
         """Run `knobs` from the next step: the public way to change a running session's schedule (what
-        `--schedule auto`'s re-check does, train/autoswitch.py). `program`: the Program the trainer now runs (after
-        `switch_trainer`); `predicted`: its simulation; `applied`: the update plan the switch's flush applied
-        (its skipped units are counted and logged). The saved config records the schedule that runs from here on."""
+        `--schedule auto` does while it measures its candidates, train/autoswitch.py). `program`: the Program the
+        trainer now runs (after `switch_trainer`); `predicted`: its simulation; `applied`: the update plan the
+        switch's flush applied (its skipped units are counted and logged). The saved config records the schedule
+        that runs from here on."""
         self._log_skips(self.skips.settle(applied))
         self.knobs, self.program, self.predicted = knobs, program, predicted
         self.cfg = self.cfg.with_overrides(schedule_overrides(knobs, self.cfg.schedule.micro_batches))
@@ -295,6 +297,9 @@ class _Training:
         bar = self.runlog.progress_bar(total=run.steps, initial=start, enabled=run.progress, desc=run.name)
         if start < run.steps and compile_note(self.knobs, self.backend_name):
             self.log(compile_note(self.knobs, self.backend_name))
+        if self.auto is not None:  # --schedule auto: its candidates are measured on the first steps (autoswitch.py)
+            trainer.schedule_name = self.auto.label
+            self.auto.start(run.steps - start, self.log)
         t_start = time.perf_counter()
         try:
             with StopRequest(self.log) as stop:
@@ -302,8 +307,17 @@ class _Training:
                 self.runlog.when_console_lost(lambda: stop.request("SIGPIPE", "stdout was closed"))
                 for index in range(start, run.steps):
                     step = index + 1
+                    changed = auto_before_step(self) if self.auto is not None else None
+                    if changed is not None:  # --schedule auto: the next candidate to measure, or the fastest
+                        summary.predicted = self.predicted
+                    if changed:  # a new Program from this step: its steps are measured from here
+                        since = index
+                        for kept in (timelines, step_times, idles):
+                            kept.clear()
                     reset_gpu_peak(device)
                     r = self._step(step)
+                    if self.auto is not None:
+                        self.auto.after_step(r)
                     skips = self._log_skips(self.skips.settle(r.update))
                     measured = summarize(r.timeline, self.program)
                     eval_loss = None
@@ -332,10 +346,6 @@ class _Training:
                     del timelines[:-KEEP_TIMELINE_STEPS]
                     step_times.append(r.time_s)
                     idles.append(100 * measured.gpu_idle_frac)
-                    if switch_after_warmup(self, step, since, timelines):  # --schedule auto chose again: a new Program
-                        since, summary.predicted = step, self.predicted  # its steps are measured from here
-                        for kept in (timelines, step_times, idles):
-                            kept.clear()
                     if self.skips.diverged:
                         raise self.ckpt.diverged(step, self.skips.consecutive, run.max_skipped_steps)
                     if run.checkpoint_every and step % run.checkpoint_every == 0:

@@ -1,7 +1,8 @@
 """`--schedule auto`: the fastest predicted schedule that fits this machine and keeps the run's numerics.
 
-The one implementation behind `megatrain simulate --schedule auto`, `megatrain train --schedule auto` (which
-re-checks the choice after the warm-up: train/autoswitch.py) and `scripts/bench_megatrain.py --schedule auto`:
+The one implementation behind `megatrain simulate --schedule auto`, `megatrain train --schedule auto` (which then
+measures the few best candidates on the run's first steps and keeps the fastest measured: train/autoswitch.py) and
+`scripts/bench_megatrain.py --schedule auto`:
 
     budget = auto_budget("cuda", gpu_gib=None)                  # THE budget rule (below)
     pick = choose_auto(spec, 8, 2048, base_knobs, "h200-measured", budget)
@@ -19,10 +20,17 @@ The budget rule, the same for every caller:
 Candidates (`auto_candidates`) are every named schedule with the base's numerics (the knobs `NUMERICS_KNOBS`
 lists: clipping, dtypes, kernel, loss chunk, micro-batches), 2 or 3 weight buffers, and for the arrival
 placements resident units in a few sizes; each is planned, refused when it exceeds a budget, and simulated.
+`vary_compile=True` also tries each with the decoder layer compiled and eager (`compile_layers`): the compiled layer
+computes the same math with other rounding, so `train --schedule auto` varies it unless the user set
+`compile_layers` (train/autoswitch.py `varies_compile`); every other knob of `NUMERICS_KNOBS` is never varied.
+
+Clipping is priced with `facts` (ir/facts.py `StepFacts`): with speculative clipping (arrival placements) a step
+that clips undoes and redoes its updates, so a candidate is ranked by `SimResult.mean_step_s` at the assumed share
+of clipping steps (0 unless given); `reprice` ranks candidates again at a share measured on the run's steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
@@ -32,6 +40,7 @@ from megatrain.compile.knobs import NAMED_SCHEDULES, NUMERICS_KNOBS, ScheduleKno
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import OPTIMIZER_PRESETS, resolve_host_layout
 from megatrain.ir.dag import ScheduleError
+from megatrain.ir.facts import NO_CLIP, StepFacts
 from megatrain.model.spec import ModelSpec
 from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.sim.engine import SimResult, simulate
@@ -74,11 +83,27 @@ def auto_budget(backend: str, gpu_gib: float | None = None, *, with_host: bool =
     return AutoBudget(gpu, host if with_host else None, source)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule `auto` may run: its label ("lean[buffers=3]"), knobs, simulation (`result`, at the clip share
+    of `result.facts`) and planned GPU peak."""
+
+    label: str
+    knobs: ScheduleKnobs
+    result: SimResult
+    gpu_peak_bytes: int
+
+    @property
+    def step_s(self) -> float:
+        """The predicted seconds per step over the run: steps that clip and steps that do not, by the share."""
+        return self.result.mean_step_s
+
+
 @dataclass
 class AutoPick:
     """The schedule `auto` chose: its knobs, a label ("lean[buffers=3]"), its simulated step (`predicted`), every
-    candidate that fits (`table`, fastest first: schedule, step_s, tokens_per_s, gpu_idle_pct, gpu_peak_gib), the
-    budget it fits and the profile's name."""
+    candidate that fits (`table`, fastest first: schedule, step_s, tokens_per_s, gpu_idle_pct, gpu_peak_gib; and
+    `ranked`, the same as Candidates), the budget it fits and the profile's name."""
 
     knobs: ScheduleKnobs
     label: str
@@ -86,21 +111,27 @@ class AutoPick:
     table: pd.DataFrame
     budget: AutoBudget
     profile: str
+    ranked: list[Candidate] = field(default_factory=list)
 
 
 def choose_auto(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, profile: HardwareProfile | str,
-                budget: AutoBudget, world: int = 1) -> AutoPick:
-    """The fastest predicted schedule for (spec, batch, seq) within `budget` that keeps `base`'s numerics;
-    ScheduleError (with the budget in it) when none fits."""
+                budget: AutoBudget, world: int = 1, *, vary_compile: bool = False,
+                facts: StepFacts = NO_CLIP) -> AutoPick:
+    """The fastest predicted schedule for (spec, batch, seq) within `budget` that keeps `base`'s numerics
+    (`compile_layers` aside when `vary_compile`), clipping priced at `facts.clip_share`; ScheduleError (with the
+    budget in it) when none fits."""
     profile = load_profile(profile)
-    best = choose_schedule(spec, batch, seq, base, profile, budget.gpu_bytes, host_bytes=budget.host_bytes,
-                           world=world)
-    return AutoPick(best.knobs, str(best.table.schedule[0]), best.result, best.table, budget, profile.name)
+    ranked = rank_candidates(spec, batch, seq, base, profile, budget.gpu_bytes, host_bytes=budget.host_bytes,
+                             world=world, vary_compile=vary_compile, facts=facts)
+    best = ranked[0]
+    return AutoPick(best.knobs, best.label, best.result, candidate_table(ranked), budget, profile.name, ranked)
 
 
-def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleKnobs]:
+def auto_candidates(spec: ModelSpec, base: ScheduleKnobs, vary_compile: bool = False) -> dict[str, ScheduleKnobs]:
     """Schedules `auto` tries: every named schedule with the base's numerics (its clipping included), 2 or 3
-    weight buffers, and for the arrival placements resident units in a few sizes."""
+    weight buffers, and for the arrival placements resident units in a few sizes; with `vary_compile` each also
+    with the decoder layer compiled and eager (labelled ",compiled" / ",eager"). Labels name what the candidate sets
+    on top of the named schedule."""
     keep = {name: getattr(base, name) for name in NUMERICS_KNOBS}
     L = spec.num_layers
     out: dict[str, ScheduleKnobs] = {}
@@ -108,27 +139,47 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs) -> dict[str, ScheduleK
         timing = OPTIMIZER_PRESETS[named.optimizer][0].value  # arrival clips speculatively, still exactly
         for buffers in sorted({2, 3} & set(range(1, max(L, 1) + 1))):
             knobs = replace(named, **keep, buffers=buffers)
-            out[f"{name}[buffers={buffers}]"] = knobs
+            variants = {f"{name}[buffers={buffers}": knobs}
             if timing == "arrival" and not spec.tie_word_embeddings:
                 for r in sorted({0, 2, 4, 8, L // 2} & set(range(L + 1))):
-                    out[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}]"] = replace(
+                    variants[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}"] = replace(
                         knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
+            for label, k in variants.items():
+                if not vary_compile:
+                    out[label + "]"] = k
+                    continue
+                for compiled in (True, False):  # compiled first: on a tie of the predictions, the faster kernel
+                    out[label + (",compiled]" if compiled else ",eager]")] = replace(k, compile_layers=compiled)
     return out
 
 
 def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
                     profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None,
-                    same_host_layout: bool = False, world: int = 1) -> TuneResult:
+                    same_host_layout: bool = False, world: int = 1, *, vary_compile: bool = False,
+                    facts: StepFacts = NO_CLIP) -> TuneResult:
     """The fastest predicted schedule for (spec, batch, seq) that fits `gpu_bytes` of planned GPU peak and keeps
     the numerics of `base` (its clipping, compute dtype, gradient wire, layer kernel, loss chunk, micro-batches), and
-    whose host plan fits `host_bytes` when given. same_host_layout: only candidates whose host store has the
-    layout of `base`'s (a running trainer can switch to them without rebuilding its store: `use_program`).
-    world: data-parallel ranks (schedules that data parallelism refuses are left out; the step is one rank's).
-    `table` lists every candidate that fits, fastest first; a candidate the resolver refuses is left out."""
+    whose host plan fits `host_bytes` when given: `rank_candidates`' first. `table` lists every candidate that
+    fits, fastest first."""
+    ranked = rank_candidates(spec, batch, seq, base, profile, gpu_bytes, host_bytes, same_host_layout, world,
+                             vary_compile=vary_compile, facts=facts)
+    return TuneResult(ranked[0].knobs, ranked[0].result, candidate_table(ranked))
+
+
+def rank_candidates(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
+                    profile: HardwareProfile | str, gpu_bytes: int, host_bytes: int | None = None,
+                    same_host_layout: bool = False, world: int = 1, *, vary_compile: bool = False,
+                    facts: StepFacts = NO_CLIP) -> list[Candidate]:
+    """Every candidate (`auto_candidates`) that fits `gpu_bytes` of planned GPU peak (and `host_bytes` of host plan
+    when given), simulated with `profile` at `facts` (the share of steps that clip), fastest first (by
+    `mean_step_s`, then label). same_host_layout: only candidates whose host store has the layout of `base`'s (a
+    running trainer can switch to them without rebuilding its store: `use_program`). world: data-parallel ranks
+    (schedules that data parallelism refuses are left out; the step is one rank's). A candidate the resolver
+    refuses is left out; ScheduleError when none is left."""
     profile = load_profile(profile)
     layout = resolve_host_layout(spec, base) if same_host_layout else None
-    rows, results = [], []
-    for label, knobs in auto_candidates(spec, base).items():
+    out: list[Candidate] = []
+    for label, knobs in auto_candidates(spec, base, vary_compile).items():
         try:
             if layout is not None and resolve_host_layout(spec, knobs) != layout:
                 continue
@@ -136,17 +187,31 @@ def choose_schedule(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
             peak = plan.gpu.peak_bytes
             if peak > gpu_bytes or (host_bytes is not None and plan.host.total_bytes > host_bytes):
                 continue
-            res = simulate(lower(build_schedule(spec, batch, seq, knobs, world=world)), profile)
+            res = simulate(lower(build_schedule(spec, batch, seq, knobs, world=world)), profile, facts)
         except ScheduleError:
             continue
-        results.append((knobs, res))
-        rows.append(dict(schedule=label, step_s=res.step_s, tokens_per_s=res.summary.tokens_per_s,
-                         gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
-    if not rows:
+        out.append(Candidate(label, knobs, res, peak))
+    if not out:
         host = f" and {host_bytes / 2**30:.1f} GiB of host memory" if host_bytes is not None else ""
         same = " with the same host layout" if layout is not None else ""
         raise ScheduleError(f"no schedule{same} keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
                             f"{host}; see `megatrain plan` for what takes the memory, or raise the budget")
-    order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["schedule"]))
-    knobs, result = results[order[0]]
-    return TuneResult(knobs, result, pd.DataFrame(rows).iloc[order].reset_index(drop=True))
+    return sorted(out, key=lambda c: (c.step_s, c.label))
+
+
+def reprice(candidates: list[Candidate], profile: HardwareProfile | str, facts: StepFacts) -> list[Candidate]:
+    """`candidates` simulated again at `facts` (the share of clipping steps measured on a run), fastest first: only
+    those with speculative clipping change (a step that clips redoes their updates); the others keep their
+    simulation."""
+    profile = load_profile(profile)
+    out = [replace(c, result=simulate(c.result.program, profile, facts))
+           if c.result.program.placement.speculative_clip and c.result.facts != facts else c for c in candidates]
+    return sorted(out, key=lambda c: (c.step_s, c.label))
+
+
+def candidate_table(ranked: list[Candidate]) -> pd.DataFrame:
+    """One row per candidate, in the given order: schedule, step_s (mean over clipping and other steps),
+    tokens_per_s, gpu_idle_pct, gpu_peak_gib."""
+    return pd.DataFrame([dict(schedule=c.label, step_s=c.step_s, tokens_per_s=c.result.summary.tokens_per_s
+                              * c.result.step_s / c.step_s, gpu_idle_pct=100 * c.result.summary.gpu_idle_frac,
+                              gpu_peak_gib=c.gpu_peak_bytes / 2**30) for c in ranked])

@@ -1,0 +1,164 @@
+"""`--schedule auto` measures the K best predicted candidates on the run's first steps and trains with the fastest
+measured: the measured time decides, not the prediction; the numerics are never changed (the compiled layer aside,
+unless the user set it); clipping is priced at the measured share; the steps measured are the run's own."""
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.compile.knobs import NUMERICS_KNOBS, ScheduleKnobs
+from megatrain.engine.trainer import StreamedTrainer
+from megatrain.model.presets import PRESETS
+from megatrain.sim import load_profile
+from megatrain.train.autoswitch import TIMED_STEPS, UNTIMED_STEPS, AutoChoice, varies_compile
+from megatrain.tune.auto import AutoBudget, auto_candidates, choose_auto
+
+SPEC = PRESETS["debug"]
+GiB = 2**30
+
+
+def _train(tmp_path) -> list[str]:
+    """`megatrain train` of the debug model on the CPU backend with the shipped cpu profile (no quick profiling)."""
+    profile = tmp_path / "cpu.json"
+    if not profile.is_file():
+        load_profile("cpu").save(profile)
+    return ["train", "--batch", "2", "--seq", "16", "--device", "cpu", "--no-progress", "--set",
+            f"run.profile={profile}", "--set", "run.checkpoint_every=0", "--set", "run.eval_every=0",
+            "--out-dir", str(tmp_path / "runs")]
+
+
+def _step(time_s: float, clips: bool = False):
+    """What AutoChoice reads of a StepResult: its time and whether its update clipped."""
+    return SimpleNamespace(time_s=time_s, update=SimpleNamespace(clip_coef=0.5 if clips else 1.0, redone_units=(),
+                                                                 deferred_units=()))
+
+
+def _choice(base: ScheduleKnobs, measure: int = 3) -> AutoChoice:
+    pick = choose_auto(SPEC, 2, 16, base, "cpu", AutoBudget(GiB, None, "given"))
+    return AutoChoice(SPEC, 2, 16, pick.knobs, pick.label, pick.ranked, load_profile("cpu"), measure)
+
+
+def _drive(auto: AutoChoice, seconds, clips: bool = False) -> list[str]:
+    """Run auto's measuring with step times from `seconds(label)`; returns the candidates run, in order."""
+    lines, ran = [], []
+    auto.start(100, lines.append)
+    auto.log_lines = lines
+    running = auto.label
+    while True:
+        cand = auto.before_step()
+        if cand is not None:
+            running = cand.label
+        if auto.done:
+            return ran
+        ran.append(running)
+        auto.after_step(_step(seconds(running), clips))
+
+
+def test_the_fastest_measured_wins_over_the_prediction():
+    """The best predicted candidate is measured 10x slower than predicted (the prediction is wrong on purpose):
+    auto measures 3, chooses the fastest measured, switches to it, and prints predicted and measured for each."""
+    auto = _choice(ScheduleKnobs(clip=0))
+    first = auto.label
+    predicted = {c.label: c.step_s for c in auto.ranked}
+    ran = _drive(auto, lambda label: predicted[label] * (10 if label == first else 1.0))
+    per = UNTIMED_STEPS + TIMED_STEPS  # the next best predicted of this host layout is measured next
+    assert len(ran) == 3 * per and ran[:per] == [first] * per and ran[per] == auto.pool[1].label
+    assert auto.done and auto.chosen.label != first and auto.running is auto.chosen
+    assert auto.measured_s(auto.chosen.label) == min(auto.measured_s(label) for label in auto.times)
+    lines = auto.log_lines
+    table = [line for line in lines if line.startswith("  ") and "measured " in line]
+    assert len(table) == 3 and all("predicted " in line and "error " in line for line in table)
+    assert sum("<- chosen" in line for line in table) == 1
+    assert any(f"{first}: predicted" in line and "error -90.0%" in line for line in table)
+    assert lines[-1] == f"auto: switching to {auto.chosen.label}, the fastest measured"
+
+
+def test_clipping_is_priced_at_the_measured_share():
+    """Exact clipping (base clip=1): arrival candidates clip speculatively. Before the run they are priced at 0
+    clipping steps; once every measured step clipped, at 1 (the redo of every update)."""
+    auto = _choice(ScheduleKnobs(clip=1.0), measure=2)
+    assert all(c.result.facts.clip_share == 0.0 for c in auto.ranked)
+    _drive(auto, lambda label: 0.01, clips=True)
+    speculative = [c for c in auto.pool if c.result.program.placement.speculative_clip]
+    assert speculative and all(c.result.facts.clip_share == 1.0 for c in speculative)
+    assert any("100% of the 6 steps clipped" in line for line in auto.log_lines)
+
+
+def test_numerics_are_never_varied_but_the_compiled_layer_may_be():
+    base = ScheduleKnobs(clip=0.5, compute_dtype="fp32", grad_wire="bf16", micro_batches=2, loss_chunk_tokens=512)
+    for vary in (False, True):
+        cands = auto_candidates(SPEC, base, vary_compile=vary)
+        for label, k in cands.items():
+            assert {n: getattr(k, n) for n in NUMERICS_KNOBS if n != "compile_layers"} == \
+                {n: getattr(base, n) for n in NUMERICS_KNOBS if n != "compile_layers"}, label
+        assert {k.compile_layers for k in cands.values()} == ({True, False} if vary else {False})
+    compiled = auto_candidates(SPEC, replace(base, compile_layers=True))
+    assert all(k.compile_layers for k in compiled.values())  # set by the user: kept
+    assert varies_compile(False, "cuda") and not varies_compile(True, "cuda") and not varies_compile(False, "cpu")
+
+
+@pytest.mark.parametrize("extra, vary", [([], True), (["--set", "compile_layers=false"], False)])
+def test_train_varies_the_compiled_layer_unless_the_user_set_it(monkeypatch, extra, vary):
+    """On a GPU run (run.device=cuda: auto is asked before anything runs) the compiled layer is a candidate knob
+    unless the config or --set names compile_layers."""
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("megatrain.train.autoswitch.choose_before_run", fake)
+    with pytest.raises(SystemExit):
+        main(["train", "--schedule", "auto", "--device", "cuda", "--gpu-budget-gib", "1", *extra])
+    assert seen["vary_compile"] is vary and seen["measure"] == 3
+
+
+def _losses(run) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    return [r["loss"] for r in records]
+
+
+def test_train_auto_measures_on_its_own_steps_and_keeps_the_numbers(tmp_path, capsys, monkeypatch):
+    """`megatrain train --schedule auto` (K=3) with the best predicted candidate measured 50x slower than it runs:
+    the run measures 3 candidates on steps 1-9, trains on with another, and its 12 losses equal those of a plain
+    run of the same numerics (the default schedule): the measured steps are training steps of the run."""
+    slow = {}
+    real = StreamedTrainer.step
+
+    def step(self, ids, targets):  # the machine's timing, made wrong for one schedule on purpose
+        r = real(self, ids, targets)
+        slow.setdefault("label", self.schedule_name)  # the first step runs the best predicted candidate
+        return replace(r, time_s=r.time_s * 50) if self.schedule_name == slow["label"] else r
+
+    monkeypatch.setattr(StreamedTrainer, "step", step)
+    assert main([*_train(tmp_path), "--schedule", "auto", "--steps", "12", "--name", "auto"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = [line for line in out if line.startswith("  ") and " ms/step (error " in line]
+    assert len(table) == 3 and sum("<- chosen" in line for line in table) == 1
+    chosen = next(line for line in table if "<- chosen" in line).split(":")[0].strip()
+    assert chosen != slow["label"] and f"auto: switching to {chosen}, the fastest measured" in out
+    assert not any("recalibrates" in line for line in out)  # one mechanism: measuring
+    monkeypatch.setattr(StreamedTrainer, "step", real)
+    assert main([*_train(tmp_path), "--steps", "12", "--name", "plain"]) == 0
+    auto, plain = _losses(tmp_path / "runs" / "auto"), _losses(tmp_path / "runs" / "plain")
+    assert len(auto) == 12 and auto == pytest.approx(plain, rel=1e-6, abs=1e-7)
+    saved = (tmp_path / "runs" / "auto" / "config.toml").read_text()  # the schedule that trained on is the one recorded
+    assert "optimizer = " in saved
+
+
+def test_auto_measure_0_trains_with_the_best_predicted(tmp_path, capsys):
+    assert main([*_train(tmp_path), "--schedule", "auto", "--auto-measure", "0", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "auto: not measuring (--auto-measure 0): training with the best predicted" in out
+    assert "auto: measuring" not in out and "auto: switching" not in out
+    assert main([*_train(tmp_path), "--schedule", "auto", "--auto-measure", "-1"]) == 2
+    assert "--auto-measure -1: give the number of candidates to measure, 0 or more" in capsys.readouterr().err
+
+
+def test_a_short_run_measures_what_its_steps_allow(tmp_path, capsys):
+    assert main([*_train(tmp_path), "--schedule", "auto", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "auto: 4 steps measure 1 candidate(s), not 3" in out and "auto: measured 1 candidate(s)" in out
