@@ -139,7 +139,10 @@ def test_train_auto_measures_on_its_own_steps_and_keeps_the_numbers(tmp_path, ca
     table = [line for line in out if line.startswith("  ") and " ms/step (error " in line]
     assert len(table) == 3 and sum("<- chosen" in line for line in table) == 1
     chosen = next(line for line in table if "<- chosen" in line).split(":")[0].strip()
-    assert chosen != slow["label"] and f"auto: switching to {chosen}, the fastest measured" in out
+    # the chosen one is switched to, or runs on when it was the last measured (CPU timing decides which of the
+    # two fast candidates wins)
+    assert chosen != slow["label"] and (f"auto: switching to {chosen}, the fastest measured" in out
+                                        or f"auto: {chosen}, the fastest measured, runs on" in out)
     assert not any("recalibrates" in line for line in out)  # one mechanism: measuring
     monkeypatch.setattr(StreamedTrainer, "step", real)
     assert main([*_train(tmp_path), "--steps", "12", "--name", "plain"]) == 0

@@ -251,7 +251,7 @@ class HardwareProfile:
         "duplex_Bps": check.RATE, "gpu_memory_Bps": check.RATE, "gpu_adam_params_per_s": check.RATE,
         "clip_norm_params_per_s": check.RATE, "cpu_convert_params_per_s": check.RATE, "nvme_read_Bps": check.RATE,
         "nvme_write_Bps": check.RATE, "inter_host_Bps": check.RATE, "cpu_update_bytes_per_param": check.SIZE,
-        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME, "clip_redo_updates": check.TIME,
+        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME, "clip_redo_updates": check.SIZE,
         "dma_factor_cpu_optimizer": check.FRACTION, "cpu_threads": check.COUNT,
     }
     # field -> (bound of its values, keys are thread counts, lower limit of its values)
