@@ -141,23 +141,35 @@ def _steps_of(tl, config: str, rnd: int) -> list:
 
 
 def report(a) -> int:
+    """`report`: print (and with --write, save) the table of `evaluate`."""
+    root = Path(a.dir)
+    if not any((d / "rows.jsonl").is_file() for d in root.iterdir()):
+        print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
+        return 2
+    result = evaluate(root, a.calibrate_on, a.quick_file)
+    print(result["text"])
+    if a.write:
+        Path(a.write).write_text(result["text"])
+        result["transfer"].save(Path(a.write).with_suffix(".transfer-profile.json"))
+    return 0
+
+
+def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.json") -> dict:
+    """The errors of every measured row of `root` (module docstring): {"text": the markdown table and summary,
+    "errors": {"a"|"b"|"b_all"|"c": [fractions]}, "taus": [(shape, tau a, tau b)], "transfer": the profile of (b)}."""
     from megatrain.compile.record import program_of
     from megatrain.ir.facts import StepFacts
     from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
     from megatrain.profiling.live import calibrate_run
     from megatrain.sim import load_profile, simulate
 
-    root = Path(a.dir)
     shapes = sorted(d for d in root.iterdir() if (d / "rows.jsonl").is_file())
-    if not shapes:
-        print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
-        return 2
     data = {d.name: _load_shape(d) for d in shapes}
     # (a) for a shape: the quick profile measured for that shape (its rates), with every shape's compute tables
-    quick = {d.name: load_profile(d / a.quick_file) for d in shapes}
+    quick = {d.name: load_profile(d / quick_file) for d in shapes}
     tables = tuple({(t.key, t.seq): t for p in quick.values() for t in p.compute_tables}.values())
     machine = {name: replace(p, compute_tables=tables) for name, p in quick.items()}
-    cal_shape, cal_config = a.calibrate_on.split(":", 1)
+    cal_shape, cal_config = calibrate_on.split(":", 1)
     rows, tl = data[cal_shape]
     cal_row = next(r for r in rows if r["config"] == cal_config and r["round"] == 0)
     cal_program = program_of(cal_row["record"])
@@ -173,11 +185,13 @@ def report(a) -> int:
              f"compute tables of every shape ({', '.join(d.name for d in shapes)}); no training run. (b) transfer: (a) calibrated on round 0 of "
              f"{cal_shape} {cal_config} ({len(_steps_of(tl, cal_config, 0))} timed steps). Error = predicted / "
              "measured - 1 of the step time (+ = predicted too slow); measured = median over rounds of each "
-             "round's median timed step (min-max over rounds).", "",
+             "round's median timed step (min-max over rounds). (c) IN-SAMPLE: the row's own profile calibrated on "
+             "its own round-0 steps, compared with those steps: how well calibration can fit what ran.", "",
              "| shape | schedule | measured s (min-max) | tok/s | clip share | (a) pred s | (a) err | (b) pred s "
-             "| (b) err | (b) sample | task groups furthest off, when an error exceeds 10% (predicted - measured, summed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    summary = {"a": [], "b": [], "b_all": []}
+             "| (b) err | (b) sample | (c) in-sample err | task groups furthest off, when (a) or (b) exceeds 10% "
+             "(predicted - measured, summed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {"a": [], "b": [], "b_all": [], "c": []}
     taus = []
     for shape, (rows, tl) in data.items():
         by: dict[str, list[dict]] = {}
@@ -198,6 +212,12 @@ def report(a) -> int:
             summary["b_all"].append(eb)
             if sample == "out-of-sample":
                 summary["b"].append(eb)
+            # (c) in-sample: the row's own quick profile fitted to its own round-0 steps, against those steps
+            own = _steps_of(tl, config, 0)
+            own_cal = calibrate_run(program, machine[shape], own, warmup=0,
+                                    clipped=[facts.clip_share >= 0.5] * len(own))
+            ec = own_cal.error_after
+            summary["c"].append(ec)
             worst = ""
             if abs(ea) > 0.10 or abs(eb) > 0.10:
                 steps = _steps_of(tl, config, 0)
@@ -208,7 +228,7 @@ def report(a) -> int:
                 worst = ", ".join(f"{g.group} {g.off_ms:+.0f} ms ({g.bias_pct:+.0f}%)" for g in groups.itertuples())
             lines.append(f"| {shape} | {config} | {measured:.3f} ({min(meds):.3f}-{max(meds):.3f}) | "
                          f"{rs[0]['batch'] * rs[0]['seq'] / measured:,.0f} | {facts.clip_share:.2f} | {pa:.3f} | "
-                         f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {worst} |")
+                         f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {ec:+.1%} | {worst} |")
             meas_l.append(measured)
             pa_l.append(pa)
             pb_l.append(pb)
@@ -220,22 +240,20 @@ def report(a) -> int:
             return "no rows"
         ab = sorted(abs(e) for e in errs)
         return (f"median |err| {statistics.median(ab):.1%}, max |err| {ab[-1]:.1%}, within 10%: "
-                f"{sum(e <= 0.10 for e in ab)}/{len(ab)}, within 5%: {sum(e <= 0.05 for e in ab)}/{len(ab)}")
+                f"{sum(e <= 0.10 for e in ab)}/{len(ab)}, within 5%: {sum(e <= 0.05 for e in ab)}/{len(ab)}, "
+                f"within 3%: {sum(e <= 0.03 for e in ab)}/{len(ab)}")
 
     lines += ["", f"- (a) quick, all rows: {stats(summary['a'])}",
               f"- (b) transfer, out-of-sample rows (other shape and other schedule): {stats(summary['b'])}",
               f"- (b) transfer, every row (same shape/schedule and the in-sample run included): "
               f"{stats(summary['b_all'])}"]
+    lines.append(f"- (c) IN-SAMPLE, each row's quick profile fitted to its own round-0 steps and compared with "
+                 f"them (a fit, not a prediction): {stats(summary['c'])}")
     for shape, ta, tb in taus:
         lines.append(f"- Kendall tau-b, {shape}: (a) {ta if ta is None else round(ta, 2)}, "
                      f"(b) {tb if tb is None else round(tb, 2)}")
     lines.append(f"- calibration of (b): {cal.reason()}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.write:
-        Path(a.write).write_text(text)
-        transfer.save(Path(a.write).with_suffix(".transfer-profile.json"))
-    return 0
+    return {"text": "\n".join(lines) + "\n", "errors": summary, "taus": taus, "transfer": transfer}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,83 @@
+"""scripts/accuracy.py, the standing out-of-sample accuracy benchmark (issue 24): its CPU path end to end, and the
+simulator's errors on the rows recorded on one H100 (docs/runs/24-accuracy/h100-run2) kept within bounds.
+
+The recorded rows are GPU measurements nobody can re-run in CI; the predictions are recomputed here by the current
+simulator and calibration from the rows' Program records, the machine's quick profiles and the measured timelines.
+A change that makes the simulator predict those runs worse fails here. The bounds sit a little above what the tree
+of issue 24 gives (in the comments); tighten them as the simulator improves, never loosen them to pass.
+"""
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = ROOT / "docs" / "runs" / "24-accuracy" / "h100-run2"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("accuracy_script", ROOT / "scripts" / "accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _abs(errors):
+    return sorted(abs(e) for e in errors)
+
+
+def _median(xs):
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("acc")
+    for tgz in sorted(RECORDED.glob("acc-*.tgz")):
+        with tarfile.open(tgz) as t:
+            t.extractall(root, filter="data")
+    return _script().evaluate(root, "bench-3b:arrival")
+
+
+def test_recorded_h100_predictions_stay_within_their_errors(recorded):
+    errors = recorded["errors"]
+    assert len(errors["a"]) == 21 and len(errors["b"]) == 12  # 3 shapes x 7 schedules; 2 x 6 strictly out of sample
+    a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
+    # (a) a fresh --quick profile, no training run: median 6.5%, max 17.1% with the tree of issue 24
+    assert _median(a) <= 0.075 and a[-1] <= 0.19, a
+    # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.5%, max 24.4%
+    assert _median(b) <= 0.055 and b[-1] <= 0.26, b
+    # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.8%, max 5.5%
+    assert _median(c) <= 0.012 and c[-1] <= 0.065, c
+    for shape, tau_a, tau_b in recorded["taus"]:  # the measured order of the 7 schedules, per shape: 0.81-1.0
+        assert tau_a >= 0.8 and tau_b >= 0.85, (shape, tau_a, tau_b)
+
+
+def test_the_report_labels_in_sample_and_out_of_sample(recorded):
+    text = recorded["text"]
+    assert "IN-SAMPLE" in text and "| out-of-sample |" in text and "| in-sample |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 21
+
+
+def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """`measure` on the CPU backend (tiny model, two schedules of two host layouts, 2 rounds) writes rows and
+    timelines as it goes, resumes without measuring a row twice, and `report` predicts every row."""
+    acc = _script()
+    monkeypatch.chdir(ROOT)
+    args = ["measure", "--model", "debug", "--batch", "2", "--seq", "16", "--out", str(tmp_path), "--device", "cpu",
+            "--rounds", "1", "--steps", "2", "--warmup", "1", "--schedules", "arrival,lean"]
+    assert acc.main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "debug" / "rows.jsonl").read_text().splitlines()]
+    assert sorted((r["config"], r["round"]) for r in rows) == [("arrival", 0), ("lean", 0)]
+    assert {r["layout_group"] for r in rows} == {0, 1}  # lean's host store differs (a gradient ring)
+    args[args.index("--rounds") + 1] = "2"
+    assert acc.main(args) == 0  # resumed: round 0 is kept, round 1 measured
+    rows = [json.loads(line) for line in (tmp_path / "debug" / "rows.jsonl").read_text().splitlines()]
+    assert sorted((r["config"], r["round"]) for r in rows) == [("arrival", 0), ("arrival", 1), ("lean", 0),
+                                                               ("lean", 1)]
+    result = acc.evaluate(tmp_path, "debug:arrival")
+    assert len(result["errors"]["a"]) == 2 and len(result["errors"]["c"]) == 2
+    assert "| debug | lean |" in result["text"] and "| in-sample |" in result["text"]
