@@ -201,3 +201,14 @@ def test_compare_resolves_its_profile_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_PROFILE", "h200")
     assert _profile_for(args, None, "cpu", None, Path("unused")).name == load_profile("h200").name
     assert capsys.readouterr().out.splitlines()[0] == "profile: h200 ($MEGATRAIN_PROFILE)"
+
+
+def test_the_advice_for_a_gpu_prediction_runs_on_a_machine_without_a_gpu():
+    """`simulate` predicts a GPU step on any machine; without a profile, its advice must be a command this machine
+    accepts (issue 23: advice is only ever something the next command accepts)."""
+    no_gpu = {**HERE, "gpu": "none", "gpu_count": 0}
+    c = resolve_profile("cuda", here=no_gpu)
+    assert c.source == "shipped" and "no GPU" in c.reason
+    assert "`megatrain profile --quick --device cpu` measures its CPU backend" in c.reason
+    with_gpu = {**HERE, "gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1}
+    assert "`megatrain profile --quick --device cuda` measures one there" in resolve_profile("cuda", here=with_gpu).reason

@@ -129,8 +129,14 @@ def resolve_profile(backend: str, flag: str | None = None, flag_name: str = "--p
             skipped.append(f"the cache {path.parent} holds profiles of other machines only ({', '.join(others)}), "
                            "not used")
     name = shipped_default(backend)
-    why = (f"shipped default for {'cuda' if str(backend).startswith('cuda') else 'cpu'}, NOT this machine's: "
-           f"no profile of this machine at {path}; `{reprofile_command(backend)}` measures one there")
+    cuda = str(backend).startswith("cuda")
+    if cuda and not here.get("gpu_count"):  # a GPU step predicted on a machine without one: the advice must run here
+        how = (f"this machine has no GPU: `{reprofile_command('cpu')}` measures its CPU backend into it, and "
+               f"`{reprofile_command('cuda')}` on the GPU machine measures that one")
+    else:
+        how = f"`{reprofile_command(backend)}` measures one there"
+    why = (f"shipped default for {'cuda' if cuda else 'cpu'}, NOT this machine's: no profile of this machine at "
+           f"{path}; {how}")
     return ProfileChoice(name, "; ".join([why, *skipped]), "shipped")
 
 
