@@ -269,7 +269,11 @@ def main(argv=None) -> int:
               f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
         return 2
     ds_cfg = peerconf.deepspeed_config(cfg, a.batch, a.clip) if "deepspeed" in cfg else None
-    checked = peerconf.validate_with_deepspeed(ds_cfg) if ds_cfg else "torch peer: our schema"
+    try:
+        checked = peerconf.validate_with_deepspeed(ds_cfg) if ds_cfg else "torch peer: our schema"
+    except peerconf.PeerConfigError as e:
+        print(f"run_peer: {os.path.relpath(cfg['_file'])}: {e}", file=sys.stderr)
+        return 2
     full = ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--warmup", str(a.warmup),
             "--steps", str(a.steps), "--clip", f"{a.clip:g}"]
     command = peerconf.command_line(peerconf.launch_argv(cfg, full, a.python))
@@ -277,7 +281,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (the launcher's binding)
     if a.dry_run:
         print(f"config {os.path.relpath(cfg['_file'])}: {checked}")
         print(f"settings: {peerconf.settings_summary(cfg, a.clip)}")
@@ -305,6 +308,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     torch.cuda.set_device(0)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (the launcher's binding)
     spec = get_model(a.model)
     data = batches(spec.vocab_size, a.batch, a.seq)
     t0 = time.perf_counter()
