@@ -141,7 +141,7 @@ def build_configs(a) -> list[Config]:
         elif kind == "peer":
             out.append(Config(label, kind, [py, str(bench / "baseline_train.py"), label, *peer_shape]))
         elif kind == "authors":
-            repo = bench / "megatrain_repo"
+            repo = Path(a.authors_dir) if a.authors_dir else bench / "megatrain_repo"
             out.append(Config(label, kind, [py, str(repo / "peer.py"), *peer_shape], {"PYTHONPATH": str(repo)}))
         else:
             name = label.partition(":")[0]
@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per process; a slower one is marked failed")
     ap.add_argument("--reference", help="config the ratio column divides by (default: the first)")
     ap.add_argument("--bench-dir", default=".bench", help="folder with baseline_train.py and megatrain_repo/")
+    ap.add_argument("--authors-dir", help="checkout of the MegaTrain authors' code with the harness peer.py in it "
+                                          "(default BENCH_DIR/megatrain_repo; docs/peers.md: commit and fetch)")
     ap.add_argument("--profile", help="megatrain's profile for the predictions (bench_megatrain.py's default)")
     ap.add_argument("--calibrated-profile", help="a profile calibrated on another run: the last prediction column")
     ap.add_argument("--save-calibrated-dir", help="each megatrain run writes its live-calibrated profile here, "
