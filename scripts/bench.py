@@ -4,9 +4,14 @@ min-max, ratios to a reference, and megatrain's predictions beside the measureme
 
 Configurations (`--configs`, comma-separated, in the order each round runs them):
 
-    resident, zero3, fsdp2   the peers of bench/baseline_train.py (HF model all on the GPU; DeepSpeed ZeRO-3 with
-                             parameters and optimizer offloaded; FSDP2 with CPUOffloadPolicy)
-    authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping)
+    PEER[:clip=C]            the project's own peer benchmark (scripts/peers/run_peer.py, docs/peers.md): all-on-gpu,
+                             fsdp2-cpuoffload, zero3-offload, superoffload, twinflow, zenflow, each with its config in
+                             scripts/peers/configs/ and the same model, data, AdamW and clipping (default 1.0) as
+                             megatrain; the DeepSpeed ones under DeepSpeed's launcher (`--ds-bind`: core binding)
+    resident, zero3, fsdp2   the older peers of bench/baseline_train.py (not in the repository; kept so the earlier
+                             runs can be repeated: no clipping, a Llama of vocab 32000, not the model's own shape)
+    authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping;
+                             their code from an external checkout: docs/peers.md gives its commit and fetch command)
     NAME[:k=v;k=v]           megatrain (scripts/bench_megatrain.py) with a named schedule (or `auto`) and knobs
 
 Every process prints one `RESULT {json}` line; a process that fails or times out is marked in its row and the rest
@@ -19,7 +24,7 @@ wheels/):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
     PYTHONPATH=.:/tmp/site python3 scripts/bench.py --model bench-3b --batch 8 --seq 2048 --rounds 3 \\
-        --configs resident,zero3,fsdp2,authors,arrival-resident:resident_layers=4,overlap-split:compile_layers=true
+        --configs all-on-gpu,zero3-offload,superoffload,superoffload:clip=0,authors,arrival-resident:resident_layers=4
 
 `--dry-run` prints the commands, in the order they would run, and exits.
 
@@ -32,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +54,19 @@ from megatrain.profiling.compare import kendall_tau_b as kendall_tau
 
 PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
 AUTHORS = "authors"
+
+
+def _load_peerconf():
+    """scripts/peers/peerconf.py (the peers' configs and launch commands): loaded from its file, scripts/ being no
+    package, so that bench.py and run_peer.py build the same commands."""
+    spec = importlib.util.spec_from_file_location("peerconf", Path(__file__).resolve().parent / "peers" / "peerconf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peerconf = _load_peerconf()
+OUR_PEERS = tuple(peerconf.peer_names())
 
 
 @dataclass
@@ -64,7 +84,14 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
     """`--configs` -> [(label, kind, knob settings)]; one error naming a malformed item."""
     out = []
     for item in [s.strip() for s in text.split(",") if s.strip()]:
-        if item in PEERS:
+        name, _, sets = item.partition(":")
+        if name in OUR_PEERS:
+            kvs = [kv.strip() for kv in sets.split(";") if kv.strip()]
+            bad = [kv for kv in kvs if kv.partition("=")[0].strip() != "clip" or not _is_number(kv.partition("=")[2])]
+            if bad:
+                raise SystemExit(f"--configs: {item!r}: a peer takes only clip=MAX_NORM (0 = none), got {bad[0]!r}")
+            out.append((item, "ours", kvs))
+        elif item in PEERS:
             out.append((item, "peer", []))
         elif item == AUTHORS:
             out.append((item, "authors", []))
@@ -73,12 +100,25 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
             kvs = [kv.strip() for kv in sets.split(";") if kv.strip()]
             bad = [kv for kv in kvs if "=" not in kv]
             if not re.fullmatch(r"[A-Za-z0-9_.\-/]+", name) or bad:
-                raise SystemExit(f"--configs: {item!r} is not a peer ({', '.join(PEERS)}, {AUTHORS}) or "
+                raise SystemExit(f"--configs: {item!r} is not a peer ({', '.join(OUR_PEERS + PEERS)}, {AUTHORS}) or "
                                  "SCHEDULE[:knob=value;knob=value]")
             out.append((item, "megatrain", kvs))
     if not out:
         raise SystemExit("--configs is empty")
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
+def ds_binding(a) -> bool:
+    """Whether DeepSpeed peers get --bind_cores_to_rank (their docs' advice): `--ds-bind yes/no`, or with `auto` when
+    numactl, which DeepSpeed's launcher binds with, is on this machine."""
+    return a.ds_bind == "yes" or (a.ds_bind == "auto" and shutil.which("numactl") is not None)
 
 
 def build_configs(a) -> list[Config]:
@@ -91,11 +131,17 @@ def build_configs(a) -> list[Config]:
     peer_shape = ["--layers", str(spec.num_layers), "--hidden", str(spec.hidden_size), "--ffn",
                   str(spec.intermediate_size), *shape]
     out = []
+    bind = ds_binding(a)
     for label, kind, kvs in parse_configs(a.configs):
-        if kind == "peer":
+        if kind == "ours":
+            cfg = peerconf.load(label.partition(":")[0])
+            clip = next((kv.partition("=")[2].strip() for kv in kvs), "1.0")
+            args = ["--model", a.model, *shape, "--clip", clip]
+            out.append(Config(label, kind, peerconf.launch_argv(cfg, args, py, bind)))
+        elif kind == "peer":
             out.append(Config(label, kind, [py, str(bench / "baseline_train.py"), label, *peer_shape]))
         elif kind == "authors":
-            repo = bench / "megatrain_repo"
+            repo = Path(a.authors_dir) if a.authors_dir else bench / "megatrain_repo"
             out.append(Config(label, kind, [py, str(repo / "peer.py"), *peer_shape], {"PYTHONPATH": str(repo)}))
         else:
             name = label.partition(":")[0]
@@ -178,11 +224,16 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         ok = [r for r in runs if "tokens_per_s" in r]
         s = {"runs": len(runs), "ok": len(ok), "errors": [r["error"] for r in runs if "error" in r],
              "tps": [r["tokens_per_s"] for r in ok]}
-        for key in ("model_TFLOPs", "peak_gpu_GiB", "host_rss_GiB", "gpu_idle_pct", "predicted_tokens_per_s",
+        for key in ("model_TFLOPs", "peak_gpu_GiB", "host_rss_GiB", "host_B_per_param", "gpu_idle_pct",
+                    "predicted_tokens_per_s",
                     "calibrated_tokens_per_s", "transfer_tokens_per_s"):
             vals = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
             s[key] = statistics.median(vals) if vals else None
+        if s["host_B_per_param"] is None and s["host_rss_GiB"] is not None:  # megatrain and the older peers
+            per = [r["host_rss_GiB"] * 2**30 / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
+            s["host_B_per_param"] = statistics.median(per) if per else None
         s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
+        s["settings"] = next((f"{r['settings']} ({r['config']})" for r in ok if "settings" in r), None)
         out[label] = s
     return out
 
@@ -195,7 +246,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
     ref = summary.get(reference or "", {})
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
     cols = ["config", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
-            "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "GPU idle %", "predicted, profile",
+            "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %", "predicted, profile",
             "predicted, live-calibrated", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():
@@ -205,12 +256,18 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
         cells = [label + (f" (ran as {s['schedule']})" if s["schedule"] and s["schedule"].startswith("auto") else ""),
                  f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
                  f"{med / ref_tps:.2f}" if med and ref_tps else "-", num("model_TFLOPs"), num("peak_gpu_GiB"),
-                 num("host_rss_GiB"), num("gpu_idle_pct"), _pred(s["predicted_tokens_per_s"], med),
+                 num("host_rss_GiB"), num("host_B_per_param"), num("gpu_idle_pct"),
+                 _pred(s["predicted_tokens_per_s"], med),
                  _pred(s["calibrated_tokens_per_s"], med), _pred(s["transfer_tokens_per_s"], med)]
         lines.append("| " + " | ".join(cells) + " |")
         if s["errors"]:
             lines.append(f"|  ↳ {len(s['errors'])} failed: {s['errors'][0][:160]} |" + " |" * (len(cols) - 1))
     return "\n".join(lines)
+
+
+def settings_lines(summary: dict[str, dict]) -> list[str]:
+    """Each peer row's settings (the config it ran with), printed under the table."""
+    return [f"- {label}: {s['settings']}" for label, s in summary.items() if s.get("settings")]
 
 
 def tau_lines(summary: dict[str, dict]) -> list[str]:
@@ -231,7 +288,9 @@ def tau_lines(summary: dict[str, dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
-                    help="comma-separated: resident, zero3, fsdp2, authors, or a megatrain SCHEDULE[:k=v;k=v]")
+                    help="comma-separated: a peer of scripts/peers (all-on-gpu, fsdp2-cpuoffload, zero3-offload, "
+                         "superoffload, twinflow, zenflow; PEER:clip=0 for no clipping), resident, zero3, fsdp2, "
+                         "authors, or a megatrain SCHEDULE[:k=v;k=v]")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")
     ap.add_argument("--batch", type=int, default=8)
@@ -240,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per process; a slower one is marked failed")
     ap.add_argument("--reference", help="config the ratio column divides by (default: the first)")
     ap.add_argument("--bench-dir", default=".bench", help="folder with baseline_train.py and megatrain_repo/")
+    ap.add_argument("--authors-dir", help="checkout of the MegaTrain authors' code with the harness peer.py in it "
+                                          "(default BENCH_DIR/megatrain_repo; docs/peers.md: commit and fetch)")
     ap.add_argument("--profile", help="megatrain's profile for the predictions (bench_megatrain.py's default)")
     ap.add_argument("--calibrated-profile", help="a profile calibrated on another run: the last prediction column")
     ap.add_argument("--save-calibrated-dir", help="each megatrain run writes its live-calibrated profile here, "
@@ -247,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-limit-gib", type=float, default=16.0, help="GPU budget of megatrain's --schedule auto")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="megatrain's backend (cpu: CI)")
     ap.add_argument("--python", default=sys.executable, help="interpreter of every process")
+    ap.add_argument("--ds-bind", default="auto", choices=("auto", "yes", "no"),
+                    help="DeepSpeed peers: --bind_cores_to_rank (needs numactl; auto: when numactl is found)")
     ap.add_argument("--log-dir", help="each process's output and RESULT lines (default $OUT/bench if $OUT is set)")
     ap.add_argument("--out", help="also append the table, with this command, to this markdown file")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in the order they would run")
@@ -264,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
             f"ffn {spec.intermediate_size}; batch {a.batch} x seq {a.seq}; {a.steps} timed steps after 2 warm-up; "
             f"{a.rounds} rounds of {len(configs)} configs, each run its own process")
     print(head)
-    note = peer_shape_note(spec) if any(c.kind != "megatrain" for c in configs) else None
+    note = peer_shape_note(spec) if any(c.kind in ("peer", "authors") for c in configs) else None
     if note:
         print(note)
+    if any(c.kind == "ours" and "deepspeed.launcher.runner" in c.argv for c in configs) and not ds_binding(a):
+        print("note: DeepSpeed peers run without --bind_cores_to_rank (their docs' advice): "
+              + ("no numactl on this machine" if a.ds_bind == "auto" else "--ds-bind no"))
     if a.dry_run:
         for r, c in order:
             env = " ".join(f"{k}={v}:$PYTHONPATH" for k, v in c.env.items())
@@ -306,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     if unfinished:
         print(f"{unfinished} run(s) left for the time budget: run the same command again to continue")
     summary = summarize(results)
-    text = "\n".join([table(summary, a.reference or configs[0].label), "", *tau_lines(summary)])
+    settings = settings_lines(summary)
+    text = "\n".join([table(summary, a.reference or configs[0].label), "", *tau_lines(summary),
+                      *(["", "Peer settings:", *settings] if settings else [])])
     print()
     print(text)
     if a.out:

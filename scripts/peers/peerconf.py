@@ -1,0 +1,186 @@
+"""The peers' configurations: one JSON file per peer in configs/, read, checked and completed here.
+
+A config file holds only what is the peer's own (its engine settings, the launcher it wants, why). What must be the
+same for every system is filled in from the command line and megatrain's `AdamWConfig` when a run starts: the
+micro-batch, the clipping max norm and the AdamW hyper-parameters. A file that sets any of those itself is refused,
+so a peer can never drift from megatrain's numerics by its config.
+
+File format (every key required unless marked):
+
+    peer                     the peer's name (= the file's stem)
+    system                   one line: what runs
+    exact_adamw              true when the update is torch.optim.AdamW's math on fp32 masters (ZenFlow: false)
+    why                      why these settings: the peer's docs' recommendation for speed, and its caveats
+    sources                  where the settings come from
+    launcher                 {"kind": "python", "threads": "affinity"} or
+                             {"kind": "deepspeed", "bind_cores_to_rank": true|false}
+    activation_checkpointing whether the HF model recomputes each decoder layer in the backward
+    torch | deepspeed        the engine settings (torch peers: weights, autocast or mixed_precision, offload,
+                             optimizer.fused; DeepSpeed peers: a DeepSpeed config without batch, clipping, optimizer)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIG_DIR = HERE / "configs"
+RUNNER = "scripts/peers/run_peer.py"  # relative to the repository root, where bench.py runs
+
+TOP_KEYS = {"peer", "system", "exact_adamw", "why", "sources", "launcher", "activation_checkpointing"}
+ENGINES = {"torch", "deepspeed"}
+# Filled in at run time from the command line and AdamWConfig: a config that sets them is refused.
+DS_FILLED = {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+             "gradient_clipping", "optimizer"}
+# The DeepSpeed top-level keys these configs may use (all present in the 0.19.8 wheel's DeepSpeedConfig).
+DS_TOP = {"bf16", "zero_optimization", "steps_per_print", "wall_clock_breakdown"}
+TORCH_KEYS = {"weights", "autocast", "mixed_precision", "offload", "optimizer"}
+
+
+class PeerConfigError(ValueError):
+    """A config file that is not what this module expects; the message says what to change."""
+
+
+def peer_names() -> list[str]:
+    """Every peer with a config file, in file-name order."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load(peer: str, path: str | Path | None = None) -> dict:
+    """The checked config of `peer` (from `path`, default configs/<peer>.json)."""
+    p = Path(path) if path else CONFIG_DIR / f"{peer}.json"
+    if not p.is_file():
+        raise PeerConfigError(f"no config for peer {peer!r} at {p}: peers are {', '.join(peer_names())}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PeerConfigError(f"{p}: not valid JSON ({e})") from None
+    check(cfg, p.name)
+    cfg["_file"] = str(p)
+    return cfg
+
+
+def check(cfg: dict, where: str = "config") -> None:
+    """Our schema (module docstring); one PeerConfigError naming the first problem."""
+    missing = sorted(TOP_KEYS - cfg.keys())
+    engines = sorted(ENGINES & cfg.keys())
+    if missing:
+        raise PeerConfigError(f"{where}: missing key(s) {', '.join(missing)}")
+    if len(engines) != 1:
+        raise PeerConfigError(f"{where}: needs exactly one of 'torch' or 'deepspeed', has {engines or 'none'}")
+    extra = sorted(cfg.keys() - TOP_KEYS - ENGINES - {"_file"})
+    if extra:
+        raise PeerConfigError(f"{where}: unknown key(s) {', '.join(extra)}")
+    launcher = cfg["launcher"]
+    if cfg.get("deepspeed") is not None:
+        if launcher.get("kind") != "deepspeed" or not isinstance(launcher.get("bind_cores_to_rank"), bool):
+            raise PeerConfigError(f"{where}: a DeepSpeed peer needs launcher "
+                                  '{"kind": "deepspeed", "bind_cores_to_rank": true|false}')
+        ds = cfg["deepspeed"]
+        filled = sorted(DS_FILLED & ds.keys())
+        if filled:
+            raise PeerConfigError(f"{where}: deepspeed.{', '.join(filled)} are set from the command line and "
+                                  "megatrain's AdamWConfig; remove them from the file")
+        unknown = sorted(ds.keys() - DS_TOP)
+        if unknown:
+            raise PeerConfigError(f"{where}: deepspeed key(s) {', '.join(unknown)} are not among {sorted(DS_TOP)}")
+        zero = ds.get("zero_optimization", {})
+        if zero.get("stage") not in (2, 3) or zero.get("offload_optimizer", {}).get("device") != "cpu":
+            raise PeerConfigError(f"{where}: deepspeed.zero_optimization needs stage 2 or 3 and "
+                                  "offload_optimizer.device 'cpu'")
+    else:
+        if launcher != {"kind": "python", "threads": "affinity"}:
+            raise PeerConfigError(f"{where}: a torch peer needs launcher {{\"kind\": \"python\", "
+                                  "\"threads\": \"affinity\"}")
+        unknown = sorted(cfg["torch"].keys() - TORCH_KEYS)
+        if unknown:
+            raise PeerConfigError(f"{where}: torch key(s) {', '.join(unknown)} are not among {sorted(TORCH_KEYS)}")
+
+
+def adamw_params() -> dict:
+    """megatrain's AdamW hyper-parameters as scripts/bench_megatrain.py sets them (AdamWConfig(lr=1e-5))."""
+    from megatrain.exec.optim import AdamWConfig  # the one definition of the defaults; needs PYTHONPATH=.
+
+    o = AdamWConfig(lr=1e-5)
+    return {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+
+
+def deepspeed_config(cfg: dict, batch: int, clip: float) -> dict:
+    """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW."""
+    ds = copy.deepcopy(cfg["deepspeed"])
+    ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, gradient_clipping=float(clip),
+              optimizer={"type": "AdamW", "params": adamw_params()})
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def validate_with_deepspeed(ds: dict) -> str:
+    """Check the zero_optimization and bf16 sections against the installed DeepSpeed's pydantic models (they forbid
+    unknown keys); 'deepspeed not installed' when it cannot be imported (CI)."""
+    try:
+        import deepspeed  # noqa: F401  (optional: only the GPU machine has the wheel)
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError as e:
+        return f"deepspeed not installed ({e.name}): checked against our schema only"
+    try:
+        DeepSpeedZeroConfig(**ds["zero_optimization"])
+        DeepSpeedBF16Config(**ds.get("bf16", {}))
+    except Exception as e:  # pydantic's ValidationError: say which key, then stop
+        raise PeerConfigError(f"DeepSpeed {deepspeed.__version__} refuses the config: {e}") from None
+    return f"checked against DeepSpeed {deepspeed.__version__}'s config models"
+
+
+def settings_summary(cfg: dict, clip: float) -> str:
+    """One line stating the settings the issue asks each row to show (core binding, pinned memory, sub-group
+    size, the peer's own knobs) and the clipping."""
+    parts = []
+    if "deepspeed" in cfg:
+        zero = cfg["deepspeed"]["zero_optimization"]
+        oo, op = zero["offload_optimizer"], zero.get("offload_param", {})
+        parts.append(f"ZeRO-{zero['stage']}")
+        parts.append(f"optimizer on cpu (pin_memory={oo.get('pin_memory', True)})")
+        parts.append(f"params on {op.get('device', 'gpu') if op.get('device', 'none') != 'none' else 'gpu'}"
+                     + (f" (pin_memory={op.get('pin_memory', True)})" if op.get("device") == "cpu" else ""))
+        for key in ("super_offload", "cpuadam_cores_perc", "ratio"):
+            if key in oo:
+                parts.append(f"{key}={oo[key]}")
+        if "zenflow" in zero:
+            parts.append("zenflow " + ", ".join(f"{k}={v}" for k, v in zero["zenflow"].items()))
+        parts.append(f"sub_group_size={zero.get('sub_group_size', 1e9):.0e}" if zero["stage"] == 3
+                     else "sub_group_size n/a (stage 2)")
+        parts.append("bind_cores_to_rank" if cfg["launcher"]["bind_cores_to_rank"] else "no core binding")
+        parts.append("bf16")
+    else:
+        t = cfg["torch"]
+        parts.append(f"weights {t['weights']}")
+        if "autocast" in t:
+            parts.append(f"autocast {t['autocast']}")
+        if "mixed_precision" in t:
+            parts.append("mixed precision " + "/".join(t["mixed_precision"].values()))
+        if "offload" in t:
+            parts.append(f"CPUOffloadPolicy(pin_memory={t['offload']['pin_memory']})")
+        parts.append(f"AdamW fused={t['optimizer']['fused']}")
+        parts.append("torch threads = cores of the affinity")
+    parts.append("activation checkpointing" if cfg["activation_checkpointing"] else "no activation checkpointing")
+    parts.append(f"clip {clip:g}" if clip > 0 else "no clipping")
+    return "; ".join(parts)
+
+
+def launch_argv(cfg: dict, runner_args: list[str], python: str = "python3", bind: bool | None = None) -> list[str]:
+    """The command that runs one measurement from the repository root: DeepSpeed peers through DeepSpeed's own
+    launcher (`python -m deepspeed.launcher.runner`, as `deepspeed` would, which also works from a --target install
+    without its bin/), with --bind_cores_to_rank where the config asks for it and `bind` does not say no (it needs
+    numactl on the machine)."""
+    if cfg["launcher"]["kind"] == "python":
+        return [python, RUNNER, cfg["peer"], *runner_args]
+    want = cfg["launcher"]["bind_cores_to_rank"] if bind is None else (bind and cfg["launcher"]["bind_cores_to_rank"])
+    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", *(["--bind_cores_to_rank"] if want else []),
+            RUNNER, cfg["peer"], *runner_args]
+
+
+def command_line(argv: list[str]) -> str:
+    return shlex.join(argv)

@@ -1,0 +1,339 @@
+"""One measured run of a peer of megatrain, on the same model, data, batch, AdamW and clipping as
+scripts/bench_megatrain.py, printing the same `RESULT {json}` line.
+
+    PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --model bench-3b --batch 8 --seq 2048 --steps 4 --clip 1.0
+    PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --dry-run      # CPU, no GPU, no DeepSpeed needed
+
+Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/peers.md says why each):
+    all-on-gpu        the HF model, fp32 weights and AdamW state all on the GPU, bf16 autocast, fused AdamW
+    fsdp2-cpuoffload  torch FSDP2 fully_shard with CPUOffloadPolicy, AdamW on the CPU
+    zero3-offload     DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU
+    superoffload      DeepSpeed ZeRO-3 + SuperOffload
+    twinflow          DeepSpeed ZeRO-3 + Twin-Flow (offload_optimizer.ratio)
+    zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
+DeepSpeed peers run under DeepSpeed's launcher (the command is printed by --dry-run and built by scripts/bench.py);
+run directly, they bind nothing and start their one-process group themselves.
+
+What is the same as megatrain's benchmark (scripts/bench_megatrain.py):
+  * model: the HF model (AutoModelForCausalLM, LlamaForCausalLM for llama presets) of megatrain's ModelSpec
+    (`spec.to_hf_config()`: a preset name or an HF config directory), random init from `--seed`, sdpa attention;
+  * data: 4 batches of random ids from torch.Generator().manual_seed(0), (batch, seq + 1) each; step i trains on
+    batch i % 4 with inputs [:, :-1] and targets [:, 1:], the loss the mean cross-entropy over all batch x seq
+    targets (HF's loss with shift_labels: no second shift);
+  * AdamW: megatrain's AdamWConfig defaults with lr 1e-5 (peerconf.adamw_params), no schedule;
+  * clipping: global-norm clipping at `--clip` (0 = none) the peer's own way: DeepSpeed's gradient_clipping,
+    torch.nn.utils.clip_grad_norm_ for the torch peers;
+  * timing: `--warmup` untimed steps, then `--steps` timed steps, each closed by torch.cuda.synchronize(); the median
+    step (ZenFlow: the mean over whole update intervals, its step time depending on the step's place in one);
+    model TFLOP/s = 6·N·tokens / step (recompute not counted); peak GPU memory allocated after the warm-up.
+Host memory: the RSS at the end of this process and of its children (SuperOffload runs its CPU Adam in a child
+process), and their PSS (shared pages counted once), from which bytes per parameter are computed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import peerconf  # the sibling module: python puts this script's folder first on sys.path
+
+DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS = "debug", 2, 16, 2
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("peer", help="one of: " + ", ".join(peerconf.peer_names()))
+    ap.add_argument("--model", default="bench-3b", help="a megatrain preset or an HF config directory")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 = no clipping")
+    ap.add_argument("--seed", type=int, default=0, help="the model's random init")
+    ap.add_argument("--config", help="a config file instead of configs/PEER.json")
+    ap.add_argument("--python", default="python3", help="the interpreter named in the printed command")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the config, print the command of the full run, then run the debug model "
+                         f"({DRY_BATCH}x{DRY_SEQ}, {DRY_STEPS} steps) on the CPU where the peer can")
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # DeepSpeed's launcher passes it
+    a = ap.parse_args(argv)
+    if a.peer not in peerconf.peer_names() and not a.config:
+        ap.error(f"unknown peer {a.peer!r}: peers are {', '.join(peerconf.peer_names())}")
+    if a.batch < 1 or a.seq < 1 or a.steps < 1 or a.warmup < 0 or a.clip < 0:
+        ap.error("--batch, --seq and --steps must be at least 1, --warmup and --clip at least 0")
+    return a
+
+
+# ---- model and data ----------------------------------------------------------------------------------------------
+def hf_config(spec, seq: int):
+    """The transformers config of megatrain's ModelSpec (sdpa attention, positions for `seq`)."""
+    from transformers import AutoConfig
+
+    d = spec.to_hf_config()
+    d.pop("architectures", None)
+    d.pop("torch_dtype", None)
+    d["max_position_embeddings"] = max(d.get("max_position_embeddings", 0), seq)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_model(spec, seq: int, seed: int, checkpointing: bool):
+    """The HF causal LM of `spec`, fp32, on the host, random init from `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(spec, seq), dtype=torch.float32)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def batches(vocab: int, batch: int, seq: int) -> list:
+    """scripts/bench_megatrain.py's data: 4 batches of (batch, seq + 1) random ids, generator seed 0."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(4)]
+
+
+def split(ids, device):
+    """(inputs [B, S], targets [B, S]) on `device`; contiguous, as HF's loss views the targets flat."""
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+# ---- the peers ---------------------------------------------------------------------------------------------------
+def setup_torch(cfg: dict, model, device: str, clip: float):
+    """all-on-gpu and fsdp2-cpuoffload: (step(x, y) -> loss, number of parameters, note)."""
+    import torch
+
+    t = cfg["torch"]
+    params = sum(p.numel() for p in model.parameters())
+    hp = peerconf.adamw_params()
+    adamw = dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"], weight_decay=hp["weight_decay"],
+                 fused=t["optimizer"]["fused"])
+    note = ""
+    if "offload" in t:  # FSDP2 with CPUOffloadPolicy
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        _env_one_process()
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+        mesh = init_device_mesh(device, (1,))
+        mp = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in t["mixed_precision"].items()})
+        pin = t["offload"]["pin_memory"] and device == "cuda"  # pinning needs CUDA; on the CPU it means nothing
+        if t["offload"]["pin_memory"] and not pin:
+            note = "CPU dry run: pin_memory off (no CUDA)"
+        off = CPUOffloadPolicy(pin_memory=pin)
+        for layer in model.model.layers:  # one unit per decoder layer: its copies overlap the previous layer
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)  # on the host: the parameters live there
+
+        def step(x, y):
+            loss = model(input_ids=x, labels=y, shift_labels=y).loss
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:  # all on the GPU
+        model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        dtype = getattr(torch, t["autocast"])
+
+        def step(x, y):
+            with torch.autocast(device, dtype=dtype):
+                loss = model(input_ids=x, labels=y, shift_labels=y).loss
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    return step, params, note
+
+
+def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
+    """The DeepSpeed peers: the engine of `ds_cfg` around the HF model; (step, number of parameters, note)."""
+    import deepspeed  # only on the GPU machine (bench wheels)
+
+    _env_one_process()
+    deepspeed.init_distributed()
+    if ds_cfg["zero_optimization"]["stage"] == 3:  # built partitioned, as ZeRO-3 wants, never whole on one device
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+            model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    else:
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        params = sum(p.numel() for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters())
+
+    def step(x, y):
+        loss = engine(input_ids=x, labels=y, shift_labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step, params, ""
+
+
+def _env_one_process():
+    """A one-process group when no launcher set one up."""
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------------
+def host_memory() -> tuple[float, float | None]:
+    """(RSS, PSS) in bytes of this process and its children, recursively; PSS None where it cannot be read."""
+    import psutil
+
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    rss, pss = 0, 0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss
+            pss = None if pss is None else pss + p.memory_full_info().pss
+        except (psutil.Error, AttributeError):  # a child that ended, or no PSS on this OS
+            pss = None
+    return float(rss), (None if pss is None else float(pss))
+
+
+def measure(step, data, device: str, warmup: int, steps: int):
+    """Run warm-up and timed steps; (step times in s, losses of every step)."""
+    import torch
+
+    cuda = device == "cuda"
+    times, losses = [], []
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        x, y = split(data[i % 4], device)
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return times, losses
+
+
+def result(a, cfg, spec, params: int, times, losses, device: str, **extra) -> dict:
+    """The RESULT line: scripts/bench_megatrain.py's keys, plus the config and how host memory was counted."""
+    import torch
+
+    tokens = a.batch * a.seq
+    zen = cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
+    if times:
+        step_s = statistics.mean(times) if zen else statistics.median(times)
+    rss, pss = host_memory()
+    out = {
+        "mode": cfg["peer"], "model": spec.name, "params_B": round(params / 1e9, 3), "batch": a.batch, "seq": a.seq,
+        "clip": a.clip, "median_step_s": round(statistics.median(times), 4) if times else None,
+        "step_s_used": "mean over whole update intervals" if zen else "median",
+        "tokens_per_s": round(tokens / step_s, 1) if times else None,
+        "model_TFLOPs": round(spec.model_flops_per_token() * tokens / step_s / 1e12, 1) if times else None,
+        "loss_first": round(losses[0], 4) if losses else None, "loss_last": round(losses[-1], 4) if losses else None,
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else 0.0,
+        "host_rss_GiB": round(rss / 2**30, 2), "host_pss_GiB": None if pss is None else round(pss / 2**30, 2),
+        "host_B_per_param": round((pss if pss is not None else rss) / params, 2),
+        "exact_adamw": cfg["exact_adamw"], "config": os.path.relpath(cfg["_file"]),
+        "settings": peerconf.settings_summary(cfg, a.clip), "step_times_s": [round(t, 4) for t in times],
+    }
+    if params != spec.num_params:  # the HF model should have exactly the spec's parameters: say so if not
+        out["params_note"] = f"HF model {params} params, megatrain's spec {spec.num_params} (TFLOP/s from the spec)"
+    out.update(extra)
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        cfg = peerconf.load(a.peer, a.config)
+    except peerconf.PeerConfigError as e:
+        print(f"run_peer: {e}", file=sys.stderr)
+        return 2
+    zen = cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
+    if zen and not a.dry_run and isinstance(zen.get("update_interval"), int) and a.steps % zen["update_interval"]:
+        print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
+              f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
+        return 2
+    ds_cfg = peerconf.deepspeed_config(cfg, a.batch, a.clip) if "deepspeed" in cfg else None
+    try:
+        checked = peerconf.validate_with_deepspeed(ds_cfg) if ds_cfg else "torch peer: our schema"
+    except peerconf.PeerConfigError as e:
+        print(f"run_peer: {os.path.relpath(cfg['_file'])}: {e}", file=sys.stderr)
+        return 2
+    full = ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--warmup", str(a.warmup),
+            "--steps", str(a.steps), "--clip", f"{a.clip:g}"]
+    command = peerconf.command_line(peerconf.launch_argv(cfg, full, a.python))
+    from megatrain.model.presets import get_model  # needs PYTHONPATH=. (the repository root), as bench_megatrain
+
+    import torch
+
+    if a.dry_run:
+        print(f"config {os.path.relpath(cfg['_file'])}: {checked}")
+        print(f"settings: {peerconf.settings_summary(cfg, a.clip)}")
+        if ds_cfg:
+            print("deepspeed config: " + json.dumps(ds_cfg, sort_keys=True))
+        print(f"command: {command}")
+        a.model, a.batch, a.seq, a.steps, a.warmup = DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS, 0
+        spec = get_model(a.model)
+        data = batches(spec.vocab_size, a.batch, a.seq)
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        if ds_cfg:  # DeepSpeed needs CUDA (SuperOffload asserts it): the config and the model were checked
+            params = sum(p.numel() for p in model.parameters())
+            out = result(a, cfg, spec, params, [], [], "cpu", dry_run=True, steps_run=0, checked=checked,
+                         command=command, note="DeepSpeed peer: config and model built, no steps on the CPU")
+        else:
+            step, params, note = setup_torch(cfg, model, "cpu", a.clip)
+            times, losses = measure(step, data, "cpu", a.warmup, a.steps)
+            out = result(a, cfg, spec, params, times, losses, "cpu", dry_run=True, steps_run=len(times),
+                         checked=checked, command=command, **({"note": note} if note else {}))
+            _close_group()
+        print("RESULT " + json.dumps(out), flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        print("run_peer: no CUDA device: a measured run needs the GPU machine (use --dry-run on the CPU)",
+              file=sys.stderr)
+        return 2
+    torch.cuda.set_device(0)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (the launcher's binding)
+    spec = get_model(a.model)
+    data = batches(spec.vocab_size, a.batch, a.seq)
+    t0 = time.perf_counter()
+    if ds_cfg:
+        step, params, note = setup_deepspeed(cfg, ds_cfg, spec, a)
+    else:
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        step, params, note = setup_torch(cfg, model, "cuda", a.clip)
+    init_s = time.perf_counter() - t0
+    print(f"{cfg['peer']}: {params / 1e9:.3f} B params, init {init_s:.0f} s; {command}", file=sys.stderr,
+          flush=True)
+    times, losses = measure(step, data, "cuda", a.warmup, a.steps)
+    out = result(a, cfg, spec, params, times, losses, "cuda", init_s=round(init_s, 1), checked=checked,
+                 command=command, **({"note": note} if note else {}))
+    print("RESULT " + json.dumps(out), flush=True)
+    _close_group()
+    return 0
+
+
+def _close_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

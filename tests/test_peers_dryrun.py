@@ -1,0 +1,184 @@
+"""The project's own peer benchmark (scripts/peers, docs/peers.md): every config parses and states the settings
+issue 25 asks for; every peer's dry run prints the RESULT line with scripts/bench_megatrain.py's keys (the torch
+peers after 2 real steps of the debug model on the CPU, the DeepSpeed peers with their config checked and their
+launch command); scripts/bench.py builds the same commands."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_DIR = ROOT / "scripts" / "peers"
+PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "twinflow", "zenflow", "zero3-offload"]
+DEEPSPEED = {"superoffload", "twinflow", "zenflow", "zero3-offload"}
+# scripts/bench_megatrain.py's RESULT keys that every peer's RESULT carries too, plus the peers' own
+MEGATRAIN_KEYS = {"mode", "model", "params_B", "batch", "seq", "median_step_s", "tokens_per_s", "model_TFLOPs",
+                  "loss_first", "loss_last", "peak_gpu_GiB", "host_rss_GiB"}
+PEER_KEYS = {"host_B_per_param", "config", "settings", "clip", "exact_adamw", "command"}
+
+
+def _load(name: str, path: Path, modules: dict | None = None):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    if modules is not None:  # a module with dataclasses looks itself up there
+        modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def peerconf():
+    return _load("peerconf", PEERS_DIR / "peerconf.py")
+
+
+@pytest.fixture(scope="module")
+def run_peer(peerconf):
+    # run_peer.py imports its sibling by name, as `python scripts/peers/run_peer.py` finds it
+    sys.modules.setdefault("peerconf", peerconf)
+    return _load("run_peer", PEERS_DIR / "run_peer.py")
+
+
+def test_every_config_states_the_settings_of_issue_25(peerconf):
+    assert peerconf.peer_names() == PEERS
+    for peer in PEERS:
+        raw = json.loads((PEERS_DIR / "configs" / f"{peer}.json").read_text())
+        cfg = peerconf.load(peer)
+        assert cfg["peer"] == peer and cfg["why"] and cfg["sources"]
+        if peer in DEEPSPEED:
+            ds = raw["deepspeed"]
+            assert not peerconf.DS_FILLED & ds.keys()  # batch, clipping and AdamW come from megatrain's side
+            zero = ds["zero_optimization"]
+            assert cfg["launcher"] == {"kind": "deepspeed", "bind_cores_to_rank": True}  # core binding
+            assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_optimizer"]["pin_memory"] is True
+            if "offload_param" in zero:
+                assert zero["offload_param"]["pin_memory"] is True
+            assert ds["bf16"] == {"enabled": True}
+            if zero["stage"] == 3:
+                assert zero["sub_group_size"] > 0  # stated, not left to DeepSpeed's default
+            summary = peerconf.settings_summary(cfg, 1.0)
+            assert "bind_cores_to_rank" in summary and "pin_memory=True" in summary and "sub_group_size" in summary
+        else:
+            assert cfg["launcher"] == {"kind": "python", "threads": "affinity"}
+            assert raw["torch"]["optimizer"] == {"fused": True}
+    so = peerconf.load("superoffload")["deepspeed"]["zero_optimization"]
+    assert so["stage"] == 3 and so["offload_optimizer"]["super_offload"] is True
+    assert so["offload_optimizer"]["cpuadam_cores_perc"] == 0.8 and "offload_param" not in so
+    tf = peerconf.load("twinflow")["deepspeed"]["zero_optimization"]
+    assert 0 < tf["offload_optimizer"]["ratio"] < 1 and tf["sub_group_size"] < 1e9  # small groups: ratio acts
+    zf = peerconf.load("zenflow")
+    assert zf["exact_adamw"] is False and all(c["exact_adamw"] for p in PEERS if p != "zenflow"
+                                              for c in [peerconf.load(p)])
+    z = zf["deepspeed"]["zero_optimization"]["zenflow"]
+    assert z["overlap_step"] is True and 0 < z["topk_ratio"] < 1 and z["update_interval"] >= 1
+    fsdp = peerconf.load("fsdp2-cpuoffload")["torch"]
+    assert fsdp["offload"] == {"pin_memory": True}
+
+
+def test_a_config_that_sets_what_megatrain_fixes_is_refused(peerconf, tmp_path):
+    cfg = json.loads((PEERS_DIR / "configs" / "superoffload.json").read_text())
+    cfg["deepspeed"]["gradient_clipping"] = 1.0
+    path = tmp_path / "superoffload.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(peerconf.PeerConfigError, match="gradient_clipping are set from the command line"):
+        peerconf.load("superoffload", path)
+    del cfg["deepspeed"]["gradient_clipping"]
+    del cfg["launcher"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(peerconf.PeerConfigError, match="missing key"):
+        peerconf.load("superoffload", path)
+
+
+def test_the_run_config_carries_megatrains_adamw_batch_and_clip(peerconf):
+    from megatrain.exec.optim import AdamWConfig
+
+    ds = peerconf.deepspeed_config(peerconf.load("superoffload"), batch=8, clip=0.0)
+    assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_accumulation_steps"] == 1
+    assert ds["gradient_clipping"] == 0.0  # SuperOffload overlaps only without clipping: the run must say which
+    o = AdamWConfig(lr=1e-5)
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "betas": list(o.betas), "eps": o.eps,
+                                                           "weight_decay": o.weight_decay}}
+
+
+@pytest.fixture
+def one_process_env(monkeypatch):
+    """FSDP2's one-process group reads these; set here so that nothing leaks into later tests."""
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+
+
+def _result(text: str) -> dict:
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, text[-2000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def test_dry_run_of_every_peer_prints_the_result_line(run_peer, capsys, one_process_env):
+    losses = {}
+    for peer in PEERS:
+        assert run_peer.main([peer, "--dry-run", "--clip", "0" if peer == "superoffload" else "1"]) == 0
+        out = capsys.readouterr().out
+        res = _result(out)
+        assert MEGATRAIN_KEYS | PEER_KEYS <= res.keys(), peer
+        assert res["mode"] == peer and res["model"] == "debug" and res["dry_run"] is True
+        assert res["config"] == f"scripts/peers/configs/{peer}.json"
+        assert res["host_rss_GiB"] > 0 and res["host_B_per_param"] > 0
+        command = next(line for line in out.splitlines() if line.startswith("command: "))
+        assert "--model bench-3b --batch 8 --seq 2048" in command  # the full run's command, not the dry run's
+        if peer in DEEPSPEED:
+            assert res["steps_run"] == 0 and res["tokens_per_s"] is None
+            assert command.startswith("command: python3 -m deepspeed.launcher.runner --num_gpus 1 "
+                                      f"--bind_cores_to_rank scripts/peers/run_peer.py {peer} ")
+            ds = json.loads(next(line for line in out.splitlines()
+                                 if line.startswith("deepspeed config: "))[len("deepspeed config: "):])
+            assert ds["gradient_clipping"] == (0.0 if peer == "superoffload" else 1.0)
+        else:  # two real steps on the CPU
+            assert res["steps_run"] == 2 and res["tokens_per_s"] > 0 and res["model_TFLOPs"] >= 0
+            assert res["params_B"] == round(205376 / 1e9, 3) and "params_note" not in res  # the spec's model
+            losses[peer] = (res["loss_first"], res["loss_last"])
+    # same model init, data and AdamW: the first loss (before any update) is the same for both torch peers
+    assert losses["all-on-gpu"][0] == pytest.approx(losses["fsdp2-cpuoffload"][0], abs=2e-2)
+
+
+def test_the_script_runs_as_a_command_and_refuses_bad_input():
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, str(PEERS_DIR / "run_peer.py"), "zenflow", "--dry-run", "--python", "py"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = _result(proc.stdout)
+    assert res["exact_adamw"] is False and "zenflow topk_ratio=0.05" in res["settings"]
+    assert res["command"].startswith("py -m deepspeed.launcher.runner")
+    bad = subprocess.run([sys.executable, str(PEERS_DIR / "run_peer.py"), "zenflow", "--steps", "3"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert bad.returncode == 2 and "--steps must be a multiple of it" in bad.stderr
+
+
+def test_bench_builds_the_peer_commands(capsys, monkeypatch):
+    modules = {}
+    monkeypatch.setitem(sys.modules, "bench_script_peers", None)  # restored after the test
+    bench = _load("bench_script_peers", ROOT / "scripts" / "bench.py", sys.modules)
+    args = ["--dry-run", "--rounds", "1", "--python", "py", "--configs",
+            "all-on-gpu,superoffload,superoffload:clip=0,zenflow,arrival"]
+    assert bench.main([*args, "--ds-bind", "yes"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert runs[0] == ("round 1: py scripts/peers/run_peer.py all-on-gpu --model bench-3b --batch 8 --seq 2048 "
+                       "--steps 4 --clip 1.0")
+    assert runs[1] == ("round 1: py -m deepspeed.launcher.runner --num_gpus 1 --bind_cores_to_rank "
+                       "scripts/peers/run_peer.py superoffload --model bench-3b --batch 8 --seq 2048 --steps 4 "
+                       "--clip 1.0")
+    assert runs[2].endswith("superoffload --model bench-3b --batch 8 --seq 2048 --steps 4 --clip 0")
+    assert "scripts/bench_megatrain.py" in runs[4]
+    assert bench.main([*args, "--ds-bind", "no"]) == 0
+    out = capsys.readouterr().out
+    assert not any("--bind_cores_to_rank" in line for line in out.splitlines() if line.startswith("round "))
+    assert "DeepSpeed peers run without --bind_cores_to_rank" in out
+    with pytest.raises(SystemExit, match="a peer takes only clip"):
+        bench.main(["--dry-run", "--configs", "superoffload:ratio=0.5"])
+    # the table shows bytes per parameter and each peer's settings under it
+    s = bench.summarize({"superoffload": [{"tokens_per_s": 10.0, "host_rss_GiB": 40.0, "host_B_per_param": 14.5,
+                                           "params_B": 3.0, "settings": "ZeRO-3; clip 1", "config": "c.json"}]})
+    assert "| 14.5 |" in bench.table(s, "superoffload")
+    assert bench.settings_lines(s) == ["- superoffload: ZeRO-3; clip 1 (c.json)"]
