@@ -4,7 +4,8 @@ When a rank's process or node dies, its peers' collectives fail ("Connection clo
 when the node vanished without closing its sockets) with a message that names an address, not a rank. Every rank
 therefore runs one daemon thread that bumps a counter under its rank in torchrun's store (MASTER_ADDR:MASTER_PORT,
 its own client connection, every BEAT_S); on a failure `silent_ranks` reads the counters twice, a few beats apart,
-and the ranks whose counter did not move are the ones that died. A peer that hangs but lives keeps beating and is
+and the ranks whose counter did not move are the ones that died (a rank that saw the failure itself says it is
+stopping first, so its peers do not name it when it exits). A peer that hangs but lives keeps beating and is
 not named (the runtime's wait timeout names its task instead).
 """
 from __future__ import annotations
@@ -67,6 +68,14 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def stopping(self) -> None:
+        """Tell the peers this rank is alive and stopping because a collective failed (it saw a peer die): its
+        heartbeat will stop soon, and it must not be named with the dead."""
+        try:
+            self.store.set(f"{PREFIX}stopping/{self.rank}", "1")
+        except RuntimeError:
+            pass
+
     def counts(self) -> dict[int, int | None]:
         """Every rank's last beat count (None: never beat); RuntimeError when the store does not answer."""
         keys = [f"{PREFIX}{r}" for r in range(self.size)]
@@ -83,7 +92,9 @@ class Heartbeat:
             before = self.counts()
             time.sleep(wait_s)
             after = self.counts()
+            stopping = {r for r in range(self.size) if self.store.check([f"{PREFIX}stopping/{r}"])}
         except RuntimeError:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             return [], f" (the launch's store at {where} does not answer either: the node hosting it, node 0, is gone)"
-        return [r for r in range(self.size) if r != self.rank and (after[r] is None or after[r] == before[r])], ""
+        return [r for r in range(self.size) if r != self.rank and r not in stopping
+                and (after[r] is None or after[r] == before[r])], ""

@@ -108,6 +108,9 @@ class World:
         """The one-line error of a failed exchange or collective: the ranks (and nodes) that stopped answering when
         the liveness watch knows them (a process or node that died), else the collective's own first line."""
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        first = first.split(" This is typically")[0].rstrip(".")  # gloo's advice to read the peer's log
+        if self.watch is not None:
+            self.watch.stopping()  # alive, stopping on its own: the peers must not name this rank
         gone, note = self.watch.silent_ranks() if self.watch is not None else ([], "")
         if gone:
             here = f" on node {self.node}" if self.nodes > 1 else ""

@@ -81,6 +81,7 @@ from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
 from megatrain.profiling.live import calibrate_training_run
 from megatrain.sim import simulate
+from megatrain.parallel.liveness import PeerLost
 from megatrain.train.distributed import join, node_store_line
 from megatrain.plan.machine import process_rss_bytes
 
@@ -105,8 +106,11 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     """
 
     world, cfg, log, trackers = join(cfg.validate(), _backend_name(cfg.run.device), log, trackers)  # torchrun
-    summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
-    world.close()  # after a run that failed, the process exits with the error instead
+    try:
+        summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
+        world.close()  # after a run that failed, the process exits with the error instead
+    except PeerLost as e:  # a rank or node died between steps: one line naming it (parallel/liveness.py)
+        raise TrainingError(f"the run stopped: {e}") from None
     return summary
 
 
