@@ -111,7 +111,7 @@ class StreamedTrainer:
     def program(self, batch: int, seq: int) -> Program:
         """The Program for a batch shape (built once per shape; a new shape replaces the GPU buffers)."""
         if self._shape != (batch, seq):
-            sched = build_schedule(self.spec, batch, seq, self.knobs, world=self.world.size)
+            sched = build_schedule(self.spec, batch, seq, self.knobs, world=self.world.parallelism)
             sched.name = self.schedule_name
             self.use_program(lower(sched))
         return self._program
@@ -150,7 +150,7 @@ class StreamedTrainer:
             raise ValueError(f"schedule {name} needs another host layout than the one this trainer's store was "
                              "built for; build a StreamedTrainer for it")
         applied = self.flush()
-        sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.size)
+        sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.parallelism)
         sched.name = name
         program = lower(sched)
         self.use_program(program)

@@ -40,17 +40,25 @@ class ShardedCopies:
         buf.w[lo:lo + s].copy_(src, non_blocking=True)
         buf.unit = t.unit
 
+    def _collective(self, t: ProgramTask, start) -> None:
+        """Issue a collective (`start()` returns its Work) and wait for it; a peer that died is the world's one line
+        naming it (World.peer_error), not the backend's address."""
+        try:
+            start().wait()  # NCCL: the comm stream waits for the collective; gloo: done
+        except RuntimeError as e:  # gloo "Connection closed by peer", a process-group timeout
+            raise self.world.peer_error(f"running {t.id} on stream {t.stream}", e) from None
+
     # ---- ALL_GATHER: the other ranks' slices into the slot ---------------------------------------------------------
     def gather(self, t: ProgramTask) -> None:
         buf = self.buffers.holding(t)
         _, s, lo = self._span(t.unit)
         w = buf.w[:s * self.world.size]
         if self.nccl:
-            work = dist.all_gather_into_tensor(w, w[lo:lo + s], group=self.world.device_group, async_op=True)
+            self._collective(t, lambda: dist.all_gather_into_tensor(w, w[lo:lo + s], group=self.world.device_group,
+                                                                    async_op=True))
         else:
-            work = dist.all_gather(list(w.split(s)), w[lo:lo + s].clone(), group=self.world.device_group,
-                                   async_op=True)
-        work.wait()  # NCCL: the comm stream waits for the collective; gloo: done
+            self._collective(t, lambda: dist.all_gather(list(w.split(s)), w[lo:lo + s].clone(),
+                                                        group=self.world.device_group, async_op=True))
 
     # ---- REDUCE_SCATTER: this rank's slice of the summed gradients, and the unit's norm ---------------------------
     def reduce_scatter(self, t: ProgramTask) -> None:
@@ -60,14 +68,14 @@ class ShardedCopies:
         g = buf.g[:s * N]
         g[n:].zero_()  # the padding past the unit's end (never written by the backward)
         if self.nccl:
-            dist.reduce_scatter_tensor(g[lo:lo + s], g, group=group, async_op=True).wait()
+            self._collective(t, lambda: dist.reduce_scatter_tensor(g[lo:lo + s], g, group=group, async_op=True))
         else:
-            dist.all_reduce(g, group=group, async_op=True).wait()
+            self._collective(t, lambda: dist.all_reduce(g, group=group, async_op=True))
         # The norm of what lands (in the grad wire's values), from the slices' squared norms, identical on every
         # rank: clipping and the non-finite skip decide the same everywhere.
         wire = self._wire(g[lo:lo + s])
         sq = torch.linalg.vector_norm(wire, dtype=torch.float32).square().reshape(1)
-        dist.all_reduce(sq, group=group, async_op=True).wait()
+        self._collective(t, lambda: dist.all_reduce(sq, group=group, async_op=True))
         i = self.updates.unit_index[t.unit]
         self.updates.device_norms[i:i + 1].copy_(sq.sqrt())
         self.updates.unit_norms[i:i + 1].copy_(self.updates.device_norms[i:i + 1], non_blocking=True)

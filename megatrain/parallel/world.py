@@ -1,8 +1,9 @@
 """The ranks of a data-parallel run: process groups from torchrun's environment, per-rank CPU cores, and the
 host-side exchanges (Program hash, loss, gathered tiles) that run between steps.
 
-`World.from_env()` reads WORLD_SIZE / RANK / LOCAL_RANK / LOCAL_WORLD_SIZE (torchrun sets them) and initialises the
-default process group: NCCL on CUDA (device collectives, issued only by the runtime's `comm` stream thread), gloo on
+`World.from_env()` reads WORLD_SIZE / RANK / LOCAL_RANK / LOCAL_WORLD_SIZE and, with several nodes (`torchrun
+--nnodes N`), GROUP_RANK / GROUP_WORLD_SIZE (torchrun sets them all; `LaunchShape`), and initialises the default
+process group: NCCL on CUDA (device collectives, issued only by the runtime's `comm` stream thread), gloo on
 the CPU backend. A second gloo group carries host objects, so exchanges of the main thread never share a
 communicator with the comm thread.
 """
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatrain.exec.backend import ExecError
+from megatrain.ir.placement import Parallelism
+from megatrain.parallel.liveness import Heartbeat, PeerLost
 
 
 @dataclass
@@ -29,10 +32,30 @@ class World:
     local_size: int = 1
     device_group: object = None  # collectives on device tensors (nccl on CUDA, gloo on the CPU backend)
     host_group: object = None  # gloo: host objects between steps
+    node: int = 0  # this rank's node (torchrun's GROUP_RANK); ranks node*local_size .. +local_size-1 are on it
+    nodes: int = 1  # nodes of the launch (torchrun --nnodes), each with local_size ranks
+    cores: tuple[int, ...] = ()  # the CPU cores this rank is bound to (empty: not bound)
+    watch: object = None  # the liveness watch of the ranks (Heartbeat), which names a peer that died
 
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The run's shape as the resolver, the planner and the simulator take it: `size` ranks over `nodes` hosts."""
+        return Parallelism(self.size, self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        """The node of `rank` (torchrun numbers ranks node by node)."""
+        return rank // max(self.local_size, 1)
+
+    def describe_ranks(self, ranks) -> str:
+        """"rank 3 (node 1)" / "ranks 2,3 (node 1)": ranks named with their nodes, for error lines."""
+        ranks = sorted(ranks)
+        nodes = sorted({self.node_of(r) for r in ranks})
+        where = f" (node{'s' if len(nodes) > 1 else ''} {','.join(map(str, nodes))})" if self.nodes > 1 else ""
+        return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}{where}"
 
     @classmethod
     def from_env(cls, backend: str, timeout_s: float = 300.0) -> World:
@@ -42,13 +65,10 @@ class World:
         Every way of not joining is a LaunchError with one line saying what to do, raised before anything is
         allocated: torchrun's variables missing or malformed (a stale WORLD_SIZE), more ranks than cores, peers that
         do not arrive within the rendezvous wait (`rendezvous_s`: the lesser of `timeout_s` and RENDEZVOUS_S)."""
-        env = launch_env()
-        if env is None:
+        shape = launch_shape()
+        if shape is None:
             return cls()
-        size, rank, local_rank, local_size = env
-        if local_size != size:
-            raise LaunchError(f"WORLD_SIZE={size} but LOCAL_WORLD_SIZE={local_size}: data parallel training runs on "
-                              "the GPUs of one host (torchrun --standalone --nproc_per_node=N)")
+        size, rank, local_rank, local_size, node, nodes = shape
         if hasattr(os, "sched_getaffinity"):  # every rank sees the same cores: all refuse, none waits for the others
             rank_cores(local_rank, local_size, sorted(os.sched_getaffinity(0)))
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -64,8 +84,11 @@ class World:
             store.set_timeout(timeout)  # from here on the store serves the run's own waits (NCCL's lazy set-up)
         else:
             host = dist.new_group(backend="gloo", timeout=timeout)
-        pin_cores(local_rank, local_size)
-        return cls(rank, size, local_rank, local_size, dist.group.WORLD, host)
+            store = None
+        cores = tuple(pin_cores(local_rank, local_size)) if bind_cores_enabled() else ()
+        world = cls(rank, size, local_rank, local_size, dist.group.WORLD, host, node, nodes, cores)
+        world.watch = Heartbeat.start(rank, size) if store is not None else None
+        return world
 
     def close(self) -> None:
         """Leave the world at the end of a run: wait for every rank (within the groups' timeout), then tear the
@@ -73,8 +96,28 @@ class World:
         ("terminate called without an active exception") while a peer still talks to it."""
         if not self.distributed or not dist.is_initialized():
             return
-        dist.barrier(group=self.host_group)
+        try:
+            dist.barrier(group=self.host_group)
+        except RuntimeError as e:  # a peer died after the last step: say which, in one line
+            raise self.peer_error("leaving the run", e) from None
+        if self.watch is not None:
+            self.watch.stop()
         dist.destroy_process_group()
+
+    def peer_error(self, doing: str, cause: BaseException) -> ExecError:
+        """The one-line error of a failed exchange or collective: the ranks (and nodes) that stopped answering when
+        the liveness watch knows them (a process or node that died), else the collective's own first line."""
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        first = first.split(" This is typically")[0].rstrip(".")  # gloo's advice to read the peer's log
+        if self.watch is not None:
+            self.watch.stopping()  # alive, stopping on its own: the peers must not name this rank
+        gone, note = self.watch.silent_ranks() if self.watch is not None else ([], "")
+        if gone:
+            here = f" on node {self.node}" if self.nodes > 1 else ""
+            return PeerLost(f"{self.describe_ranks(gone)} of {self.size} stopped answering while rank {self.rank}"
+                            f"{here} was {doing} (process or node died: {first}); this rank stops too: resume from "
+                            "the last checkpoint (run.resume=latest) once every node is up")
+        return ExecError(f"rank {self.rank} failed while {doing}: {first}{note}")
 
     # ---- host exchanges (main thread, between steps) --------------------------------------------------------------
     def check_same(self, what: str, text: str) -> None:
@@ -84,7 +127,7 @@ class World:
             return
         digest = hashlib.sha256(text.encode()).hexdigest()
         digests: list[str] = [""] * self.size
-        dist.all_gather_object(digests, digest, group=self.host_group)
+        self._exchange(f"comparing the {what}", dist.all_gather_object, digests, digest, group=self.host_group)
         if len(set(digests)) > 1:
             groups = {d: [r for r, x in enumerate(digests) if x == d] for d in digests}
             raise ExecError(f"the ranks built different {what}s (ranks by hash: "
@@ -97,7 +140,7 @@ class World:
         if not self.distributed:
             return [value]
         out: list = [None] * self.size
-        dist.all_gather_object(out, value, group=self.host_group)
+        self._exchange("exchanging host objects", dist.all_gather_object, out, value, group=self.host_group)
         return out
 
     def sum(self, value: float) -> float:
@@ -105,7 +148,7 @@ class World:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=self.host_group)
+        self._exchange("summing the loss", dist.all_reduce, t, group=self.host_group)
         return float(t)
 
     def gather_slices(self, piece: torch.Tensor) -> torch.Tensor:
@@ -113,7 +156,7 @@ class World:
         if not self.distributed:
             return piece
         out = [torch.empty_like(piece) for _ in range(self.size)]
-        dist.all_gather(out, piece.contiguous(), group=self.host_group)
+        self._exchange("gathering slices", dist.all_gather, out, piece.contiguous(), group=self.host_group)
         return torch.cat(out)
 
     def share(self, value):
@@ -121,7 +164,7 @@ class World:
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        self._exchange("receiving rank 0's value", dist.broadcast_object_list, box, src=0, group=self.host_group)
         return box[0]
 
     def any(self, flag: bool) -> bool:
@@ -134,8 +177,15 @@ class World:
         if not self.distributed:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)  # (n_flags,)
-        dist.all_reduce(t, group=self.host_group)
+        self._exchange("agreeing on a decision", dist.all_reduce, t, group=self.host_group)
         return tuple(bool(x > 0) for x in t.tolist())
+
+    def _exchange(self, doing: str, collective, *args, **kwargs):
+        """Run a host-group collective; a peer that died or timed out is `peer_error`'s one line, not gloo's."""
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout (DistError is a RuntimeError)
+            raise self.peer_error(doing, e) from None
 
 
 class LaunchError(ExecError):
@@ -175,6 +225,39 @@ def launch_env() -> tuple[int, int, int, int] | None:
         raise LaunchError(f"RANK={rank} / LOCAL_RANK={local_rank} is not a rank of WORLD_SIZE={size} "
                           f"(LOCAL_WORLD_SIZE={local_size}): {fix}")
     return size, rank, local_rank, local_size
+
+
+def launch_shape() -> tuple[int, int, int, int, int, int] | None:
+    """(world size, rank, local rank, local world size, node, nodes) of a torchrun launch (`launch_env` plus the
+    node: GROUP_RANK and GROUP_WORLD_SIZE, which torchrun sets with --nnodes); None for one process. torchrun
+    numbers the ranks node by node, so node g holds ranks g*L .. g*L+L-1 for L = LOCAL_WORLD_SIZE. LaunchError when
+    the nodes do not all run the same number of ranks (the sharded store and the planner assume it)."""
+    env = launch_env()
+    if env is None:
+        return None
+    size, rank, local_rank, local_size = env
+    if size % local_size:
+        raise LaunchError(f"WORLD_SIZE={size} is not a multiple of LOCAL_WORLD_SIZE={local_size}: every node must "
+                          "run the same number of ranks (give every torchrun agent the same --nproc_per_node)")
+    nodes = size // local_size
+    node = rank // local_size
+    for var, expect in (("GROUP_WORLD_SIZE", nodes), ("GROUP_RANK", node)):
+        text = os.environ.get(var, "").strip()
+        if text and text != str(expect):
+            raise LaunchError(f"{var}={text} but WORLD_SIZE={size}, LOCAL_WORLD_SIZE={local_size} and RANK={rank} "
+                              f"make it {expect}: every node must run the same number of ranks (give every torchrun "
+                              "agent the same --nproc_per_node)")
+    return size, rank, local_rank, local_size, node, nodes
+
+
+BIND_ENV = "MEGATRAIN_BIND_CORES"  # "0" / "off": leave each rank on every core of the node (no binding)
+
+
+def bind_cores_enabled() -> bool:
+    """Whether each rank binds itself to its share of the node's cores (the default, as DeepSpeed's
+    --bind_cores_to_rank); MEGATRAIN_BIND_CORES=0 turns it off (e.g. when the launcher already binds, numactl or
+    srun --cpu-bind)."""
+    return os.environ.get(BIND_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def rendezvous(rank: int, size: int, wait_s: float):

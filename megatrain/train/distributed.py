@@ -5,6 +5,10 @@ line up. Rank 0 logs and writes the run's outputs (run directory, metrics, timel
 and write their run directory into a temporary directory removed at exit. `data.batch_size` is per GPU: a step
 trains on `world` x batch_size x grad_accum sequences, each rank on its contiguous rows.
 
+Several nodes (`torchrun --nnodes N --rdzv-backend c10d ...`) run the same way: the World knows each rank's node
+(parallel/world.py), the Program is built for `world` ranks over `nodes` hosts, the memory check is each node's
+(train/fit.py), and `join` logs one line of the launch: the ranks of each node and the cores each is bound to.
+
 Before anything is allocated or written (`join`), the ranks refuse together, each with the same one line:
 - a launch that is not one (parallel/world.py LaunchError: a stale WORLD_SIZE, more ranks than cores, ranks that
   never arrive), as a ConfigError;
@@ -26,6 +30,7 @@ from megatrain.compile.resolve import check_model_shards, check_run_for_ranks
 from megatrain.ir.dag import ScheduleError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.parallel.world import LaunchError, World
+from megatrain.plan.memory import GiB
 
 # Keys of the RunConfig a rank may hold on its own: they change what it shows, not what it trains. Every other key
 # must be equal on every rank (the rank itself, its device and its scratch directory come from the environment,
@@ -67,7 +72,51 @@ def join(cfg: RunConfig, backend: str, log, trackers: tuple) -> tuple[World, Run
         raise
     if world.rank != 0:
         log, trackers = silent, ()
+    if world.distributed:
+        line = launch_line(world, world.gather((world.node, list(world.cores))))  # every rank: one exchange
+        (log or print)(line)  # no sink given: the run log prints, before its file exists
     return world, cfg, log, trackers
+
+
+def launch_line(world: World, per_rank: list[tuple[int, list[int]]]) -> str:
+    """One line: the ranks by node and the cores each is bound to (`per_rank`: every rank's (node, cores))."""
+    by_node: dict[int, list[str]] = {}
+    for rank, (node, cores) in enumerate(per_rank):
+        by_node.setdefault(node, []).append(f"rank {rank} {core_ranges(cores) if cores else 'unbound'}")
+    bound = any(cores for _, cores in per_rank)
+    how = ("each rank bound to its share of its node's cores, update threads sized to them; MEGATRAIN_BIND_CORES=0 "
+           "turns it off" if bound else "ranks not bound to cores (MEGATRAIN_BIND_CORES=0)")
+    return (f"launch: {world.size} ranks on {world.nodes} node{'s' if world.nodes > 1 else ''} x {world.local_size}; "
+            f"cores: {'; '.join(f'node {n}: ' + ', '.join(rs) for n, rs in sorted(by_node.items()))} ({how})")
+
+
+def core_ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def node_store_line(world: World, store_bytes: int, planned_bytes: int) -> str | None:
+    """The host store each node holds (the sum of its ranks' slices, reported by every rank) against the plan's, in
+    one line; None for one process. Call it on every rank (one exchange)."""
+    if not world.distributed:
+        return None
+    per_node: dict[int, int] = {}
+    for node, nbytes in world.gather((world.node, store_bytes)):
+        per_node[node] = per_node.get(node, 0) + nbytes
+    return ("host store per node: " + ", ".join(f"node {n} {_size(b)}" for n, b in sorted(per_node.items()))
+            + f" ({world.local_size} ranks each, planned {_size(world.local_size * planned_bytes)}; bytes by node: "
+            + ", ".join(f"{n}={b}" for n, b in sorted(per_node.items())) + ")")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def config_fields(cfg: RunConfig) -> dict[str, str]:

@@ -15,7 +15,7 @@ from megatrain.compile.resolve import resolve
 from megatrain.compile.strategies import rank_host_plan
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import Parallelism
-from megatrain.parallel.world import launch_env
+from megatrain.parallel.world import launch_shape
 from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.plan.memory import GiB, MemoryPlan, plan_gpu_memory
 from megatrain.compile.advice import (alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory,
@@ -32,8 +32,14 @@ class MemoryFitError(ConfigError):
 # ---- memory check ----------------------------------------------------------------------------------------------
 def node_ranks() -> int:
     """The ranks torchrun starts on this node (LOCAL_WORLD_SIZE), which share its host memory; 1 outside torchrun."""
-    env = launch_env()
-    return 1 if env is None else env[3]
+    return launch_nodes()[0]
+
+
+def launch_nodes() -> tuple[int, int, int]:
+    """(ranks on this node, this node, nodes) of the torchrun launch (GROUP_RANK, WORLD_SIZE / LOCAL_WORLD_SIZE);
+    (1, 0, 1) outside torchrun."""
+    shape = launch_shape()
+    return (1, 0, 1) if shape is None else (shape[3], shape[4], shape[5])
 
 
 def machine_capacity(backend: str) -> tuple[int, int | None]:
@@ -63,13 +69,13 @@ def _host_bound_note(ranks: int) -> str:
 
 
 def rank_plan(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
-              ranks: int = 1) -> MemoryPlan:
-    """The memory of one rank of a data-parallel run over `ranks` ranks of one host (its slices of the store, as
-    `plan --gpus N` counts them); the one-process plan when `ranks` is 1. ScheduleError when the schedule or the
-    model is not supported on `ranks` ranks."""
-    if ranks <= 1:
+              ranks: int = 1, nodes: int = 1) -> MemoryPlan:
+    """The memory of one rank of a data-parallel run over `ranks` ranks on each of `nodes` hosts (its slices of the
+    store, 1/(ranks x nodes) of each unit, as `plan --gpus N --hosts H` counts them); the one-process plan for one
+    rank. ScheduleError when the schedule or the model is not supported on that many ranks."""
+    if ranks * nodes <= 1:
         return plan_memory(spec, batch, seq, knobs, backend)
-    p = resolve(spec, batch, seq, knobs, Parallelism(ranks))
+    p = resolve(spec, batch, seq, knobs, Parallelism(ranks * nodes, nodes))
     return MemoryPlan(p, rank_host_plan(p, backend), plan_gpu_memory(p), knobs)
 
 
@@ -80,7 +86,7 @@ TRAIN_ADVICE = ("set a knob with --set schedule.<knob>=<value>, lower data.batch
 def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str,
                  host_bytes: int | None = None, gpu_bytes: int | None = None, *, what: str = "the run",
                  advice: str = TRAIN_ADVICE, reserve_host_bytes: int = 0,
-                 ranks: int | None = None) -> tuple[MemoryPlan, list[str]]:
+                 ranks: int | None = None, node: tuple[int, int] | None = None) -> tuple[MemoryPlan, list[str]]:
     """Plan the run's memory and check it against this machine (or the given capacities).
 
     Returns (plan, report lines); raises MemoryFitError, with the numbers and the knobs that help, when it does
@@ -91,6 +97,9 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     `ranks`: the data-parallel ranks of this node, each checking the same run (None: `node_ranks()`, torchrun's
     LOCAL_WORLD_SIZE); the returned plan is one rank's, and the host check is their sum against the node's memory
     (`host_bytes`, when given, is the node's). The GPU check is one rank's against its own device.
+    `node`: (this node, nodes) of a launch over several hosts (None: torchrun's GROUP_RANK and WORLD_SIZE /
+    LOCAL_WORLD_SIZE): each rank holds 1/(ranks x nodes) of the store, each node checks its own ranks against its own
+    memory, and the refusal names the node.
     Every caller runs the work it checks, so a planned-only layout (the NVMe tier) is refused here, before the
     store would refuse it, and no advice below names one.
     """
@@ -98,23 +107,26 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
         refuse_planned_only(knobs)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
-    ranks = node_ranks() if ranks is None else ranks
-    plan = rank_plan(spec, batch, seq, knobs, backend, ranks)
+    launched = launch_nodes()
+    ranks = launched[0] if ranks is None else ranks
+    node_id, nodes = launched[1:] if node is None else node
+    plan = rank_plan(spec, batch, seq, knobs, backend, ranks, nodes)
     measured_host = host_bytes is None
     have_host, have_gpu = machine_capacity(backend) if ranks == 1 else node_capacity(backend, ranks)
     host_bytes = max(0, have_host - reserve_host_bytes) if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
-    if ranks > 1:
-        ok, lines = _node_fit(plan, host_bytes, gpu_bytes, ranks, backend)
+    if ranks * nodes > 1:
+        ok, lines = _node_fit(plan, host_bytes, gpu_bytes, ranks, backend, nodes)
     elif backend == "cpu":
         ok, lines = _cpu_fit(plan, host_bytes)
     else:
         ok, lines = fit_report(plan, host_bytes, gpu_bytes)
     if not ok:
-        where = "this machine" if ranks == 1 else f"this node ({ranks} ranks)"
+        where = ("this machine" if ranks * nodes == 1 else f"this node ({ranks} ranks)" if nodes == 1
+                 else f"node {node_id} of {nodes} ({ranks} ranks, {plan.placement.world} in all)")
         raise MemoryFitError(
             f"{what} does not fit {where} ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}{' per rank' if ranks > 1 else ''}, {backend} backend):\n  " + "\n  ".join(lines)
+            f"{batch} x seq {seq}{' per rank' if ranks * nodes > 1 else ''}, {backend} backend):\n  " + "\n  ".join(lines)
             + (_host_bound_note(ranks) if measured_host else "") + "\n  " + advice)
     return plan, lines
 
@@ -124,7 +136,8 @@ def _host_need(plan: MemoryPlan, backend: str) -> int:
     return plan.host.total_bytes + (plan.gpu.peak_bytes if backend == "cpu" else 0)
 
 
-def _node_fit(plan: MemoryPlan, have: int, gpu: int | None, ranks: int, backend: str) -> tuple[bool, list[str]]:
+def _node_fit(plan: MemoryPlan, have: int, gpu: int | None, ranks: int, backend: str,
+              nodes: int = 1) -> tuple[bool, list[str]]:
     """fit_report for the `ranks` ranks of one node: the host check is the sum of their needs (each `plan`, one
     rank's) against the node's `have`; the GPU check is one rank's against its own device."""
     need = _host_need(plan, backend)
@@ -141,13 +154,19 @@ def _node_fit(plan: MemoryPlan, have: int, gpu: int | None, ranks: int, backend:
         alts = host_alternatives(plan.knobs) + (gpu_alternatives(plan) if backend == "cpu" else [])
         for label, alt_knobs in alts:
             try:
-                alt = ranks * _host_need(rank_plan(plan.spec, plan.batch, plan.seq, alt_knobs, backend, ranks),
-                                         backend)
+                alt = ranks * _host_need(rank_plan(plan.spec, plan.batch, plan.seq, alt_knobs, backend, ranks,
+                                                   nodes), backend)
             except ScheduleError:
                 continue
             lines.append(f"  - {label}: {alt / GiB:.1f} GiB ({'fits' if alt <= have else 'still short'})")
-        lines.append(f"  - fewer ranks on this node (torchrun --nproc_per_node): {ranks - 1} need about "
-                     f"{(ranks - 1) * need / GiB:.1f} GiB")
+        if nodes == 1:
+            lines.append(f"  - fewer ranks on this node (torchrun --nproc_per_node): {ranks - 1} need about "
+                         f"{(ranks - 1) * need / GiB:.1f} GiB")
+        else:  # each rank's share of the store is 1/(ranks x nodes): another node shrinks every node's part
+            more = ranks * _host_need(rank_plan(plan.spec, plan.batch, plan.seq, plan.knobs, backend, ranks,
+                                                nodes + 1), backend)
+            lines.append(f"  - more nodes (torchrun --nnodes {nodes + 1}): each node then needs about "
+                         f"{more / GiB:.1f} GiB")
     if backend == "cuda":
         peak = plan.gpu.peak_bytes
         if gpu is None:

@@ -81,7 +81,8 @@ from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
 from megatrain.profiling.live import calibrate_training_run
 from megatrain.sim import simulate
-from megatrain.train.distributed import join
+from megatrain.parallel.liveness import PeerLost
+from megatrain.train.distributed import join, node_store_line
 from megatrain.plan.machine import process_rss_bytes
 
 __all__ = ["MemoryFitError", "RunSummary", "run_training", "lr_schedule", "check_memory", "machine_capacity",
@@ -105,8 +106,11 @@ def run_training(cfg: RunConfig, *, log: Callable[[str], None] | None = None,
     """
 
     world, cfg, log, trackers = join(cfg.validate(), _backend_name(cfg.run.device), log, trackers)  # torchrun
-    summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
-    world.close()  # after a run that failed, the process exits with the error instead
+    try:
+        summary = _Training(cfg, log, stop_at_step, trackers, auto, world).run()
+        world.close()  # after a run that failed, the process exits with the error instead
+    except PeerLost as e:  # a rank or node died between steps: one line naming it (parallel/liveness.py)
+        raise TrainingError(f"the run stopped: {e}") from None
     return summary
 
 
@@ -242,6 +246,8 @@ class _Training:
         store = sum(self.trainer.host_bytes_by_component().values())
         self.log(f"host store: {store / GiB:.3f} GiB, {store / self.spec.num_params:.1f} B/param (planned "
                  f"{self.plan.host.store_bytes / GiB:.3f} GiB); process RSS {process_rss_bytes() / GiB:.2f} GiB")
+        if self.world.distributed:  # every rank reports its slices: the node's share (train/distributed.py)
+            self.log(node_store_line(self.world, store, self.plan.host.store_bytes))
 
     # -- checkpoints --
     def _save(self, step: int) -> Path:
