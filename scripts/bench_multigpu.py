@@ -257,7 +257,7 @@ def _program_of(result: dict):
 
 def _predicted_from_one_gpu(a, result: dict, one_gpu: list[dict]) -> float:
     """N GPUs' step predicted by the profile fitted to the measured 1-GPU median (the CPU update rate only)."""
-    from megatrain.profiling.live import fit_update_rate
+    from megatrain.profiling.fit import fit_update_rate
     from megatrain.sim import load_profile, simulate
 
     measured_one = statistics.median(r["step_s"] for r in one_gpu)

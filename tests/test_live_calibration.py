@@ -130,7 +130,7 @@ def test_a_step_time_alone_fits_the_cpu_update_rate_and_predicts_another_program
     """`fit_update_rate`: a hidden machine whose CPU update runs at 0.45x the profile's; one measured step of the
     `serial` Program (simulated on it) gives back that rate, and the fitted profile then predicts a Program it was
     not fitted to (`arrival`, two ranks) as the hidden machine runs it. A step no update rate explains is refused."""
-    from megatrain.profiling.live import fit_update_rate
+    from megatrain.profiling.fit import fit_update_rate
 
     spec = PRESETS["bench-3b"].with_layers(4)
     start = load_profile("h200-measured")

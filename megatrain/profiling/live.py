@@ -6,24 +6,14 @@
 A profile is a measurement of one machine on one day (shared/DESIGN.md section 4); a run is a better measurement of
 itself. After its warm-up steps, the run's timelines give, task by task, the time from *ready* to *done* (the
 quantity `compare` compares, `compare.task_table`) and the runtime's gap before each task (`overhead.with_spans`).
-What is fitted, and from what:
-
-- `task_overhead_s` by stream: the mean gap before a task's start on that stream (as `megatrain profile` measures
-  it on its real steps); `N` is the norm's median ready-to-done time;
-- `compute_tables`: each compute task kind and unit class at the run's token counts, the median measured duration
-  (a table for this model's signature, seq and dtype replaces the profile's; others are kept);
-- the rates of the flows the simulator shares (host CPU AdamW and conversion, GPU AdamW, each copy direction's
-  curve): scaled until the simulated ready-to-done times of their tasks add up to the measured ones. This is a
-  fixed-point iteration through the simulator itself, so contention the simulator models (host memory, PCIe
-  duplex) is not counted twice: the rate that comes out is the rate *alone* that reproduces the run.
+What is fitted, and from what: profiling/fit.py (overheads, compute tables, the flows' rates by a fixed point
+through the simulator itself).
 
 The fit changes only rates and times, never the model: a prediction that is still off after calibration points at
 something the simulator does not model (the per-group table of `compare` says where).
 """
 from __future__ import annotations
 
-import math
-import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,22 +21,11 @@ import pandas as pd
 
 from megatrain.ir.facts import StepFacts
 from megatrain.ir.program import Program
-from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
-from megatrain.sim import (
-    ComputeTable,
-    CopyCurve,
-    HardwareProfile,
-    SimResult,
-    model_signature,
-    simulate,
-)
-from megatrain.sim.profile import COMPUTE_KINDS, unit_class
-from megatrain.profiling.compare import step_time_s, task_table
+from megatrain.sim import HardwareProfile, SimResult, simulate
+from megatrain.profiling.compare import task_table
+from megatrain.profiling.fit import fit_profile, step_classes, step_clips
 from megatrain.profiling.machine import this_machine
-from megatrain.profiling.overhead import with_spans
-
-FIT_ITERATIONS = 6
 
 
 def group_name(group: str) -> str:
@@ -125,28 +104,6 @@ def _times(pred: float, meas: float) -> str:
     return f"{r:.1f}x" if r >= 1.5 else f"{100 * abs(pred / meas - 1):.0f}%"
 
 
-CLIPPED = "clipped"  # timeline.attrs key: whether the step's global norm exceeded the max (StreamedTrainer.step)
-
-
-def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bool] | None = None) -> list[bool]:
-    """Whether each measured step clipped, as the simulator prices it: only speculative clipping changes a step's
-    work (a step that clips defers its host updates to CLIP_REDO and undoes and redoes its GPU updates), so every
-    step of another Program counts as not clipping. `clipped` overrides what the timelines say
-    (`timeline.attrs["clipped"]`, recorded by StreamedTrainer.step); raises ValueError when neither says."""
-    if not program.placement.speculative_clip:
-        return [False] * len(timelines)
-    if clipped is None:
-        clipped = [t.attrs.get(CLIPPED) for t in timelines]
-        if any(c is None for c in clipped):
-            raise ValueError(f"{program.name or 'this Program'} clips speculatively (a step that clips defers or "
-                             "redoes its updates), but its measured timelines do not say which steps clipped: pass "
-                             "clipped=[...] (one bool per timeline), or measure with StreamedTrainer.step, which "
-                             f"records timeline.attrs[{CLIPPED!r}]")
-    if len(clipped) != len(timelines):
-        raise ValueError(f"clipped has {len(clipped)} entries for {len(timelines)} timelines: give one per timeline")
-    return [bool(c) for c in clipped]
-
-
 def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd.DataFrame],
                   warmup: int = 1, clipped: list[bool] | None = None) -> LiveCalibration:
     """Fit `profile` to measured Timelines of `program` (the first `warmup` are left out; see the module
@@ -161,7 +118,7 @@ def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd
     before = simulate(program, profile, facts)
     fitted, kinds = fit_profile(program, profile, steps, flags, with_kinds=True)
     after = simulate(program, fitted, facts)
-    measured = sum(c.weight * c.step_s for c in _classes(program, steps, flags))
+    measured = sum(c.weight * c.step_s for c in step_classes(program, steps, flags))
     shown = facts.clip_share >= 1.0  # the step before.timeline is of (engine.simulate)
     tasks = task_table(program, before.timeline, [s for s, f in zip(steps, flags) if f == shown] or steps)
     groups = tasks.groupby("group", sort=False).agg(pred_s=("pred_span_s", "sum"), meas_s=("meas_span_s", "sum"))
@@ -171,198 +128,6 @@ def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd
 
 def _one_step(timeline: pd.DataFrame) -> pd.DataFrame:
     return timeline.reset_index(drop=True)
-
-
-@dataclass
-class _Class:
-    """The measured steps of one kind (clipping or not): their share of the steps, the facts that simulate such a
-    step, its median step time, and per task the median over those steps of gap, duration and span."""
-
-    facts: StepFacts
-    weight: float
-    step_s: float
-    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s
-
-
-def _classes(program: Program, steps: list[pd.DataFrame], flags: list[bool]) -> list[_Class]:
-    """The steps split by whether they clipped. Per task the mean over the class's middle steps by step time (the
-    fastest and slowest quarter left out: a step slowed by another process on a shared machine); a mean, not a
-    median, because the fit matches sums of task times to a step's time, and a median of each task undercounts a
-    sum of right-skewed times. Every fitted number below is a sum or mean of these, so overheads, durations and
-    spans agree with one another."""
-    out = []
-    for clips in (False, True):
-        mine = sorted((s for s, f in zip(steps, flags) if f == clips), key=step_time_s)
-        if not mine:
-            continue
-        cut = len(mine) // 4
-        rows = pd.concat([with_spans(s, program) for s in mine[cut:len(mine) - cut]], ignore_index=True)
-        med = rows.groupby("task")[["gap_s", "dur_s", "span_s"]].mean()
-        out.append(_Class(StepFacts(clip_share=1.0 if clips else 0.0), len(mine) / len(steps),
-                          statistics.median(step_time_s(s) for s in mine), med))
-    return out
-
-
-def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataFrame],
-                clipped: list[bool] | None = None, with_kinds: bool = False):
-    """The calibrated profile (module docstring): overheads and compute tables measured, flow rates fitted, each
-    kind of step (clipping or not, `step_clips`) simulated with its facts and weighed by its share of the steps.
-    With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`)."""
-    classes = _classes(program, steps, step_clips(program, steps, clipped))
-    p = replace(profile, task_overhead_s=_overheads(program, classes),
-                compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)  # the norm's whole measured time is its "N" overhead
-    p = _seeded(p, program, classes)
-    groups = _flow_groups(program)
-    for _ in range(FIT_ITERATIONS):
-        spans = [with_spans(simulate(program, p, c.facts).timeline, program).set_index("task")["span_s"]
-                 for c in classes]
-        factors = {}
-        for flow, tasks in groups.items():
-            meas, sim = 0.0, 0.0
-            for c, span in zip(classes, spans):
-                if flow == "gpu_redo" and c.facts.clip_share < 1.0:
-                    continue  # a redo does nothing in a step that does not clip
-                over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-                meas += c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over)
-                sim += c.weight * (sum(span[t] for t in tasks) - over)
-            if meas > 0 and sim > 0:
-                factors[flow] = min(10.0, max(0.1, meas / sim))  # > 1: the flow must go slower
-        if all(abs(f - 1.0) < 1e-3 for f in factors.values()):
-            break
-        p = _scaled(p, factors)
-    share = sum(c.weight for c in classes if c.facts.clip_share >= 1.0)
-    notes = {**p.notes, "live calibration": (
-        f"fitted to {len(steps)} measured steps of {program.model.name} (batch {program.batch} x seq "
-        f"{program.seq}, {program.placement.weight_wire} weight wire"
-        + (f", {100 * share:.0f}% of them clipping" if program.placement.speculative_clip else "")
-        + ") by megatrain.profiling.live: task_overhead_s from the runtime's gaps, compute tables from the measured "
-        "durations, CPU/GPU AdamW (U and V tasks: one update per unit and step), the GPU clip redo and copy rates "
-        "scaled until the simulated ready-to-done times of their tasks add up to the measured ones, each kind of "
-        "step simulated with its facts")}
-    fitted = replace(p, name=f"{profile.name}-calibrated", notes=notes,
-                     description=f"{profile.description} Calibrated to a run of {program.model.name}.")
-    return (fitted, kind_table(program, fitted, classes)) if with_kinds else fitted
-
-
-def kind_table(program: Program, profile: HardwareProfile, classes: list[_Class]) -> pd.DataFrame:
-    """Per task kind and stream: tasks, and their summed ready-to-done seconds per step, predicted by `profile` and
-    measured (each kind of step weighed by its share): a kind the fit leaves unpriced shows here."""
-    rows: dict[tuple[str, str], dict] = {}
-    for c in classes:
-        span = with_spans(simulate(program, profile, c.facts).timeline, program).set_index("task")["span_s"]
-        for tid, t in program.tasks.items():
-            r = rows.setdefault((t.kind, t.stream), {"kind": t.kind, "stream": t.stream, "n": 0, "pred_s": 0.0,
-                                                      "meas_s": 0.0})
-            r["pred_s"] += c.weight * float(span[tid])
-            r["meas_s"] += c.weight * float(c.med.at[tid, "span_s"])
-    n = {}
-    for t in program.tasks.values():
-        n[(t.kind, t.stream)] = n.get((t.kind, t.stream), 0) + 1
-    for k, r in rows.items():
-        r["n"] = n[k]
-    return pd.DataFrame(list(rows.values())).sort_values(["kind", "stream"]).reset_index(drop=True)
-
-
-def _overheads(program: Program, classes: list[_Class]) -> dict[str, float]:
-    """Per stream the mean over its tasks (the norm's left out) of their gap before the start; the norm's
-    ready-to-done time as its kind's (each kind of step weighed by its share)."""
-    out: dict[str, float] = {}
-    streams: dict[str, list[str]] = {}
-    for tid, t in program.tasks.items():
-        if t.kind != "N":  # the norm has its own entry: its gap would skew its stream's
-            streams.setdefault(t.stream, []).append(tid)
-    for c in classes:
-        for s, tids in streams.items():
-            out[s] = out.get(s, 0.0) + c.weight * float(c.med.loc[tids, "gap_s"].mean())
-        norm = [t for t, task in program.tasks.items() if task.kind == "N"]
-        if norm:
-            out["N"] = out.get("N", 0.0) + c.weight * float(c.med.loc[norm, "span_s"].median())
-    return out
-
-
-def _tables(program: Program, profile: HardwareProfile, classes: list[_Class]) -> tuple[ComputeTable, ...]:
-    """Compute tables of this model at the run's token counts: per task kind, unit class and tokens, the mean over
-    its tasks of their median measured duration, so that the tables' sum is the measured one (they replace the
-    profile's tables for the same key and seq; the layer's are of the compiled layer when the Program compiles)."""
-    sig, dtype = model_signature(program.model), program.placement.compute_dtype
-    compiled = program.placement.layer_kernel == "compiled"
-    tasks: dict[tuple[str, str], dict[int, list[str]]] = {}
-    for tid, t in program.tasks.items():
-        if t.stream != "compute" or t.kind not in COMPUTE_KINDS or t.tokens <= 0:
-            continue
-        tasks.setdefault((t.kind, unit_class(t.unit)), {}).setdefault(t.tokens, []).append(tid)
-    new = []
-    for (kind, uclass), by_tokens in sorted(tasks.items()):
-        toks = sorted(by_tokens)
-        durs = tuple(max(0.0, sum(c.weight * float(c.med.loc[by_tokens[n], "dur_s"].mean()) for c in classes))
-                     for n in toks)
-        new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks), durs, dtype,
-                                compiled and uclass == "layer"))
-    replaced = {(t.key, t.seq) for t in new}
-    return tuple(t for t in profile.compute_tables if (t.key, t.seq) not in replaced) + tuple(new)
-
-
-def _flow_groups(program: Program) -> dict[str, list[str]]:
-    """The tasks whose time each fitted rate sets: host updates (U and V on the cpu stream: a unit's update runs
-    in its U, or in its V when speculative clipping deferred it), device updates (U on the compute stream), the
-    device's clip redo (V there: undo and update again), each copy direction's curve."""
-    groups: dict[str, list[str]] = {}
-    for tid, t in program.tasks.items():
-        if t.kind in ("U", "V") and t.stream == "cpu":
-            groups.setdefault("cpu_update", []).append(tid)
-        elif t.kind == "U":
-            groups.setdefault("gpu_update", []).append(tid)
-        elif t.kind == "V":
-            groups.setdefault("gpu_redo", []).append(tid)
-        elif t.stream in COPY_STREAMS and t.bytes > 0:
-            groups.setdefault(TaskKind(t.kind).copy, []).append(tid)
-    return groups
-
-
-def _seeded(p: HardwareProfile, program: Program, classes: list[_Class]) -> HardwareProfile:
-    """Finite starting rates where the profile has none (inf = free) but the run measured time: the fixed point
-    can only scale a rate that costs something."""
-    groups, changes = _flow_groups(program), {}
-
-    def work(tasks):  # measured seconds beyond the launch overhead, per step
-        over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-        return sum(c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over) for c in classes)
-
-    if "gpu_update" in groups and math.isinf(p.gpu_adam_params_per_s) and work(groups["gpu_update"]) > 0:
-        changes["gpu_adam_params_per_s"] = (sum(program.tasks[t].params for t in groups["gpu_update"])
-                                            / work(groups["gpu_update"]))
-    for d in ("h2d", "d2h"):
-        c = getattr(p, d)
-        if d in groups and not all(math.isfinite(b) for b in c.Bps) and work(groups[d]) > 0:
-            rate = sum(program.tasks[t].bytes for t in groups[d]) / work(groups[d])
-            changes[d] = CopyCurve.constant(rate, c.latency_s)
-    return replace(p, **changes)
-
-
-def _scaled(p: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
-    """`p` with each fitted flow's rate divided by its factor (> 1: slower)."""
-    changes = {}
-    if "cpu_update" in factors:
-        f = factors["cpu_update"]
-        changes["cpu_adam_params_per_s"] = {k: v / f for k, v in p.cpu_adam_params_per_s.items()}
-        if math.isfinite(p.cpu_convert_params_per_s):
-            changes["cpu_convert_params_per_s"] = p.cpu_convert_params_per_s / f
-        if f < 1.0 and p.host_memory_Bps is not None and math.isfinite(p.host_memory_Bps):
-            # Faster than simulated: an update that shares host memory with copies runs at what the budget leaves
-            # it (sim/hostmem.py, max-min), not at its ceiling, so a faster ceiling alone cannot make it faster;
-            # the budget grows with it (measured on one H100: lean and arrival-resident, whose fp32 weight copies
-            # draw twice the bytes, stayed +11-24% slow in sample with the ceiling alone)
-            changes["host_memory_Bps"] = p.host_memory_Bps / f
-    if "gpu_update" in factors and math.isfinite(p.gpu_adam_params_per_s):
-        changes["gpu_adam_params_per_s"] = p.gpu_adam_params_per_s / factors["gpu_update"]
-    if "gpu_redo" in factors:  # in updates of the (just fitted) GPU rate
-        changes["clip_redo_updates"] = p.clip_redo_updates * factors["gpu_redo"] / factors.get("gpu_update", 1.0)
-    for d in ("h2d", "d2h"):
-        if d in factors:
-            c = getattr(p, d)
-            if all(math.isfinite(b) for b in c.Bps):
-                changes[d] = CopyCurve(c.sizes_bytes, tuple(b / factors[d] for b in c.Bps), c.latency_s)
-    return replace(p, **changes)
 
 
 WARMUP_STEPS = 2  # the first step allocates and selects kernels (and with `overlap` its updates are no-ops)
@@ -390,28 +155,3 @@ def calibrate_training_run(run_dir: Path, program: Program, predicted: SimResult
     log(f"calibrated profile: {path} (a resume of this run starts from it; elsewhere --set run.profile={path} or "
         f"`megatrain simulate --profile {path}`)")
     return cal
-
-
-def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, tol: float = 1e-4,
-                    facts: StepFacts = StepFacts()) -> HardwareProfile:
-    """`profile` with its CPU update rate scaled so that `program` simulates in `step_s`: a one-number fit for runs
-    that kept only their step times (no timelines to `calibrate_run` on). The CPU update is the rate the H200 runs'
-    calibrations found off (docs/benchmarks.md, run 18), and the only one scaled; raises ValueError when no rate
-    between 1/20 and 20 times the profile's reaches `step_s` (then something else is off). `facts`: the run's share of
-    clipping steps (a speculative Program's clipping steps defer or redo their updates)."""
-    def step_at(k: float) -> float:
-        rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
-        return simulate(program, replace(profile, cpu_adam_params_per_s=rates), facts).mean_step_s
-
-    lo, hi = 0.05, 20.0  # slower update -> longer step: step_at falls as k rises
-    if not step_at(hi) <= step_s <= step_at(lo):
-        raise ValueError(f"no CPU update rate within 1/20-20x of the profile's simulates {step_s:.3f} s "
-                         f"(from {step_at(hi):.3f} to {step_at(lo):.3f} s): the difference is not the update")
-    while hi / lo > 1 + tol:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if step_at(mid) > step_s else (lo, mid)
-    k = math.sqrt(lo * hi)
-    rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
-    return replace(profile, cpu_adam_params_per_s=rates, name=f"{profile.name}-update-fitted",
-                   notes=dict(profile.notes, cpu_adam_params_per_s=f"scaled x{k:.3f} so that a measured step of "
-                              f"{step_s:.4f} s simulates (profiling/live.fit_update_rate)"))
