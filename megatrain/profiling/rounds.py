@@ -47,6 +47,7 @@ from megatrain.exec.optim import AdamWConfig
 from megatrain.ir.facts import StepFacts
 from megatrain.ir.program import Program
 from megatrain.model.spec import ModelSpec
+from megatrain.profiling.compare import step_time_s
 from megatrain.sim import HardwareProfile, load_profile, simulate
 
 
@@ -89,6 +90,9 @@ class MeasuredRow:
                "program_hash": record.program_hash, "median_step_s": round(self.median_step_s, 5),
                "min_step_s": round(min(self.step_s), 5), "max_step_s": round(max(self.step_s), 5),
                "steps": len(self.step_s), "tokens_per_s": round(self.tokens_per_s, 1),
+               # the timelines' first start to last end (what the simulator predicts), beside the wall clock
+               "median_span_s": round(statistics.median(step_time_s(t) for t in self.timelines), 5)
+               if self.timelines else None,
                "gpu_idle_pct": round(100 * summary.gpu_idle_frac, 2), "clip_share": self.clip_share,
                "switch_s": round(self.switch_s, 2), "peak_gpu_GiB": round(self.peak_gpu_bytes / 2**30, 3),
                "loss_last": round(self.losses[-1], 4)}
