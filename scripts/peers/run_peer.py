@@ -134,30 +134,32 @@ def setup_torch(cfg: dict, model, device: str, clip: float):
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
         opt = torch.optim.AdamW(model.parameters(), **adamw)  # on the host: the parameters live there
-
-        def step(x, y):
-            loss = model(input_ids=x, labels=y, shift_labels=y).loss
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = _torch_step(model, opt, clip)
     else:  # all on the GPU
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
-        dtype = getattr(torch, t["autocast"])
-
-        def step(x, y):
-            with torch.autocast(device, dtype=dtype):
-                loss = model(input_ids=x, labels=y, shift_labels=y).loss
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = _torch_step(model, opt, clip, torch.autocast(device, dtype=getattr(torch, t["autocast"])))
     return step, params, note
+
+
+def _torch_step(model, opt, clip: float, autocast=None):
+    """One training step of a plain torch peer: forward (under `autocast` when given), backward, clipping the way
+    torch does it (`clip_grad_norm_`, when clip > 0), AdamW, gradients freed."""
+    import contextlib
+
+    import torch  # imported where used, as in the rest of this script: the dry run's config check needs no torch
+
+    def step(x, y):
+        with autocast if autocast is not None else contextlib.nullcontext():
+            loss = model(input_ids=x, labels=y, shift_labels=y).loss
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
