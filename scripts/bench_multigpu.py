@@ -9,7 +9,8 @@ command fits in 10 minutes; results go to $OUT (or ./bench_multigpu) as JSON and
     python scripts/bench_multigpu.py throughput --model bench-3b --gpus 1 --runs 3
     python scripts/bench_multigpu.py throughput --model bench-3b --gpus 2 --runs 3
     python scripts/bench_multigpu.py table
-    # fp32 equality: 20 steps, 2 GPUs vs 1 GPU with 2 micro-batches of the same global batch
+    # fp32 equality: 20 steps, 2 GPUs vs 1 GPU with 2 micro-batches of the same global batch, within twice the
+    # difference of the same regrouping in one process (1 micro-batch vs 2: measured, equality()'s docstring)
     python scripts/bench_multigpu.py equality
     # bf16 loss curves: 300 steps on the bundled corpus, 2 GPUs vs 1 GPU with 2 micro-batches
     python scripts/bench_multigpu.py curve
@@ -266,23 +267,47 @@ def _predicted_from_one_gpu(a, result: dict, one_gpu: list[dict]) -> float:
 
 
 def equality(a) -> None:
-    """fp32, 20 steps: parameters of 2 GPUs vs 1 GPU with 2 micro-batches, relative to how far they moved."""
+    """fp32, --eq-steps steps (20): parameters of 2 GPUs against 1 GPU with 2 micro-batches, relative to how far they
+    moved, with the bound of the same check made in one process.
+
+    2 ranks and 1 process with 2 micro-batches compute the same fp32 sums in another order and grouping: each rank
+    sums its rows' gradients, then the reduce-scatter adds the two halves; the one process accumulates its two
+    micro-batches into one landing tile. Neither is "the" exact value. The bound is therefore measured, not chosen:
+    the same regrouping inside one process, 1 micro-batch of the whole batch against 2 micro-batches of its halves
+    (`reference`), on the same device and steps. The 2-GPU check passes when its difference is within
+    EQUALITY_FACTOR x that reference: of the same order as a regrouping the one-process path already shows (the
+    factor 2 allows for the 2-GPU run regrouping both the rows and the sum; a real bug, a missing or doubled
+    gradient, moves the parameters by a visible share of the distance moved, orders of magnitude above)."""
     fp32 = ["--set", "compute_dtype=fp32", "--set", "weight_wire=fp32", "--set", "clip=1.0"]
-    common = ["--model", a.model, "--layers", str(a.layers), "--batch", str(a.batch), "--seq", str(a.seq),
-              "--schedule", "overlap", "--steps", "20", "--warmup", "0", "--save-tiles", "--profile", "", *fp32]
-    launch(2, [*common, "--result", str(OUT / "eq-dp2.json")], a.timeout)
+    common = ["--model", a.model, "--layers", str(a.layers), "--seq", str(a.seq), "--schedule", "overlap",
+              "--steps", str(a.eq_steps), "--warmup", "0", "--save-tiles", "--profile", "", *fp32]
+    launch(2, [*common, "--batch", str(a.batch), "--result", str(OUT / "eq-dp2.json")], a.timeout)
     launch(1, [*common, "--batch", str(2 * a.batch), "--set", "micro_batches=2", "--result",
                str(OUT / "eq-one.json")], a.timeout)
-    launch(1, [*common, "--steps", "0", "--result", str(OUT / "eq-init.json")], a.timeout)
-    dp, one, init = (torch.load(OUT / f"eq-{k}.tiles.pt") for k in ("dp2", "one", "init"))
-    diff = sum((dp[u].double() - one[u].double()).square().sum() for u in one) ** 0.5
-    moved = sum((one[u].double() - init[u].double()).square().sum() for u in one) ** 0.5
+    launch(1, [*common, "--batch", str(2 * a.batch), "--result", str(OUT / "eq-whole.json")], a.timeout)
+    launch(1, [*common, "--batch", str(2 * a.batch), "--steps", "0", "--result", str(OUT / "eq-init.json")],
+           a.timeout)
+    dp, one, whole, init = (torch.load(OUT / f"eq-{k}.tiles.pt") for k in ("dp2", "one", "whole", "init"))
+
+    def dist_(x, y):
+        return float(sum((x[u].double() - y[u].double()).square().sum() for u in y) ** 0.5)
+
+    moved = dist_(one, init)
+    rel, reference = dist_(dp, one) / moved, dist_(whole, one) / moved
     la = json.loads((OUT / "eq-dp2.json").read_text())["losses"]
     lb = json.loads((OUT / "eq-one.json").read_text())["losses"]
     loss_err = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
-    rel = float(diff / moved)
-    print(f"fp32 equality, 20 steps: ||p_2gpu - p_1gpu|| / ||p_1gpu - p_0|| = {rel:.2e} (pass <= 1e-5: "
-          f"{'PASS' if rel <= 1e-5 else 'FAIL'}); max loss rel diff {loss_err:.2e}")
+    bound = EQUALITY_FACTOR * reference
+    verdict = "PASS" if rel <= bound else "FAIL"
+    print(f"fp32 equality, {a.eq_steps} steps: ||p_2gpu - p_1gpu,2mb|| / ||p_1gpu - p_0|| = {rel:.2e}; the same "
+          f"regrouping in one process, ||p_1gpu,1mb - p_1gpu,2mb|| / ||p_1gpu - p_0|| = {reference:.2e}; bound "
+          f"{EQUALITY_FACTOR:g} x that = {bound:.2e}: {verdict}; max loss rel diff {loss_err:.2e}")
+    (OUT / "equality.json").write_text(json.dumps({"steps": a.eq_steps, "rel_2gpu": rel, "rel_one_process": reference,
+                                                   "bound": bound, "pass": rel <= bound,
+                                                   "max_loss_rel_diff": loss_err}, indent=1) + "\n")
+
+
+EQUALITY_FACTOR = 2.0  # equality(): the 2-GPU regrouping against the one-process one (its docstring says why)
 
 
 def curve(a) -> None:
@@ -316,6 +341,7 @@ def main() -> None:
     p.add_argument("--schedule", default="arrival")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--eq-steps", type=int, default=20, help="equality: fp32 steps of each run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
