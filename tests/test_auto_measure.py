@@ -165,3 +165,34 @@ def test_a_short_run_measures_what_its_steps_allow(tmp_path, capsys):
     assert main([*_train(tmp_path), "--schedule", "auto", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "auto: 4 steps measure 1 candidate(s), not 3" in out and "auto: measured 1 candidate(s)" in out
+
+
+def test_a_candidate_whose_switch_runs_out_of_gpu_memory_is_skipped_and_the_run_goes_on(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The second candidate's buffers do not fit (torch's out-of-memory error at its switch, made here on purpose):
+    the Program that ran before takes its buffers back, the candidate is listed as not measured with the reason,
+    another is measured in its place, and the run's 12 losses are those of a plain run (nothing is lost)."""
+    import torch
+
+    real = StreamedTrainer.use_program
+    seen = []
+
+    def use_program(self, program):
+        seen.append(program.name)
+        if len(set(seen)) == 2 and seen.count(program.name) == 1:  # the second candidate's first switch
+            self._work = self._runtime = None  # as a real failure leaves it: the old buffers already dropped
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.32 GiB (made by the test)")
+        return real(self, program)
+
+    monkeypatch.setattr(StreamedTrainer, "use_program", use_program)
+    assert main([*_train(tmp_path), "--schedule", "auto", "--steps", "12", "--name", "auto"]) == 0
+    out = capsys.readouterr().out
+    failed = sorted(set(seen), key=seen.index)[1]
+    assert f"auto: {failed} could not start (out of GPU memory at its switch: CUDA out of memory." in out
+    assert f"  {failed}: predicted" in out and "not measured: out of GPU memory at its switch" in out
+    table = [line for line in out.splitlines() if line.startswith("  ") and " ms/step (error " in line]
+    assert len(table) == 3 and failed not in "".join(table)  # three others measured
+    monkeypatch.setattr(StreamedTrainer, "use_program", real)
+    assert main([*_train(tmp_path), "--steps", "12", "--name", "plain"]) == 0
+    auto, plain = _losses(tmp_path / "runs" / "auto"), _losses(tmp_path / "runs" / "plain")
+    assert len(auto) == 12 and auto == pytest.approx(plain, rel=1e-6, abs=1e-7)

@@ -91,6 +91,8 @@ class AutoChoice:
     limit: int = 0  # candidates to measure (K, or fewer when the run is short)
     steps_on_running: int = 0
     pending: Candidate | None = None
+    previous: Candidate | None = None  # the one that ran before `running` (its Program is restored when a switch fails)
+    unstarted: dict[str, str] = field(default_factory=dict)  # label -> why its switch failed (never measured)
     chosen: Candidate | None = None
     done: bool = False
 
@@ -146,7 +148,19 @@ class AutoChoice:
         self._finish(facts)
 
     def _run(self, candidate: Candidate) -> None:
+        self.previous = self.running
         self.pending, self.running, self.steps_on_running = candidate, candidate, 0
+
+    def could_not_start(self, candidate: Candidate, why: str) -> None:
+        """`candidate`'s switch failed (out of GPU memory: its buffers did not fit beside what the process holds;
+        the caller has put the previous Program back): it leaves the pool, is never measured or chosen, and the
+        previous candidate runs on; the next is picked after its next step, as after any measured step."""
+        self.unstarted[candidate.label] = why
+        self.pool = [c for c in self.pool if c.label != candidate.label]
+        self.limit = min(self.limit, len(self.pool))
+        # its restored Program starts over: one untimed step (new buffers), then timed ones again
+        self.running, self.pending, self.steps_on_running = self.previous, None, 0
+        self.log(f"auto: {candidate.label} could not start ({why}); not measured, {self.running.label} runs on")
 
     def measured_s(self, label: str) -> float:
         """The measured step time of a candidate: the median of its timed steps."""
@@ -167,8 +181,9 @@ class AutoChoice:
                      f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked[:self.measure]:
             if c.label not in by_label:
-                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: another host layout "
-                         "than the running store's (a second host store may not fit)")
+                why = self.unstarted.get(c.label, "another host layout than the running store's (a second host "
+                                                  "store may not fit)")
+                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: {why}")
         if self.chosen.label != self.running.label:
             self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
         else:
@@ -268,10 +283,24 @@ def measure_candidates(auto: AutoChoice, trainer, step: Callable[[], StepResult]
     while True:
         cand = auto.before_step()
         if cand is not None and cand.knobs != trainer.knobs:
-            switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label)
+            program = trainer.program(auto.batch, auto.seq)
+            try:
+                switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label)
+            except torch.cuda.OutOfMemoryError as e:
+                auto.could_not_start(cand, _restore(trainer, program, e))
         if auto.done:
             return auto.chosen or auto.running
         auto.after_step(step())
+
+
+def _restore(trainer, program, error: Exception) -> str:
+    """After a switch that ran out of GPU memory: the Program that ran before takes its buffers back (the failed
+    one's are freed first); returns the one-line reason."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    trainer.use_program(program)
+    return "out of GPU memory at its switch: " + str(error).splitlines()[0][:160]
 
 
 def auto_before_step(run) -> bool | None:
@@ -285,6 +314,12 @@ def auto_before_step(run) -> bool | None:
     if cand.knobs == run.trainer.knobs:  # the fastest measured is the one running
         run.switch_schedule(cand.knobs, run.program, cand.result, None)
         return False
-    program, applied = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label)
+    applied = run.trainer.flush()  # here, so that a switch that fails below loses no applied update's bookkeeping
+    try:
+        program, _ = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label)
+    except torch.cuda.OutOfMemoryError as e:
+        run.auto.could_not_start(cand, _restore(run.trainer, run.program, e))
+        run.switch_schedule(run.trainer.knobs, run.program, run.predicted, applied)
+        return False
     run.switch_schedule(cand.knobs, program, cand.result, applied)
     return True
