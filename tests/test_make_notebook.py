@@ -3,6 +3,7 @@ JupyterLab: `make demo` and `make test` (CI) install the `test` extra alone, and
 nbclient (tests/notebook_runner.py). Checked with `make -n` (prints the recipes, runs nothing): no install here."""
 from __future__ import annotations
 
+import os
 import subprocess
 import tomllib
 from pathlib import Path
@@ -11,7 +12,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _dry_run(*args: str) -> list[str]:
-    proc = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, check=True)
+    # Under `make test` (CI) this make is a sub-make: without the parent's MAKELEVEL / MAKEFLAGS and with
+    # --no-print-directory it prints the recipe lines only, as it does from a shell
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=REPO, capture_output=True, text=True,
+                          check=True, env=env)
     return proc.stdout.splitlines()
 
 

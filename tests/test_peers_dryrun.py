@@ -4,6 +4,7 @@ peers after 2 real steps of the debug model on the CPU, the DeepSpeed peers with
 launch command); scripts/bench.py builds the same commands."""
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,10 @@ def test_the_run_config_carries_megatrains_adamw_batch_and_clip(peerconf):
 @pytest.fixture
 def one_process_env(monkeypatch):
     """FSDP2's one-process group reads these; set here so that nothing leaks into later tests."""
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+    with socket.socket() as s:  # a port free now: a fixed one collides with anything else on the machine
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
         monkeypatch.setenv(k, v)
 
