@@ -28,10 +28,15 @@ CURVE_RUN_NAME = "peer-curve-reference"  # the megatrain run directory name mega
 def data_config(batch: int, seq: int, path: str = ""):
     """The megatrain `DataConfig` of a curve run: `path` ("" = the bundled corpus), megatrain's defaults for the rest
     (held-out fraction, shuffle, data seed), so that the peer and `megatrain train` open the same stream."""
+    from megatrain.data.errors import DataError
     from megatrain.train.config import DataConfig  # the one definition of the data defaults; needs PYTHONPATH=.
+    from megatrain.train.config_values import ConfigError
 
     cfg = DataConfig(path=path, seq_len=seq, batch_size=batch)
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as e:  # one kind of error for the runner to report: the data cannot be used
+        raise DataError(str(e)) from None
     return cfg
 
 

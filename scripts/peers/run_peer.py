@@ -368,7 +368,11 @@ def main(argv=None) -> int:
     from megatrain.model.presets import get_model
 
     if a.megatrain_toml:  # the exact-AdamW reference of this run: a file, no training here
-        ref = peercurve.megatrain_config(a, peerconf.adamw_params(a.lr), a.megatrain_schedule)
+        try:
+            ref = peercurve.megatrain_config(a, peerconf.adamw_params(a.lr), a.megatrain_schedule)
+        except (DataError, ValueError) as e:  # megatrain's ConfigError is a ValueError: one line, what to change
+            print(f"run_peer: {e}", file=sys.stderr)
+            return 2
         os.makedirs(os.path.dirname(os.path.abspath(a.megatrain_toml)), exist_ok=True)
         with open(a.megatrain_toml, "w") as f:
             f.write(f"# the exact-AdamW reference of: {command}\n# megatrain train --config {a.megatrain_toml}\n")
