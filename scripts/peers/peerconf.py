@@ -99,19 +99,23 @@ def check(cfg: dict, where: str = "config") -> None:
             raise PeerConfigError(f"{where}: torch key(s) {', '.join(unknown)} are not among {sorted(TORCH_KEYS)}")
 
 
-def adamw_params() -> dict:
-    """megatrain's AdamW hyper-parameters as scripts/bench_megatrain.py sets them (AdamWConfig(lr=1e-5))."""
+DEFAULT_LR = 1e-5  # scripts/bench_megatrain.py's
+
+
+def adamw_params(lr: float = DEFAULT_LR) -> dict:
+    """megatrain's AdamW hyper-parameters as scripts/bench_megatrain.py sets them (AdamWConfig(lr=1e-5)); `lr` for
+    the loss-curve runs, which need a learning rate that moves the loss in 200 steps."""
     from megatrain.exec.optim import AdamWConfig  # the one definition of the defaults; needs PYTHONPATH=.
 
-    o = AdamWConfig(lr=1e-5)
+    o = AdamWConfig(lr=lr)
     return {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
 
 
-def deepspeed_config(cfg: dict, batch: int, clip: float) -> dict:
-    """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW."""
+def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:
+    """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW (at `lr`)."""
     ds = copy.deepcopy(cfg["deepspeed"])
     ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, gradient_clipping=float(clip),
-              optimizer={"type": "AdamW", "params": adamw_params()})
+              optimizer={"type": "AdamW", "params": adamw_params(lr)})
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds

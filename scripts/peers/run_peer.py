@@ -3,6 +3,9 @@ scripts/bench_megatrain.py, printing the same `RESULT {json}` line.
 
     PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --model bench-3b --batch 8 --seq 2048 --steps 4 --clip 1.0
     PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --dry-run      # CPU, no GPU, no DeepSpeed needed
+    # a loss curve on real text (peercurve.py), and the megatrain config of the same run (the exact reference)
+    PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --corpus --init megatrain --lr 3e-4 --losses L.json ...
+    PYTHONPATH=. python3 scripts/peers/run_peer.py PEER --corpus ... --megatrain-toml ref.toml   # writes, exits
 
 Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/peers.md says why each):
     all-on-gpu        the HF model, fp32 weights and AdamW state all on the GPU, bf16 autocast, fused AdamW
@@ -19,8 +22,11 @@ What is the same as megatrain's benchmark (scripts/bench_megatrain.py):
     (`spec.to_hf_config()`: a preset name or an HF config directory), random init from `--seed`, sdpa attention;
   * data: 4 batches of random ids from torch.Generator().manual_seed(0), (batch, seq + 1) each; step i trains on
     batch i % 4 with inputs [:, :-1] and targets [:, 1:], the loss the mean cross-entropy over all batch x seq
-    targets (HF's loss with shift_labels: no second shift);
-  * AdamW: megatrain's AdamWConfig defaults with lr 1e-5 (peerconf.adamw_params), no schedule;
+    targets (HF's loss with shift_labels: no second shift). `--corpus` (or `--data FILE`): megatrain's own data
+    pipeline instead, one batch per step in megatrain's order (peercurve.py);
+  * init: HF's random init from `--seed`, or `--init megatrain`: megatrain's init of the same seed (peercurve.py);
+  * AdamW: megatrain's AdamWConfig defaults with lr 1e-5 (`--lr`; peerconf.adamw_params), no schedule; weight
+    decay on the matrices only, as megatrain's update (peercurve.decay_groups);
   * clipping: global-norm clipping at `--clip` (0 = none) the peer's own way: DeepSpeed's gradient_clipping,
     torch.nn.utils.clip_grad_norm_ for the torch peers;
   * timing: `--warmup` untimed steps, then `--steps` timed steps, each closed by torch.cuda.synchronize(); the median
@@ -38,7 +44,8 @@ import statistics
 import sys
 import time
 
-import peerconf  # the sibling module: python puts this script's folder first on sys.path
+import peercurve  # the sibling modules: python puts this script's folder first on sys.path
+import peerconf
 
 DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS = "debug", 2, 16, 2
 
@@ -53,6 +60,24 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 = no clipping")
     ap.add_argument("--seed", type=int, default=0, help="the model's random init")
+    ap.add_argument("--lr", type=float, default=peerconf.DEFAULT_LR, help="AdamW's learning rate (constant)")
+    ap.add_argument("--corpus", action="store_true",
+                    help="train on megatrain's bundled corpus through megatrain's data pipeline (same batches, same "
+                         "order as `megatrain train`) instead of 4 batches of random ids")
+    ap.add_argument("--data", default="", metavar="FILE",
+                    help="with --corpus: this text/.bin/.jsonl file instead of the bundled corpus (megatrain's "
+                         "data.path)")
+    ap.add_argument("--init", choices=("hf", "megatrain"), default="hf",
+                    help="the model's first weights: HF's random init from --seed, or megatrain's (the weights "
+                         "`megatrain train` starts from with model.seed = --seed)")
+    ap.add_argument("--losses", metavar="FILE", help="write every step's loss (warm-up included) here, as JSON")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: run a torch peer on the CPU at the given shape (a check, not a measurement)")
+    ap.add_argument("--megatrain-toml", metavar="FILE",
+                    help="write the `megatrain train` config of this same run (the exact-AdamW reference: its "
+                         "metrics.jsonl has every step's loss) and exit")
+    ap.add_argument("--megatrain-schedule", default="", metavar="NAME",
+                    help="with --megatrain-toml: megatrain's schedule (default: megatrain's default schedule)")
     ap.add_argument("--config", help="a config file instead of configs/PEER.json")
     ap.add_argument("--python", default="python3", help="the interpreter named in the printed command")
     ap.add_argument("--dry-run", action="store_true",
@@ -62,8 +87,13 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.peer not in peerconf.peer_names() and not a.config:
         ap.error(f"unknown peer {a.peer!r}: peers are {', '.join(peerconf.peer_names())}")
-    if a.batch < 1 or a.seq < 1 or a.steps < 1 or a.warmup < 0 or a.clip < 0:
-        ap.error("--batch, --seq and --steps must be at least 1, --warmup and --clip at least 0")
+    if a.batch < 1 or a.seq < 1 or a.steps < 1 or a.warmup < 0 or a.clip < 0 or a.lr <= 0:
+        ap.error("--batch, --seq and --steps must be at least 1, --warmup and --clip at least 0, --lr above 0")
+    if a.data and not a.corpus:
+        ap.error("--data FILE is the text of --corpus: add --corpus")
+    if a.megatrain_toml and not a.corpus:
+        ap.error("--megatrain-toml writes the reference of a curve run: add --corpus (random ids are not megatrain "
+                 "train's data)")
     return a
 
 
@@ -107,15 +137,15 @@ def split(ids, device):
 
 
 # ---- the peers ---------------------------------------------------------------------------------------------------
-def setup_torch(cfg: dict, model, device: str, clip: float):
+def setup_torch(cfg: dict, model, device: str, clip: float, lr: float = peerconf.DEFAULT_LR):
     """all-on-gpu and fsdp2-cpuoffload: (step(x, y) -> loss, number of parameters, note)."""
     import torch
 
     t = cfg["torch"]
     params = sum(p.numel() for p in model.parameters())
-    hp = peerconf.adamw_params()
-    adamw = dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"], weight_decay=hp["weight_decay"],
-                 fused=t["optimizer"]["fused"])
+    hp = peerconf.adamw_params(lr)
+    adamw = dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"], fused=t["optimizer"]["fused"])
+    wd = hp["weight_decay"]  # on the matrices only (peercurve.decay_groups), as megatrain's update
     note = ""
     if "offload" in t:  # FSDP2 with CPUOffloadPolicy
         import torch.distributed as dist
@@ -133,11 +163,11 @@ def setup_torch(cfg: dict, model, device: str, clip: float):
         for layer in model.model.layers:  # one unit per decoder layer: its copies overlap the previous layer
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)  # on the host: the parameters live there
+        opt = torch.optim.AdamW(peercurve.decay_groups(model, wd), **adamw)  # on the host, with the parameters
         step = _torch_step(model, opt, clip)
     else:  # all on the GPU
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        opt = torch.optim.AdamW(peercurve.decay_groups(model, wd), **adamw)
         step = _torch_step(model, opt, clip, torch.autocast(device, dtype=getattr(torch, t["autocast"])))
     return step, params, note
 
@@ -168,6 +198,7 @@ def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
 
     _env_one_process()
     deepspeed.init_distributed()
+    note = ""
     if ds_cfg["zero_optimization"]["stage"] == 3:  # built partitioned, as ZeRO-3 wants, never whole on one device
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
             model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
@@ -175,14 +206,17 @@ def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
     else:
         model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
         params = sum(p.numel() for p in model.parameters())
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters())
+        if a.init == "megatrain":  # refused for ZeRO-3 in main(): its parameters are partitioned here
+            note = peercurve.megatrain_init(model, spec, a.seed)
+    groups = peercurve.decay_groups(model, ds_cfg["optimizer"]["params"]["weight_decay"])
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=groups)
 
     def step(x, y):
         loss = engine(input_ids=x, labels=y, shift_labels=y).loss
         engine.backward(loss)
         engine.step()
         return loss
-    return step, params, ""
+    return step, params, note
 
 
 def _env_one_process():
@@ -209,8 +243,9 @@ def host_memory() -> tuple[float, float | None]:
     return float(rss), (None if pss is None else float(pss))
 
 
-def measure(step, data, device: str, warmup: int, steps: int):
-    """Run warm-up and timed steps; (step times in s, losses of every step)."""
+def measure(step, next_batch, device: str, warmup: int, steps: int, digests: list | None = None):
+    """Run warm-up and timed steps, step i on `next_batch(i)` -> (inputs, targets) on the host; (step times in s,
+    losses of every step). `digests`: appended the SHA-1 of every step's inputs (the data-order check)."""
     import torch
 
     cuda = device == "cuda"
@@ -219,7 +254,10 @@ def measure(step, data, device: str, warmup: int, steps: int):
         if i == warmup and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        x, y = split(data[i % 4], device)
+        x, y = next_batch(i)
+        if digests is not None:
+            digests.append(peercurve.batch_sha1(x))
+        x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         loss = step(x, y)
         if cuda:
@@ -258,6 +296,41 @@ def result(a, cfg, spec, params: int, times, losses, device: str, **extra) -> di
     return out
 
 
+def batch_source(a, spec):
+    """(next_batch(i) -> (inputs, targets) on the host, a description): random ids or megatrain's corpus loader."""
+    if not a.corpus:
+        data = batches(spec.vocab_size, a.batch, a.seq)
+        return (lambda i: split(data[i % 4], "cpu")), "4 batches of random ids (generator seed 0)"
+    loaded = peercurve.open_corpus(spec, a.batch, a.seq, a.data)
+
+    def next_batch(i):  # one batch per step, in megatrain's order: the loader's cursor advances
+        b = loaded.train.next_batch()
+        return b.inputs, b.targets
+    return next_batch, loaded.describe().replace("\n", "; ")
+
+
+def run_steps(a, cfg, ds_cfg, spec, device: str, **extra) -> dict:
+    """Build the peer on `device`, run --warmup + --steps steps, write --losses; the RESULT dict."""
+    next_batch, data_note = batch_source(a, spec)  # before the model: a data error costs no model build
+    t0 = time.perf_counter()
+    if ds_cfg:
+        step, params, note = setup_deepspeed(cfg, ds_cfg, spec, a)
+    else:
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        init_note = peercurve.megatrain_init(model, spec, a.seed) if a.init == "megatrain" else ""
+        step, params, note = setup_torch(cfg, model, device, a.clip, a.lr)
+        note = "; ".join(n for n in (init_note, note) if n)
+    init_s = time.perf_counter() - t0
+    print(f"{cfg['peer']}: {params / 1e9:.3f} B params, init {init_s:.0f} s; data {data_note}", file=sys.stderr,
+          flush=True)
+    digests: list[str] = []
+    times, losses = measure(step, next_batch, device, a.warmup, a.steps, digests)
+    if a.losses:
+        peercurve.write_losses(a.losses, losses, a.warmup, digests)
+    return result(a, cfg, spec, params, times, losses, device, init_s=round(init_s, 1), lr=a.lr, init=a.init,
+                  data=data_note, **({"note": note} if note else {}), **extra)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
@@ -270,7 +343,15 @@ def main(argv=None) -> int:
         print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
               f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
         return 2
-    ds_cfg = peerconf.deepspeed_config(cfg, a.batch, a.clip) if "deepspeed" in cfg else None
+    ds_cfg = peerconf.deepspeed_config(cfg, a.batch, a.clip, a.lr) if "deepspeed" in cfg else None
+    if ds_cfg and a.init == "megatrain" and ds_cfg["zero_optimization"]["stage"] == 3:
+        print("run_peer: --init megatrain loads whole tensors, which ZeRO-3 partitions as it builds the model: use it "
+              "with the torch peers or ZeRO-2 (zenflow)", file=sys.stderr)
+        return 2
+    if ds_cfg and a.device == "cpu" and not a.dry_run and not a.megatrain_toml:
+        print(f"run_peer: {a.peer} runs on DeepSpeed, which needs CUDA: --device cpu is for the torch peers",
+              file=sys.stderr)
+        return 2
     try:
         checked = peerconf.validate_with_deepspeed(ds_cfg) if ds_cfg else "torch peer: our schema"
     except peerconf.PeerConfigError as e:
@@ -278,53 +359,72 @@ def main(argv=None) -> int:
         return 2
     full = ["--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq), "--warmup", str(a.warmup),
             "--steps", str(a.steps), "--clip", f"{a.clip:g}"]
+    if a.corpus:  # the curve run's own settings, so that the printed command repeats it
+        full += ["--corpus", *(["--data", a.data] if a.data else []), "--init", a.init, "--lr", f"{a.lr:g}"]
+    elif a.lr != peerconf.DEFAULT_LR or a.init != "hf":
+        full += ["--lr", f"{a.lr:g}", "--init", a.init]
     command = peerconf.command_line(peerconf.launch_argv(cfg, full, a.python))
-    from megatrain.model.presets import get_model  # needs PYTHONPATH=. (the repository root), as bench_megatrain
+    from megatrain.data.errors import DataError  # needs PYTHONPATH=. (the repository root), as bench_megatrain
+    from megatrain.model.presets import get_model
 
+    if a.megatrain_toml:  # the exact-AdamW reference of this run: a file, no training here
+        try:
+            ref = peercurve.megatrain_config(a, peerconf.adamw_params(a.lr), a.megatrain_schedule)
+        except (DataError, ValueError) as e:  # megatrain's ConfigError is a ValueError: one line, what to change
+            print(f"run_peer: {e}", file=sys.stderr)
+            return 2
+        os.makedirs(os.path.dirname(os.path.abspath(a.megatrain_toml)), exist_ok=True)
+        with open(a.megatrain_toml, "w") as f:
+            f.write(f"# the exact-AdamW reference of: {command}\n# megatrain train --config {a.megatrain_toml}\n")
+            f.write(ref.to_toml())
+        print(f"wrote {a.megatrain_toml}: megatrain train --config {a.megatrain_toml} writes every step's loss "
+              f"to {ref.run.run_dir / 'metrics.jsonl'}")
+        return 0
     import torch
 
-    if a.dry_run:
-        print(f"config {os.path.relpath(cfg['_file'])}: {checked}")
-        print(f"settings: {peerconf.settings_summary(cfg, a.clip)}")
-        if ds_cfg:
-            print("deepspeed config: " + json.dumps(ds_cfg, sort_keys=True))
-        print(f"command: {command}")
-        a.model, a.batch, a.seq, a.steps, a.warmup = DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS, 0
-        spec = get_model(a.model)
-        data = batches(spec.vocab_size, a.batch, a.seq)
-        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
-        if ds_cfg:  # DeepSpeed needs CUDA (SuperOffload asserts it): the config and the model were checked
-            params = sum(p.numel() for p in model.parameters())
-            out = result(a, cfg, spec, params, [], [], "cpu", dry_run=True, steps_run=0, checked=checked,
-                         command=command, note="DeepSpeed peer: config and model built, no steps on the CPU")
-        else:
-            step, params, note = setup_torch(cfg, model, "cpu", a.clip)
-            times, losses = measure(step, data, "cpu", a.warmup, a.steps)
-            out = result(a, cfg, spec, params, times, losses, "cpu", dry_run=True, steps_run=len(times),
-                         checked=checked, command=command, **({"note": note} if note else {}))
+    try:
+        if a.dry_run:
+            print(f"config {os.path.relpath(cfg['_file'])}: {checked}")
+            print(f"settings: {peerconf.settings_summary(cfg, a.clip)}")
+            if ds_cfg:
+                print("deepspeed config: " + json.dumps(ds_cfg, sort_keys=True))
+            print(f"command: {command}")
+            a.model, a.batch, a.seq, a.steps, a.warmup = DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS, 0
+            spec = get_model(a.model)
+            if ds_cfg:  # DeepSpeed needs CUDA (SuperOffload asserts it): the config and the model are checked
+                batch_source(a, spec)
+                model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+                if a.init == "megatrain":
+                    peercurve.megatrain_init(model, spec, a.seed)
+                params = sum(p.numel() for p in model.parameters())
+                out = result(a, cfg, spec, params, [], [], "cpu", dry_run=True, steps_run=0, checked=checked,
+                             command=command, note="DeepSpeed peer: config and model built, no steps on the CPU")
+            else:
+                out = run_steps(a, cfg, None, spec, "cpu", dry_run=True, steps_run=a.steps, checked=checked,
+                                command=command)
+                _close_group()
+            print("RESULT " + json.dumps(out), flush=True)
+            return 0
+        if a.device == "cpu":
+            out = run_steps(a, cfg, None, get_model(a.model), "cpu", steps_run=a.steps, checked=checked,
+                            command=command, note_device="CPU check run: no speed claim")
             _close_group()
-        print("RESULT " + json.dumps(out), flush=True)
-        return 0
+            print("RESULT " + json.dumps(out), flush=True)
+            return 0
+    except DataError as e:
+        print(f"run_peer: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("run_peer: no CUDA device: a measured run needs the GPU machine (use --dry-run on the CPU)",
               file=sys.stderr)
         return 2
     torch.cuda.set_device(0)
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (the launcher's binding)
-    spec = get_model(a.model)
-    data = batches(spec.vocab_size, a.batch, a.seq)
-    t0 = time.perf_counter()
-    if ds_cfg:
-        step, params, note = setup_deepspeed(cfg, ds_cfg, spec, a)
-    else:
-        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
-        step, params, note = setup_torch(cfg, model, "cuda", a.clip)
-    init_s = time.perf_counter() - t0
-    print(f"{cfg['peer']}: {params / 1e9:.3f} B params, init {init_s:.0f} s; {command}", file=sys.stderr,
-          flush=True)
-    times, losses = measure(step, data, "cuda", a.warmup, a.steps)
-    out = result(a, cfg, spec, params, times, losses, "cuda", init_s=round(init_s, 1), checked=checked,
-                 command=command, **({"note": note} if note else {}))
+    try:
+        out = run_steps(a, cfg, ds_cfg, get_model(a.model), "cuda", checked=checked, command=command)
+    except DataError as e:
+        print(f"run_peer: {e}", file=sys.stderr)
+        return 2
     print("RESULT " + json.dumps(out), flush=True)
     _close_group()
     return 0
