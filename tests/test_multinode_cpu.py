@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from megatrain.parallel.world import World, rank_cores
 from megatrain.train.distributed import core_ranges, launch_line
