@@ -30,10 +30,10 @@ from megatrain.model.presets import PRESETS
 from megatrain.model.spec import EMBED, HEAD
 from megatrain.parallel.world import World
 from megatrain.train import outputs
-from megatrain.train.config import load_config
 from megatrain.train.errors import TrainingError
 from megatrain.train.loop import run_training
 from megatrain.train.metrics import read_metrics
+from runconfigs import small_run
 
 DEBUG = PRESETS["debug"]
 SPEC = DEBUG.with_layers(2)
@@ -170,11 +170,9 @@ def test_every_kind_of_damage_to_a_one_process_checkpoint_is_caught(tmp_path):
 
 # ---- read-only or full: nothing deleted, one line ---------------------------------------------------------------
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
-    return load_config(None, [
-        f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=6", "run.eval_every=0",
-        "run.checkpoint_every=2", "run.keep_last=2", "run.progress=false", "run.simulate=false",
-        "data.batch_size=2", "data.seq_len=32", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
-        "schedule.compute_dtype=fp32", *extra])
+    return small_run(
+        tmp_path, "run.steps=6", "run.checkpoint_every=2", "run.keep_last=2", "optimizer.warmup_steps=2",
+        "optimizer.lr=3e-3", *extra, name=name)
 
 
 def steps_of(run: Path) -> list[int]:

@@ -18,15 +18,13 @@ from megatrain.train import loop
 from megatrain.train.config import ConfigError, load_config
 from megatrain.train.loop import run_training
 from megatrain.train.rundir import RunLock, claim_run_dir
+from runconfigs import small_run
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
-    return load_config(None, [
-        f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=2", "run.eval_every=0",
-        "run.checkpoint_every=2", "run.progress=false", "run.simulate=false", "data.batch_size=2",
-        "data.seq_len=32", "optimizer.warmup_steps=1", "schedule.compute_dtype=fp32", *extra])
+    return small_run(tmp_path, "run.steps=2", "run.checkpoint_every=2", "optimizer.warmup_steps=1", *extra, name=name)
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

@@ -10,16 +10,15 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.train import loop, preflight
-from megatrain.train.config import load_config
 from megatrain.train.loop import run_training
 from megatrain.train.metrics import read_metrics
+from runconfigs import small_run
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
-    return load_config(None, [
-        f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=6", "run.eval_every=0",
-        "run.checkpoint_every=0", "run.progress=false", "run.simulate=false", "data.batch_size=2",
-        "data.seq_len=32", "run.log_every=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "schedule.compute_dtype=fp32", *extra])
+    return small_run(
+        tmp_path, "run.steps=6", "run.checkpoint_every=0", "run.log_every=1", "optimizer.warmup_steps=2",
+        "optimizer.lr=3e-3", *extra, name=name)
 
 
 def signal_at_step(signum: int, step: int, lines: list[str]):

@@ -45,17 +45,16 @@ from megatrain.train.metrics import (
     format_step_line,
     read_metrics,
 )
+from runconfigs import small_run
 
 DEBUG = PRESETS["debug"]
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
     """A run of a few small steps (fp32 compute: the CPU has no fast bf16)."""
-    return load_config(None, [
-        f"run.out_dir={tmp_path / 'runs'}", f"run.name={name}", "run.steps=6", "run.eval_every=3",
-        "run.eval_batches=1", "run.checkpoint_every=0", "run.progress=false", "run.simulate=false", "run.log_every=1",
-        "data.batch_size=2", "data.seq_len=32", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
-        "schedule.compute_dtype=fp32", *extra])
+    return small_run(
+        tmp_path, "run.steps=6", "run.eval_every=3", "run.eval_batches=1", "run.checkpoint_every=0",
+        "run.log_every=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", *extra, name=name)
 
 
 def train(cfg, **kw) -> tuple[RunSummary, list[str]]:
