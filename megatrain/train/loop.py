@@ -378,6 +378,12 @@ class _Training:
             raise
         self.runlog.close_bar()
         summary.elapsed_s = time.perf_counter() - t_start
+        return self._report(summary, start, since, timelines, step_times, idles)
+
+    def _report(self, summary: RunSummary, start: int, since: int, timelines: list, step_times: list[float],
+                idles: list[float]) -> RunSummary:
+        """After the session's last step: finish (final checkpoint, export), the measured step time and GPU idle of
+        the Program that ran last (`since`: its first step), the timelines, the report and the live calibration."""
         if not summary.stopped_early:
             self._finish(summary, start)
         summary.checkpoint = self.ckpt.last
