@@ -31,8 +31,7 @@ def _train(tmp_path) -> list[str]:
 
 def _step(time_s: float, clips: bool = False):
     """What AutoChoice reads of a StepResult: its time and whether its update clipped."""
-    return SimpleNamespace(time_s=time_s, update=SimpleNamespace(clip_coef=0.5 if clips else 1.0, redone_units=(),
-                                                                 deferred_units=()))
+    return SimpleNamespace(time_s=time_s, clipped=clips)
 
 
 def _choice(base: ScheduleKnobs, measure: int = 3) -> AutoChoice:

@@ -51,6 +51,9 @@ class StepResult:
     time_s: float
     timeline: pd.DataFrame
     update: UpdatePlan
+    # the global norm exceeded the clipping max (or was not finite): what a share of clipping steps counts
+    # (StepFacts.clip_share) and live calibration prices; also `timeline.attrs["clipped"]`
+    clipped: bool = False
 
 
 def set_update_threads(backend: Backend, threads: int | None = None) -> int:
@@ -175,14 +178,14 @@ class StreamedTrainer:
         dt = time.perf_counter() - t0
         self._work.settle_device_skips(current)
         # whether the global norm exceeded the max (or was not finite): live calibration prices such steps
-        timeline.attrs["clipped"] = self._program.placement.clip_max_norm is not None and (
-            current.skip or current.clip_coef < 1.0)
+        clipped = self._program.placement.clip_max_norm is not None and (current.skip or current.clip_coef < 1.0)
+        timeline.attrs["clipped"] = clipped
         self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline
         return StepResult(step=index, loss=self.world.sum(self._work.loss()), tokens=self._work.n_valid,
                           grad_norm=current.grad_norm, skipped=current.skip, time_s=dt, timeline=timeline,
-                          update=current)
+                          update=current, clipped=clipped)
 
     def _rank_rows(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's contiguous rows of a global batch and the global batch's valid target tokens."""

@@ -128,13 +128,6 @@ def measure_on(trainer: StreamedTrainer, name: str, knobs: ScheduleKnobs, batche
     return trainer.program(batch, seq), timed, switch_s, peak
 
 
-def clipped_step(r: StepResult, knobs: ScheduleKnobs) -> bool:
-    """Whether the update of this step's gradients was scaled by clipping (or redone, speculative clipping): what a
-    measured share of clipping steps (`StepFacts.clip_share`) counts."""
-    plan = r.update
-    return knobs.clip > 0 and (plan.clip_coef < 1.0 or bool(plan.redone_units) or bool(plan.deferred_units))
-
-
 def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: int, seq: int, *, rounds: int = 3,
                    warmup: int = 2, steps: int = 3, device: str = "auto", seed: int = 0,
                    predict: dict[str, HardwareProfile | str] | None = None, timeout_s: float = 300.0,
@@ -170,7 +163,7 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
                     times = [t.time_s for t in timed]
                     median_i = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
                     row = MeasuredRow(name, r, g, program, times,
-                                      sum(clipped_step(t, knobs) for t in timed) / len(timed), [t.loss for t in timed],
+                                      sum(t.clipped for t in timed) / len(timed), [t.loss for t in timed],
                                       switch_s, peak, timed[median_i].timeline, [t.timeline for t in timed])
                     facts = StepFacts(clip_share=row.clip_share)
                     for label, profile in profiles.items():

@@ -20,7 +20,7 @@ measures as many as its steps allow.
 
 Clipping is priced by the share of clipping steps (`StepFacts.clip_share`; speculative clipping redoes a clipping
 step's updates): before the run at `assumed` (0, a run that never clips, unless the caller gives a share), and once
-steps have run at the share measured on every step so far (`profiling.rounds.clipped_step`): each candidate with
+steps have run at the share measured on every step so far (`StepResult.clipped`): each candidate with
 speculative clipping is simulated again before the next one is picked (`tune.auto.reprice`), and the predictions
 printed beside the measured times are at the measured share.
 
@@ -50,7 +50,6 @@ from megatrain.engine.trainer import StepResult
 from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
-from megatrain.profiling.rounds import clipped_step
 from megatrain.profiling.store import ProfileChoice, reprofile_command, resolve_profile, save_measured
 from megatrain.sim import estimate_line, load_profile
 from megatrain.sim.profile import HardwareProfile, model_signature
@@ -128,7 +127,7 @@ class AutoChoice:
         """Count the step that ran on the running candidate; after its timed steps, pick the next or choose."""
         if self.done:
             return
-        self.clipped.append(clipped_step(result, self.running.knobs))
+        self.clipped.append(result.clipped)
         self.steps_on_running += 1
         if self.steps_on_running <= UNTIMED_STEPS:
             return
