@@ -64,13 +64,18 @@ class MeasuredRow:
     losses: list[float]
     switch_s: float  # wall time of the switch to this schedule and its warm-up steps
     peak_gpu_bytes: int  # over the warm-up and timed steps (0 on the CPU backend)
-    timeline: pd.DataFrame  # measured Timeline of the median timed step
-    timelines: list[pd.DataFrame] = field(repr=False, default_factory=list)  # every timed step's
+    timelines: list[pd.DataFrame] = field(repr=False, default_factory=list)  # every timed step's, in step_s order
     predicted_step_s: dict[str, float] = field(default_factory=dict)  # profile label -> simulated step (mean)
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_s)
+
+    @property
+    def timeline(self) -> pd.DataFrame:
+        """The measured Timeline of the median timed step (the upper median of an even count)."""
+        order = sorted(range(len(self.step_s)), key=self.step_s.__getitem__)
+        return self.timelines[order[len(order) // 2]]
 
     @property
     def tokens_per_s(self) -> float:
@@ -160,11 +165,9 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
                         continue
                     program, timed, switch_s, peak = measure_on(trainer, name, knobs, batches, warmup=warmup,
                                                                 steps=steps, batch=batch, seq=seq)
-                    times = [t.time_s for t in timed]
-                    median_i = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
-                    row = MeasuredRow(name, r, g, program, times,
+                    row = MeasuredRow(name, r, g, program, [t.time_s for t in timed],
                                       sum(t.clipped for t in timed) / len(timed), [t.loss for t in timed],
-                                      switch_s, peak, timed[median_i].timeline, [t.timeline for t in timed])
+                                      switch_s, peak, [t.timeline for t in timed])
                     facts = StepFacts(clip_share=row.clip_share)
                     for label, profile in profiles.items():
                         row.predicted_step_s[label] = simulate(program, profile, facts).mean_step_s
