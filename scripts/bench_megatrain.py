@@ -40,6 +40,7 @@ from megatrain.compile.knobs import DEFAULT_SCHEDULE, resolve_knobs
 from megatrain.engine.trainer import StreamedTrainer
 from megatrain.exec.optim import AdamWConfig
 from megatrain.model.presets import get_model
+from megatrain.profiling.store import resolve_profile
 from megatrain.sim import load_profile
 from megatrain.ir.facts import StepFacts
 from megatrain.train.autoswitch import choose_before_run, measure_candidates, varies_compile
@@ -96,8 +97,9 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--profile", help="profile for the prediction ('' to skip; default h200-measured, and for "
-                                     "--schedule auto this machine's profile)")
+    p.add_argument("--profile", help="profile for the prediction ('' to skip the predictions; default: the one every "
+                                     "command uses on this machine, docs/profiles.md, which --schedule auto ranks "
+                                     "with too)")
     p.add_argument("--calibrated-profile", help="also predict with this profile (calibrated on another run)")
     p.add_argument("--save-calibrated", help="write this run's live-calibrated profile here")
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
@@ -125,7 +127,7 @@ def main() -> None:
         base = resolve_knobs(DEFAULT_SCHEDULE, a.set)[1]
         explicit = any(item.split("=", 1)[0].strip().removeprefix("schedule.") == "compile_layers" for item in a.set)
         auto, chosen_with = choose_before_run(spec, a.batch, a.seq, base, a.device, "runs",
-                                              "h200-measured" if a.profile == "" else a.profile, a.gpu_budget_gib,
+                                              a.profile or None, a.gpu_budget_gib,
                                               log=lambda line: print(line, flush=True), measure=a.auto_measure,
                                               vary_compile=varies_compile(explicit, a.device),
                                               assumed=StepFacts(clip_share=a.clip_share))
@@ -133,11 +135,14 @@ def main() -> None:
         name, knobs = f"auto:{auto.label}", auto.knobs
     else:
         name, knobs = resolve_knobs(a.schedule, a.set)
-    a.profile = ("h200-measured" if a.device == "cuda" else "cpu") if a.profile is None else a.profile
+    if a.profile is None:  # the profile every command would use here (profiling/store.py), said in one line
+        choice = resolve_profile(a.device)
+        print(choice.line(), flush=True)
+        a.profile = choice.profile
     cuda = a.device == "cuda"
     if a.tune:
         budget = auto_budget(a.device, a.gpu_budget_gib, with_host=False)
-        best = best_gpu_fraction(spec, a.batch, a.seq, knobs, a.profile or "h200",
+        best = best_gpu_fraction(spec, a.batch, a.seq, knobs, a.profile or resolve_profile(a.device).profile,
                                  gpu_bytes=budget.gpu_bytes, state_buffers=(2, 3))
         print(best.table.head(8).to_string(index=False), flush=True)
         knobs = best.knobs
