@@ -45,6 +45,18 @@ SCHEDULES: dict[str, tuple[str, list[str]]] = {
 }
 
 
+def _schedule_of(name: str) -> tuple[str, list[str]]:
+    """A benchmark schedule's (named schedule, knob overrides): one of SCHEDULES, or `SCHEDULE+KNOB=VALUE+...`
+    (e.g. `lean+compile_layers=true+resident_layers=2`) for the named schedules that `auto` is compared with."""
+    if name in SCHEDULES:
+        return SCHEDULES[name]
+    base, *sets = name.split("+")
+    if not all("=" in s for s in sets):
+        raise SystemExit(f"--schedules: {name!r} is neither one of {', '.join(SCHEDULES)} nor "
+                         "SCHEDULE+KNOB=VALUE+...; write e.g. lean+compile_layers=true")
+    return base, sets
+
+
 def _slug(model: str) -> str:
     path = Path(model)
     return path.parent.name if path.name == "config.json" else path.name
@@ -69,7 +81,7 @@ def measure(a) -> int:
         log.flush()
 
     names = a.schedules.split(",") if a.schedules else list(SCHEDULES)
-    schedules = {n: resolve_knobs(SCHEDULES[n][0], SCHEDULES[n][1])[1] for n in names}
+    schedules = {n: resolve_knobs(*_schedule_of(n))[1] for n in names}
     say(f"{spec.name}: {spec.num_params / 1e9:.2f} B parameters, batch {a.batch} x seq {a.seq}, "
         f"{len(schedules)} schedules x {a.rounds} rounds, device {a.device}")
     profile_path = out / "profile-quick.json"
@@ -264,7 +276,8 @@ def main(argv=None) -> int:
     m.add_argument("--batch", type=int, required=True)
     m.add_argument("--seq", type=int, required=True)
     m.add_argument("--out", required=True)
-    m.add_argument("--schedules", help=f"comma-separated subset of {', '.join(SCHEDULES)}")
+    m.add_argument("--schedules", help=f"comma-separated subset of {', '.join(SCHEDULES)}, or "
+                   "SCHEDULE+KNOB=VALUE+... entries")
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--warmup", type=int, default=2)
     m.add_argument("--steps", type=int, default=3)
