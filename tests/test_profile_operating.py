@@ -125,9 +125,23 @@ def test_the_profile_is_built_from_the_operating_point(calibration):
         t = op["copies"][key]
         if t > 2 * curve.latency_s:  # a copy that is not all latency is a point of the curve, at the runtime's size
             assert nbytes in curve.sizes_bytes and curve.duration(nbytes) == pytest.approx(t, rel=1e-9)
-    rate = operating_cpu_rate(op, m["cpu_adam"]["fixed_s"], m["cpu_refresh"]["rate"])
+    rate = operating_cpu_rate(op, m["cpu_adam"]["fixed_s"], p.cpu_convert_params_per_s)
     if rate is not None:  # the rate at the runtime's threads is its own update's, conversion passes taken out
         assert p.cpu_adam_rate() == pytest.approx(rate, rel=1e-9)
+    # The update at the other weight wire too (fp32: one conversion pass fewer), and the host fields fitted to both.
+    other = op["contention_other"]
+    assert other["weight_wire"] == "fp32" and other["passes"] == op["passes"] - 1 and other["params"] == op["params"]
+    wires = m["host_fit_wires"]
+    assert (p.host_memory_Bps, p.cpu_update_bytes_per_param, p.cpu_convert_bytes_per_param) == pytest.approx(
+        (wires["host_memory_Bps"], wires["cpu_update_bytes_per_param"], wires["cpu_convert_bytes_per_param"]))
+    extra_s = op["contention"]["update_alone_s"] - other["update_alone_s"]
+    if extra_s > 0:  # the conversion pass alone: the two updates' difference, which the simulator adds back
+        assert p.cpu_convert_params_per_s == pytest.approx(op["params"] / extra_s, rel=1e-9)
+        if rate is not None:
+            fixed = m["cpu_adam"]["fixed_s"]
+            rebuilt = op["params"] / p.cpu_adam_rate() + op["passes"] * op["params"] / p.cpu_convert_params_per_s
+            assert rebuilt == pytest.approx(op["contention"]["update_alone_s"] - fixed, rel=1e-9)
+    assert "both weight wires" in p.notes["host_memory_Bps"]
     assert "Updates.update" in p.notes["operating point"] and "redo" in p.notes["operating point"]
     assert "operating point" in p.notes["duplex_Bps"]
 

@@ -45,6 +45,26 @@ def test_update_bytes_follow_the_placement_wires(wires):
     assert u.nbytes == u_task.params * (28 + 6 * wires.count("bf16"))
 
 
+def test_the_conversion_pass_has_the_profiles_own_bytes():
+    """A profile fitted at both weight wires gives the conversion pass its own bytes: a bf16-wire update beside a
+    copy is slowed by them, an fp32-wire update of the same size is not."""
+    fp32 = program(knobs_for("overlap", weight_wire="fp32"))
+    bf16 = program(knobs_for("overlap", weight_wire="bf16"))
+    p = host_profile(1e12, bpp=28.0, cpu_convert_bytes_per_param=60.0)
+    for prog, passes in ((fp32, 0), (bf16, 1)):
+        u_task = next(t for t in prog.tasks.values() if t.kind == "U" and t.stream == "cpu")
+        assert CostModel(prog, p).cpu_update(u_task).nbytes == u_task.params * (28 + 60 * passes)
+    # copy_program streams bf16 weights (one pass): 50 params at 5 params/s alone (10 s), budget 200 B/s, 300 B of
+    # h2d at 30 B/s for 10 s. Conversion at 6 B/param: 28 B/param x 5 = 140 B/s, within the 170 the copy leaves: 10 s.
+    # At 66 B/param: 88 x 50 = 4400 B at up to 440 B/s; 170 B/s beside the copy (1700 B by 10 s), then the whole
+    # budget, 200 B/s, for the other 2700 B: 23.5 s.
+    fast = ends(simulate(copy_program(300, 0, cpu_params=50), host_profile(200.0, bpp=22.0)))
+    slow = ends(simulate(copy_program(300, 0, cpu_params=50), host_profile(200.0, bpp=22.0,
+                                                                            cpu_convert_bytes_per_param=66.0)))
+    assert fast["U0"] == pytest.approx(10.0, rel=1e-12)
+    assert slow["U0"] == pytest.approx(23.5, rel=1e-12)
+
+
 def test_an_update_alone_runs_at_its_alone_rate_or_the_budget():
     # 50 params at 5 params/s alone = 10 s (1400 B at 140 B/s); a budget above 140 B/s does not slow it.
     assert ends(simulate(update_only(50), host_profile(1000.0)))["U0"] == pytest.approx(10.0, rel=1e-12)

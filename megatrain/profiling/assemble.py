@@ -175,6 +175,18 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     hfit = host.fit_host_memory(hc, hc["params"], passes, copy_draw, m["host_memory"]["Bps"])
     m["host_fit"] = hfit
     convert_rate = float(m["cpu_refresh"]["rate"])
+    # the update at both weight wires (operating point): one budget, the update's bytes and the conversion pass's
+    # own bytes fitted jointly, and the conversion pass's time alone is the two updates' difference
+    wires = None
+    if op is not None and "contention_other" in op:
+        wires = host.fit_host_memory_wires([op["contention"], op["contention_other"]], copy_draw,
+                                           m["host_memory"]["Bps"])
+        m["host_fit_wires"] = wires
+        by_passes = {c["passes"]: c for c in (op["contention"], op["contention_other"])}
+        lo, hi = min(by_passes), max(by_passes)
+        extra_s = (by_passes[hi]["update_alone_s"] - by_passes[lo]["update_alone_s"]) / (hi - lo)
+        if extra_s > 0:
+            convert_rate = op["params"] / extra_s
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
@@ -201,20 +213,31 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                           f"weight wire {req.knobs.weight_wire}, decoder layer "
                           f"{'compiled (torch.compile)' if req.knobs.compile_layers else 'eager'}, from the compute "
                           f"stream's thread.",
-        "cpu_convert_params_per_s": "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
-                                    "the runtime's threads; charged to a CPU update once per bf16 wire (weights, "
-                                    "gradients).",
+        "cpu_convert_params_per_s": ("measured: the runtime's update alone at the bf16 weight wire less the same "
+                                     "at the fp32 wire (the streaming copy's refresh in Updates.update; "
+                                     f"HostStore.refresh_stream alone: {float(m['cpu_refresh']['rate']) / 1e9:.2f} "
+                                     "Gparam/s)" if wires is not None and convert_rate != float(m["cpu_refresh"]["rate"])
+                                     else "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
+                                     "the runtime's threads")
+                                    + "; charged to a CPU update once per bf16 wire (weights, gradients).",
         "cpu_adam_params_per_s": _cpu_rate_note(adam, threads, op, runtime_rate, isolated, in_step),
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
         "cpu_optimizer_slowdown": "legacy, not simulated: the CPU update beside one copy direction (mean of h2d "
                                   "and d2h) and both, over the update alone (host contention measurement).",
-        "host_memory_Bps": "fitted (profiling/host.py): " + host.host_note(hfit, hc, info["device"], threads),
-        "cpu_update_bytes_per_param": f"fitted with host_memory_Bps, less 6 per conversion pass of the measured "
-                                      f"update, which the simulator adds back (the implementation's count is "
+        "host_memory_Bps": "fitted (profiling/host.py): " + (
+            host.wires_note(wires) + " The one-wire fit (not used): " if wires is not None else "")
+            + host.host_note(hfit, hc, info["device"], threads),
+        "cpu_update_bytes_per_param": ("fitted with host_memory_Bps from the update without a conversion pass (the "
+                                       "fp32 weight wire)" if wires is not None else
+                                       f"fitted with host_memory_Bps, less 6 per conversion pass of the measured "
+                                       f"update, which the simulator adds back") + " (the implementation's count is "
                                       f"{host.update_bytes_per_param(passes):g} B/param: fused AdamW 28"
-                                      f"{' + 6 for the bf16 refresh' if passes else ''}).",
+                                      f"{' + 6 per bf16 conversion pass' if passes else ''}).",
+        "cpu_convert_bytes_per_param": ("fitted with host_memory_Bps: the bf16-wire update's bytes beyond the "
+                                        "fp32-wire one's, per pass" if wires is not None else
+                                        "6 by count (read 4 + write 2); one weight wire measured, not fitted."),
         "copy_host_bytes_per_byte": ("1: a DMA copy reads (h2d) or writes (d2h) host memory once." if copy_draw == 1
                                      else "2: on the CPU backend a copy is a memcpy, which reads and writes host "
                                           "memory."),
@@ -243,10 +266,13 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         dma_factor_cpu_optimizer=float(min(1.0, max(0.05, hc["h2d_update_Bps"] / hc["h2d_alone_Bps"]))),
         cpu_optimizer_slowdown=slowdown,
         cpu_convert_params_per_s=convert_rate,
-        host_memory_Bps=float(hfit["host_memory_Bps"]),
-        # the measured update includes its conversion passes; the simulator adds 6 B/param per pass itself
-        cpu_update_bytes_per_param=float(max(1.0, hfit["cpu_update_bytes_per_param"]
-                                             - passes * CONVERT_BYTES_PER_PARAM)),
+        **({"host_memory_Bps": float(wires["host_memory_Bps"]),
+            "cpu_update_bytes_per_param": float(wires["cpu_update_bytes_per_param"]),
+            "cpu_convert_bytes_per_param": float(wires["cpu_convert_bytes_per_param"])} if wires is not None else
+           # one wire measured: its update includes its conversion passes; the simulator adds 6 B/param per pass
+           {"host_memory_Bps": float(hfit["host_memory_Bps"]),
+            "cpu_update_bytes_per_param": float(max(1.0, hfit["cpu_update_bytes_per_param"]
+                                                    - passes * CONVERT_BYTES_PER_PARAM))}),
         copy_host_bytes_per_byte=copy_draw,
         task_overhead_s=overhead,
         machine={k: v for k, v in info.items() if k != "host"},

@@ -130,6 +130,91 @@ def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_
             "copies_drawn_Bps": drawn, "stream_Bps": stream_Bps}
 
 
+def _mix_rates(c: dict, copy_draw: float) -> tuple[float, list[tuple[float, float]]]:
+    """A contention record's update rate alone and its (copy host bytes/s drawn, update rate) per copy mix."""
+    n = c["params"]
+    drawn = {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
+             "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}
+    return n / c["update_alone_s"], [(drawn[k], n / c[f"update_{k}_s"]) for k in MIXES]
+
+
+def _model_rate(alone: float, host: float, bpp: float, drawn: float) -> float:
+    """The simulator's update rate beside copies drawing `drawn` host bytes/s (sim/hostmem.py, max-min): what the
+    budget leaves it, at most its rate alone."""
+    return max(0.0, min(alone, (host - drawn) / bpp))
+
+
+def _misfit(alone: float, mixes: list[tuple[float, float]], host: float, bpp: float) -> float:
+    """Sum of squared relative errors of the modelled rates: alone and beside each copy mix."""
+    points = [(0.0, alone)] + mixes
+    return sum((_model_rate(alone, host, bpp, d) / r - 1.0) ** 2 for d, r in points)
+
+
+# The fit's grids (log-spaced): host budgets from the streaming bandwidth to 20x it, bytes per parameter 2-2000.
+_HOST_GRID = [1.02 ** i for i in range(0, 152)]  # x1 .. x20
+_BPP_GRID = [2.0 * 1.015 ** i for i in range(0, 465)]  # 2 .. ~2000 B/param
+_TIE = 1e-5  # weight of the preference for the implementation's byte count among fits equally good
+
+
+def fit_host_memory_wires(records: list[dict], copy_draw: float, stream_Bps: float) -> dict:
+    """One host budget B, the update's bytes per parameter without conversion (b0) and per bf16 conversion pass
+    (cb) fitted jointly to the runtime's update measured at two weight wires (`measure_contention` records, each
+    with its `params` and conversion `passes`).
+
+    Why two: the update with the bf16 weight wire also refreshes the bf16 streaming copy, and on the H100 host that
+    pass is what the copies slow down (52 ms alone, 67 beside both copies for a 177 M-parameter layer), while the
+    fp32-wire update beside the same copies ran at its rate alone (38 ms in the steps); a fit of the bf16-wire update
+    alone priced the fp32-wire one 7-31% slow (docs/accuracy.md). Each record gets bpp_i = b0 + passes_i x cb;
+    the simulator's rate beside copies drawing d is min(alone, (B - d) / bpp_i). B is searched on a grid from the
+    streaming bandwidth up; for each B each record's bpp is the one that fits its rates alone and beside the three
+    copy mixes best (relative squared error), ties going to the implementation's count (28 + 6 per pass); the B of
+    the least total error wins. Returns B, b0, cb, and per record the measured and modelled rates."""
+    if len({r["passes"] for r in records}) != len(records) or len(records) != 2:
+        raise ValueError(f"fit_host_memory_wires needs two records of different conversion passes, got "
+                         f"{[r['passes'] for r in records]}")
+    records = sorted(records, key=lambda r: r["passes"])
+    data = [_mix_rates(r, copy_draw) for r in records]
+    floor = max(stream_Bps, max(d for _, mixes in data for d, _ in mixes) * 1.05)
+    best = None
+    for scale in _HOST_GRID:
+        host = floor * scale
+        total, bpps = 0.0, []
+        for rec, (alone, mixes) in zip(records, data):
+            count = update_bytes_per_param(rec["passes"])
+            err, bpp = min((_misfit(alone, mixes, host, b) + _TIE * math.log(b / count) ** 2, b) for b in _BPP_GRID)
+            total += err
+            bpps.append(bpp)
+        if best is None or total < best[0] - 1e-12:
+            best = (total, host, bpps)
+    _, host, (b_lo, b_hi) = best
+    p_lo, p_hi = records[0]["passes"], records[1]["passes"]
+    cb = max(0.0, (b_hi - b_lo) / (p_hi - p_lo))
+    b0 = max(1.0, b_lo - p_lo * cb)
+    out = {"host_memory_Bps": host, "cpu_update_bytes_per_param": b0, "cpu_convert_bytes_per_param": cb,
+           "stream_Bps": stream_Bps, "records": []}
+    for rec, (alone, mixes) in zip(records, data):
+        bpp = b0 + rec["passes"] * cb
+        out["records"].append({"passes": rec["passes"], "params": rec["params"], "alone_params_per_s": alone,
+                               "measured_params_per_s": dict(zip(MIXES, (r for _, r in mixes))),
+                               "model_params_per_s": {k: _model_rate(alone, host, bpp, d)
+                                                      for k, (d, _) in zip(MIXES, mixes)}})
+    return out
+
+
+def wires_note(fit: dict) -> str:
+    """The profile note of the two-wire fit: each record's measured and modelled rates."""
+    g = 1e9
+    parts = []
+    for r in fit["records"]:
+        mixes = ", ".join(f"{k} {r['measured_params_per_s'][k] / g:.2f} (model {r['model_params_per_s'][k] / g:.2f})"
+                          for k in MIXES)
+        parts.append(f"{r['passes']} conversion pass(es): alone {r['alone_params_per_s'] / g:.2f}, beside {mixes}")
+    return (f"fitted jointly to the runtime's update at both weight wires (profiling/host.fit_host_memory_wires): "
+            f"B {fit['host_memory_Bps'] / g:.1f} GB/s, {fit['cpu_update_bytes_per_param']:.1f} B/param without "
+            f"conversion + {fit['cpu_convert_bytes_per_param']:.1f} per conversion pass; Gparam/s " + "; ".join(parts)
+            + ".")
+
+
 def host_note(fit: dict, c: dict, device: str, threads: int) -> str:
     """The profile note of host_memory_Bps / cpu_update_bytes_per_param: what was measured and how well the fit
     reproduces each mix."""

@@ -13,7 +13,8 @@ threads:
   PREFETCH with an OFFLOAD), and beside a running CPU update (`copies.measure_pair`, `host.measure_contention`);
 - the CPU update as the runtime runs it: `exec.updates.Updates.update` on the layer's U task (host AdamW over the
   store's gradient chunks, bf16 moments through its scratch, the streaming-copy refresh), at the runtime's update
-  threads, alone and beside each copy mix;
+  threads, alone and beside each copy mix, at the schedule's weight wire and at the other one (the bf16 wire's
+  update also refreshes the streaming copy: its own bytes in the host fit);
 - the redo of speculative clipping (`Updates.clip_redo` of an update that has to be clipped after all: undo, then
   the update again with the clip coefficient), alone.
 
@@ -118,7 +119,11 @@ class RuntimeCut:
 
 def measure_operating_point(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: Backend,
                             w: dict[str, Worker], threads: int, budget_s: float, quick: bool) -> dict:
-    """The record of the runtime's copies and update (module docstring). `w`: the workers by stream."""
+    """The record of the runtime's copies and update (module docstring). `w`: the workers by stream.
+
+    The update beside the copies is measured at both weight wires (`contention` at the schedule's, `contention_other`
+    at the other one): the bf16 wire's update also refreshes the streaming copy, and that pass, not AdamW, is what
+    the copies slow down (profiling/host.fit_host_memory_wires), so one wire's fit misprices the other's."""
     cut = w["cpu"].call(RuntimeCut, spec, batch, seq, knobs, backend)
     try:
         rec: dict = {"unit": cut.unit, "params": cut.params, "passes": cut.passes, "threads": threads,
@@ -126,9 +131,7 @@ def measure_operating_point(spec: ModelSpec, batch: int, seq: int, knobs: Schedu
                      "update_path": UPDATE_PATH, "redo_path": REDO_PATH}
         rec["copies"] = copies.measure_pair(w["h2d"], w["d2h"], cut.copy_in, cut.copy_out, cut.weight_bytes,
                                             cut.grad_bytes, quick)
-        c = host.measure_contention(w["cpu"], cut.update, threads, w["h2d"], w["d2h"], cut.copy_in, cut.copy_out,
-                                    cut.weight_bytes, budget_s, quick, out_bytes=cut.grad_bytes)
-        c.update(params=cut.params, passes=cut.passes, source="operating point")
+        c = _contention(cut, w, threads, budget_s, quick)
         rec["contention"] = c
         before = w["cpu"].call(torch.get_num_threads)
         try:
@@ -138,9 +141,24 @@ def measure_operating_point(spec: ModelSpec, batch: int, seq: int, knobs: Schedu
         finally:
             w["cpu"].call(torch.set_num_threads, before)
         rec["redo_over_update"] = rec["redo_s"] / c["update_alone_s"]
-        return rec
     finally:
         w["cpu"].call(_release, cut)
+    other = replace(knobs, weight_wire="fp32" if knobs.weight_wire == "bf16" else "bf16")
+    cut = w["cpu"].call(RuntimeCut, spec, batch, seq, other, backend)
+    try:
+        rec["contention_other"] = _contention(cut, w, threads, budget_s / 2, quick)
+        rec["contention_other"]["weight_wire"] = other.weight_wire
+    finally:
+        w["cpu"].call(_release, cut)
+    return rec
+
+
+def _contention(cut: RuntimeCut, w: dict[str, Worker], threads: int, budget_s: float, quick: bool) -> dict:
+    """The cut's update alone and beside its own copies, and the copies beside it (host.measure_contention)."""
+    c = host.measure_contention(w["cpu"], cut.update, threads, w["h2d"], w["d2h"], cut.copy_in, cut.copy_out,
+                                cut.weight_bytes, budget_s, quick, out_bytes=cut.grad_bytes)
+    c.update(params=cut.params, passes=cut.passes, source="operating point")
+    return c
 
 
 def _release(cut: RuntimeCut) -> None:

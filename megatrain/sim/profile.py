@@ -16,7 +16,10 @@ A profile holds
                          every host<->GPU copy (sim/hostmem.py shares it max-min fairly); a profile without it
                          derives it from the legacy contention fields below (see `derive_host_memory_Bps`)
     cpu_update_bytes_per_param  host bytes a CPU AdamW update moves per parameter (fused fp32 AdamW: ~28 = read
-                         master, grad, m, v, write master, m, v); each bf16 conversion pass adds 6
+                         master, grad, m, v, write master, m, v) with no bf16 conversion pass
+    cpu_convert_bytes_per_param  host bytes a bf16 <-> fp32 conversion pass adds to a CPU update per parameter
+                         (read 4 + write 2 = 6 by count; `megatrain profile` fits it from the runtime's update at
+                         both weight wires, since the refresh pass is what copies slow down most)
     copy_host_bytes_per_byte  host bytes drawn per byte copied (1 for DMA; 2 on the CPU backend's memcpy)
     dma_factor_cpu_optimizer, cpu_optimizer_slowdown  legacy (before host_memory_Bps): copy rates while a CPU
                          update runs, and how many times longer an update takes while 1 / 2 copy directions run;
@@ -203,6 +206,7 @@ class HardwareProfile:
     cpu_convert_params_per_s: float = math.inf
     host_memory_Bps: float | None = None  # None: derived in __post_init__ (derive_host_memory_Bps)
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
+    cpu_convert_bytes_per_param: float = CONVERT_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
@@ -251,7 +255,8 @@ class HardwareProfile:
         "duplex_Bps": check.RATE, "gpu_memory_Bps": check.RATE, "gpu_adam_params_per_s": check.RATE,
         "clip_norm_params_per_s": check.RATE, "cpu_convert_params_per_s": check.RATE, "nvme_read_Bps": check.RATE,
         "nvme_write_Bps": check.RATE, "inter_host_Bps": check.RATE, "cpu_update_bytes_per_param": check.SIZE,
-        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME, "clip_redo_updates": check.SIZE,
+        "inter_host_latency_s": check.TIME, "copy_host_bytes_per_byte": check.TIME,
+        "cpu_convert_bytes_per_param": check.TIME, "clip_redo_updates": check.SIZE,
         "dma_factor_cpu_optimizer": check.FRACTION, "cpu_threads": check.COUNT,
     }
     # field -> (bound of its values, keys are thread counts, lower limit of its values)
@@ -308,7 +313,7 @@ class HardwareProfile:
 
     def cpu_update_bytes(self, params: int, conversion_passes: int = 0) -> float:
         """Host bytes a CPU update of `params` moves: AdamW plus `conversion_passes` bf16 <-> fp32 passes."""
-        return params * (self.cpu_update_bytes_per_param + conversion_passes * CONVERT_BYTES_PER_PARAM)
+        return params * (self.cpu_update_bytes_per_param + conversion_passes * self.cpu_convert_bytes_per_param)
 
     def overhead(self, stream: str, kind: str | None = None) -> float:
         """Launch / dispatch seconds of a task: its kind's entry if there is one, else its stream's, else 0."""
