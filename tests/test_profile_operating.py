@@ -142,6 +142,9 @@ def test_the_profile_is_built_from_the_operating_point(calibration):
             rebuilt = op["params"] / p.cpu_adam_rate() + op["passes"] * op["params"] / p.cpu_convert_params_per_s
             assert rebuilt == pytest.approx(op["contention"]["update_alone_s"] - fixed, rel=1e-9)
     assert "both weight wires" in p.notes["host_memory_Bps"]
+    # the clipping redo of a device unit (undo + update) measured in updates, no longer the default of 2
+    assert p.clip_redo_updates == pytest.approx(m["gpu_adam"]["redo_updates"]) and p.clip_redo_updates > 1.0
+    assert m["gpu_adam"]["redo_s"] > 0 and "measured" in p.notes["clip_redo_updates"]
     assert "Updates.update" in p.notes["operating point"] and "redo" in p.notes["operating point"]
     assert "operating point" in p.notes["duplex_Bps"]
 

@@ -223,6 +223,10 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_adam_params_per_s": _cpu_rate_note(adam, threads, op, runtime_rate, isolated, in_step),
         "cpu_threads": "the runtime's update threads (training.trainer.set_update_threads).",
         "gpu_adam_params_per_s": "measured: adamw_update on device tiles of one layer.",
+        "clip_redo_updates": (f"measured: speculative clipping's redo of a device unit (adamw_undo + adamw_update, "
+                              f"as Updates.clip_redo) on the same tiles, {m['gpu_adam']['redo_s'] * 1e3:.3f} ms = "
+                              f"x{m['gpu_adam']['redo_updates']:.2f} the update" if "redo_updates" in m["gpu_adam"]
+                              else "the default (2 updates), not measured"),
         "clip_norm_params_per_s": "not a rate: the norm combines per-unit norms; its time is task_overhead_s['N'].",
         "cpu_optimizer_slowdown": "legacy, not simulated: the CPU update beside one copy direction (mean of h2d "
                                   "and d2h) and both, over the update alone (host contention measurement).",
@@ -262,6 +266,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         cpu_adam_params_per_s=cpu_rates,
         cpu_threads=threads,
         gpu_adam_params_per_s=float(m["gpu_adam"]["rate"]),
+        **({"clip_redo_updates": float(m["gpu_adam"]["redo_updates"])} if "redo_updates" in m["gpu_adam"] else {}),
         clip_norm_params_per_s=math.inf,
         dma_factor_cpu_optimizer=float(min(1.0, max(0.05, hc["h2d_update_Bps"] / hc["h2d_alone_Bps"]))),
         cpu_optimizer_slowdown=slowdown,

@@ -11,7 +11,8 @@ A profile holds
     cpu_adam_params_per_s   CPU AdamW rate by thread count (cpu_threads picks the row)
     gpu_adam_params_per_s   GPU AdamW rate (optimizer tasks on the compute stream)
     clip_redo_updates    speculative clipping, a step that clips: a GPU unit's CLIP_REDO (undo + update again) in
-                         GPU AdamW updates of the unit (default 2, an assumption; live calibration fits it)
+                         GPU AdamW updates of the unit (`megatrain profile` measures it on device tiles; default 2
+                         for profiles without it; live calibration fits it)
     host_memory_Bps      the host DRAM bandwidth that every host-side flow draws on at once: CPU updates and
                          every host<->GPU copy (sim/hostmem.py shares it max-min fairly); a profile without it
                          derives it from the legacy contention fields below (see `derive_host_memory_Bps`)
