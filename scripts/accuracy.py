@@ -173,7 +173,7 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     from megatrain.ir.facts import StepFacts
     from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
     from megatrain.profiling.live import calibrate_run
-    from megatrain.sim import load_profile, simulate
+    from megatrain.sim import load_profile, simulate, step_bound
 
     shapes = sorted(d for d in root.iterdir() if (d / "rows.jsonl").is_file())
     data = {d.name: _load_shape(d) for d in shapes}
@@ -200,10 +200,10 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
              "round's median timed step (min-max over rounds). (c) IN-SAMPLE: the row's own profile calibrated on "
              "its own round-0 steps, compared with those steps: how well calibration can fit what ran.", "",
              "| shape | schedule | measured s (min-max) | tok/s | clip share | (a) pred s | (a) err | (b) pred s "
-             "| (b) err | (b) sample | (c) in-sample err | task groups furthest off, when (a) or (b) exceeds 10% "
-             "(predicted - measured, summed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    summary = {"a": [], "b": [], "b_all": [], "c": []}
+             "| (b) err | (b) sample | (c) in-sample err | bound s, (a) profile (what binds) | measured / bound "
+             "| task groups furthest off, when (a) or (b) exceeds 10% (predicted - measured, summed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {"a": [], "b": [], "b_all": [], "c": [], "efficiency": []}
     taus = []
     for shape, (rows, tl) in data.items():
         by: dict[str, list[dict]] = {}
@@ -238,9 +238,12 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
                 off = groups["n"] * (groups["pred_ms"] - groups["meas_ms"])
                 groups = groups.assign(off_ms=off).reindex(off.abs().sort_values(ascending=False).index).head(3)
                 worst = ", ".join(f"{g.group} {g.off_ms:+.0f} ms ({g.bias_pct:+.0f}%)" for g in groups.itertuples())
+            bound = step_bound(program, machine[shape], facts)  # the physical bound (sim/bound.py), issue 24 item 6
+            summary["efficiency"].append(bound.efficiency(measured))
             lines.append(f"| {shape} | {config} | {measured:.3f} ({min(meds):.3f}-{max(meds):.3f}) | "
                          f"{rs[0]['batch'] * rs[0]['seq'] / measured:,.0f} | {facts.clip_share:.2f} | {pa:.3f} | "
-                         f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {ec:+.1%} | {worst} |")
+                         f"{ea:+.1%} | {pb:.3f} | {eb:+.1%} | {sample} | {ec:+.1%} | {bound.bound_s:.3f} "
+                         f"({bound.binding}) | {bound.efficiency(measured):.0%} | {worst} |")
             meas_l.append(measured)
             pa_l.append(pa)
             pb_l.append(pb)
@@ -261,6 +264,10 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
               f"{stats(summary['b_all'])}"]
     lines.append(f"- (c) IN-SAMPLE, each row's quick profile fitted to its own round-0 steps and compared with "
                  f"them (a fit, not a prediction): {stats(summary['c'])}")
+    eff = sorted(summary["efficiency"])
+    lines.append(f"- measured step against its physical bound (sim/bound.py, the (a) profile's rates): median "
+                 f"{statistics.median(eff):.0%}, {eff[0]:.0%}-{eff[-1]:.0%}; at or above 85%: "
+                 f"{sum(e >= 0.85 for e in eff)}/{len(eff)}")
     for shape, ta, tb in taus:
         lines.append(f"- Kendall tau-b, {shape}: (a) {ta if ta is None else round(ta, 2)}, "
                      f"(b) {tb if tb is None else round(tb, 2)}")
