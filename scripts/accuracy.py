@@ -101,6 +101,8 @@ def measure(a) -> int:
             f"{time.perf_counter() - t0:.1f} s)")
         if a.device == "cuda":
             torch.cuda.empty_cache()
+    if a.profile_only:
+        return 0
     rows_path = out / "rows.jsonl"
     tl_parts: list = []
     done: set = set()
@@ -290,6 +292,9 @@ def main(argv=None) -> int:
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--device", default="cuda")
     m.add_argument("--profile", help="use this profile instead of measuring a quick one")
+    m.add_argument("--profile-only", action="store_true",
+                   help="measure the quick profile (OUT/<shape>/profile-quick.json) and stop: a new profiler's "
+                        "profile of a machine whose rows are measured already")
     m.set_defaults(func=measure)
     r = sub.add_parser("report", help="the table of prediction errors of a measured directory")
     r.add_argument("dir")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 24: a fresh `--quick` profile of every shape on this machine start, with no training run, for rows measured
+# on an earlier start of the same kind (run.sh). Run from the repository root with carry [".bench"]:
+#   bash docs/runs/24-accuracy/reprofile.sh SHAPE...
+# $OUT gets profile-quick-SHAPE.json (+ its measurements) and the logs; put them beside the rows as
+# <shape>/profile-quick.json before `accuracy.py report`.
+set -uo pipefail
+mkdir -p /tmp/reprof "$OUT"
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
+export PYTHONPATH=.:/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine-reprofile.txt"
+for shape in "$@"; do
+  case "$shape" in
+    bench-3b) model=bench-3b; batch=8; seq=2048 ;;
+    llama-4.5b) model=scripts/shapes/llama-4.5b; batch=4; seq=4096 ;;
+    qwen2-3b) model=scripts/shapes/qwen2-3b; batch=8; seq=2048 ;;
+    *) echo "unknown shape $shape"; exit 2 ;;
+  esac
+  rm -f /tmp/reprof/$shape/profile-quick*.json
+  timeout 200 python3 scripts/accuracy.py measure --model "$model" --batch $batch --seq $seq --out /tmp/reprof \
+    --profile-only 2>&1 | tee -a "$OUT/reprofile.txt"
+done
+tar -C /tmp/reprof -czf "$OUT/reprofile.tgz" .
