@@ -6,7 +6,8 @@ What is measured (each on the thread the runtime would use, at the runtime's upd
 - host memory bandwidth alone: a streaming fp32 copy (read + write) of a buffer well beyond the caches on the cpu
   worker with the update's threads (`measure_host_memory`);
 - the CPU update (the runtime's `adamw_update`, plus the bf16 refresh when the schedule streams bf16) alone, and
-  while h2d copies, d2h copies, and both run in loops on their own workers (`measure_contention`);
+  while h2d copies, d2h copies, and both run in loops on their own workers, the four taking turns over rounds
+  (`measure_contention`);
 - each copy direction alone, while the update runs, and while the update and the other direction run.
 
 On CUDA the copies are pinned-memory DMA on side streams (issued from the h2d / d2h workers) while the update runs
@@ -25,6 +26,7 @@ implementation's byte count and B the larger of the streaming bandwidth and what
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -57,26 +59,33 @@ def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Work
     (default `nbytes`: the runtime's copies differ, a layer's weights in and its gradients out)."""
     out_bytes = nbytes if out_bytes is None else out_bytes
     reps = 3 if quick else 6
-    each = budget_s / 4
+    rounds = 3 if quick else 4
     before = cpu.call(torch.get_num_threads)
-
-    def update_s() -> float:
-        return median(cpu.time_for(update, each, warmup=1, rounds=2 if quick else 3))
 
     def copy_Bps(worker: Worker, fn) -> float:
         n = nbytes if worker is h2d else out_bytes
         return n / median(worker.time(fn, reps, warmup=1))
 
-    out: dict = {"copy_bytes": nbytes, "copy_out_bytes": out_bytes, "threads": threads}
+    backgrounds = {"alone": (), "h2d": ((h2d, copy_in),), "d2h": ((d2h, copy_out),),
+                   "both": ((h2d, copy_in), (d2h, copy_out))}
+    out: dict = {"copy_bytes": nbytes, "copy_out_bytes": out_bytes, "threads": threads, "rounds": rounds}
     try:
         cpu.call(torch.set_num_threads, threads)
-        out["update_alone_s"] = update_s()
-        with Background(h2d, copy_in):
-            out["update_h2d_s"] = update_s()
-        with Background(d2h, copy_out):
-            out["update_d2h_s"] = update_s()
-        with Background(h2d, copy_in), Background(d2h, copy_out):
-            out["update_both_s"] = update_s()
+        # The four mixes take turns, round after round: the host's own speed drifts (a shared machine's memory
+        # bandwidth moved the update's rate by 10-15% between two profiles of one H200 host), and the fit reads
+        # the differences between mixes, which drift measured mix after mix would bias. Each mix keeps its least
+        # disturbed round (Worker.time_for's rule).
+        first = cpu.time(update, 1, warmup=1)[0]
+        per_round = max(1, int(budget_s / 4 / rounds / max(first, 1e-7)))
+        samples: dict[str, list[float]] = {mix: [] for mix in backgrounds}
+        for _ in range(rounds):
+            for mix, bg in backgrounds.items():
+                with contextlib.ExitStack() as stack:
+                    for worker, fn in bg:
+                        stack.enter_context(Background(worker, fn))
+                    samples[mix].append(median(cpu.time(update, per_round, 0)))
+        for mix, times in samples.items():
+            out[f"update_{mix}_s"] = min(times)
         out["h2d_alone_Bps"], out["d2h_alone_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
         with Background(cpu, update):
             out["h2d_update_Bps"], out["d2h_update_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
