@@ -12,6 +12,9 @@ Two steps, so that the GPU machine only measures and every prediction is recompu
 every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one host store per host layout, the
 schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
 
+`ablate DIR --model M` rebuilds one shape's quick profile from its measurements with parts of the profiler's method
+left out (one weight wire; the default device redo) and prints each row's (a) error with each.
+
 `report` predicts every measured row two ways and compares with the median over rounds:
   (a) "quick": from the fresh quick profiles of that machine (every shape's compute tables, no training run);
   (b) "transfer": from the quick profile calibrated (profiling/live.py) on the timed steps of ONE run of one
@@ -277,6 +280,54 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     return {"text": "\n".join(lines) + "\n", "errors": summary, "taus": taus, "transfer": transfer}
 
 
+# ---- ablate ------------------------------------------------------------------------------------------------------
+def ablate(a) -> int:
+    """`ablate`: the (a) error of every row of one shape with its quick profile rebuilt from its measurements as
+    measured and with parts of the method left out (what each part of the profiler is worth, on the same data)."""
+    import copy
+
+    from megatrain.compile.knobs import ScheduleKnobs
+    from megatrain.compile.record import program_of
+    from megatrain.ir.facts import StepFacts
+    from megatrain.model.presets import get_model
+    from megatrain.profiling.assemble import build_profile
+    from megatrain.profiling.calibrate import ProfileRequest
+    from megatrain.sim import simulate
+
+    d = Path(a.dir)
+    m0 = json.loads((d / "profile-quick.measurements.json").read_text())
+    r = m0["request"]
+    spec = get_model(a.model)
+    req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m0["machine"]["device"], dtypes=r["dtypes"],
+                         quick=True, knobs=ScheduleKnobs(**r["knobs"]))
+
+    def rebuilt(one_wire: bool = False, default_redo: bool = False):
+        m = copy.deepcopy(m0)
+        if one_wire:
+            m.get("operating_point", {}).pop("contention_other", None)
+        if default_redo:
+            for k in ("redo_updates", "redo_s"):
+                m["gpu_adam"].pop(k, None)
+        return build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
+
+    variants = {"as measured": rebuilt(), "one weight wire": rebuilt(one_wire=True),
+                "redo = 2 updates": rebuilt(default_redo=True)}
+    rows, _ = _load_shape(d)
+    by: dict[str, list[dict]] = {}
+    for row in rows:
+        by.setdefault(row["config"], []).append(row)
+    print(f"(a) error of each row of {d} (predicted / measured - 1), the quick profile rebuilt from its measurements")
+    print("| schedule | measured s | " + " | ".join(variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    for config, rs in by.items():
+        measured = statistics.median(x["median_step_s"] for x in rs)
+        program = program_of(rs[0]["record"])
+        facts = StepFacts(clip_share=statistics.median(x["clip_share"] for x in rs))
+        errs = [simulate(program, p, facts).mean_step_s / measured - 1 for p in variants.values()]
+        print(f"| {config} | {measured:.3f} | " + " | ".join(f"{e:+.1%}" for e in errs) + " |")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -304,6 +355,10 @@ def main(argv=None) -> int:
                         "profile-quick-<run>.json)")
     r.add_argument("--write", help="write the markdown table here (and the transfer profile beside it)")
     r.set_defaults(func=report)
+    b = sub.add_parser("ablate", help="one shape's (a) errors with parts of the profiler's method left out")
+    b.add_argument("dir", help="a measured shape's directory (OUT/<shape>)")
+    b.add_argument("--model", required=True, help="its preset or HF model directory, as given to measure")
+    b.set_defaults(func=ablate)
     a = p.parse_args(argv)
     return a.func(a)
 

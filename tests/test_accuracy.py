@@ -105,3 +105,13 @@ def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
     result = acc.evaluate(tmp_path, "debug:arrival")
     assert len(result["errors"]["a"]) == 2 and len(result["errors"]["c"]) == 2
     assert "| debug | lean |" in result["text"] and "| in-sample |" in result["text"]
+    assert "measured step against its physical bound" in result["text"]
+    # ablate: the profile rebuilt from its measurements as measured predicts as the saved profile does
+    capsys.readouterr()
+    assert acc.main(["ablate", str(tmp_path / "debug"), "--model", "debug"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lean")]
+    assert len(table) == 1
+    as_measured = float(table[0].split("|")[3].strip().rstrip("%")) / 100
+    lean = next(e for e, line in zip(result["errors"]["a"], [ln for ln in result["text"].splitlines()
+                                                             if ln.startswith("| debug |")]) if "| lean |" in line)
+    assert as_measured == pytest.approx(lean, abs=0.0011)  # both rounded to 0.1% in print
