@@ -8,14 +8,10 @@ set -uo pipefail
 mkdir -p /tmp/reprof "$OUT"
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
 export PYTHONPATH=.:/tmp/site
+source docs/runs/24-accuracy/shapes.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine-reprofile.txt"
 for shape in "$@"; do
-  case "$shape" in
-    bench-3b) model=bench-3b; batch=8; seq=2048 ;;
-    llama-4.5b) model=scripts/shapes/llama-4.5b; batch=4; seq=4096 ;;
-    qwen2-3b) model=scripts/shapes/qwen2-3b; batch=8; seq=2048 ;;
-    *) echo "unknown shape $shape"; exit 2 ;;
-  esac
+  shape_args "$shape" || exit 2
   rm -f /tmp/reprof/$shape/profile-quick*.json
   timeout 200 python3 scripts/accuracy.py measure --model "$model" --batch $batch --seq $seq --out /tmp/reprof \
     --profile-only 2>&1 | tee -a "$OUT/reprofile.txt"

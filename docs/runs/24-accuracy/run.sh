@@ -11,16 +11,12 @@ set -uo pipefail
 mkdir -p /tmp/acc "$OUT"
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
 export PYTHONPATH=.:/tmp/site
+source docs/runs/24-accuracy/shapes.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine.txt"
 nproc >> "$OUT/machine.txt"; free -g | head -2 >> "$OUT/machine.txt"
 python3 -c "import torch; print('torch', torch.__version__)" >> "$OUT/machine.txt"
 for shape in "$@"; do
-  case "$shape" in
-    bench-3b) model=bench-3b; batch=8; seq=2048 ;;
-    llama-4.5b) model=scripts/shapes/llama-4.5b; batch=4; seq=4096 ;;
-    qwen2-3b) model=scripts/shapes/qwen2-3b; batch=8; seq=2048 ;;
-    *) echo "unknown shape $shape"; exit 2 ;;
-  esac
+  shape_args "$shape" || exit 2
   if [ -n "${RESUME:-}" ] && [ ! -d /tmp/acc/$shape ]; then
     tar -C /tmp/acc -xzf "$RESUME/acc-$shape.tgz"
     run=$(basename "$RESUME")
