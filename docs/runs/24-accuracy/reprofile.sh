@@ -5,11 +5,9 @@
 # $OUT gets profile-quick-SHAPE.json (+ its measurements) and the logs; put them beside the rows as
 # <shape>/profile-quick.json before `accuracy.py report`.
 set -uo pipefail
-mkdir -p /tmp/reprof "$OUT"
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
-export PYTHONPATH=.:/tmp/site
+mkdir -p /tmp/reprof
 source docs/runs/24-accuracy/shapes.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine-reprofile.txt"
+device_setup machine-reprofile.txt
 for shape in "$@"; do
   shape_args "$shape" || exit 2
   rm -f /tmp/reprof/$shape/profile-quick*.json

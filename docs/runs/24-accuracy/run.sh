@@ -8,13 +8,9 @@
 # machine is profiled again (a fresh --quick profile of this start) and only the missing (schedule, round) rows
 # are measured.
 set -uo pipefail
-mkdir -p /tmp/acc "$OUT"
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
-export PYTHONPATH=.:/tmp/site
+mkdir -p /tmp/acc
 source docs/runs/24-accuracy/shapes.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine.txt"
-nproc >> "$OUT/machine.txt"; free -g | head -2 >> "$OUT/machine.txt"
-python3 -c "import torch; print('torch', torch.__version__)" >> "$OUT/machine.txt"
+device_setup machine.txt
 for shape in "$@"; do
   shape_args "$shape" || exit 2
   if [ -n "${RESUME:-}" ] && [ ! -d /tmp/acc/$shape ]; then
