@@ -107,6 +107,9 @@ def main() -> None:
                    help="cpu: the CPU backend (CI runs scripts/bench.py on it with the debug model)")
     p.add_argument("--auto-measure", type=int, default=3, metavar="K",
                    help="--schedule auto: candidates measured before the timed steps (0: the best predicted)")
+    p.add_argument("--auto-band", type=float, default=0.1, metavar="FRACTION",
+                   help="--schedule auto: also measure every candidate predicted within FRACTION of the best (6 at "
+                        "most; 0: exactly K)")
     p.add_argument("--clip-share", type=float, default=0.0, metavar="SHARE",
                    help="--schedule auto: share of clipping steps assumed before any is measured (default 0)")
     p.add_argument("--tune", action="store_true",
@@ -130,7 +133,7 @@ def main() -> None:
                                               a.profile or None, a.gpu_budget_gib,
                                               log=lambda line: print(line, flush=True), measure=a.auto_measure,
                                               vary_compile=varies_compile(explicit, a.device),
-                                              assumed=StepFacts(clip_share=a.clip_share))
+                                              assumed=StepFacts(clip_share=a.clip_share), band=a.auto_band)
         a.profile = chosen_with if a.profile is None else a.profile  # '' still skips the predictions
         name, knobs = f"auto:{auto.label}", auto.knobs
     else:

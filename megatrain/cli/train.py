@@ -28,4 +28,7 @@ def register(sub) -> None:
                    help="--schedule auto: measure the K fastest predicted candidates on the run's first steps (1 "
                         "untimed + 2 timed steps each, training steps of the run) and train with the fastest "
                         "measured (default 3; 0: the best predicted, not measured)")
+    p.add_argument("--auto-band", dest="auto_band", type=float, metavar="FRACTION",
+                   help="--schedule auto: also measure every candidate predicted within FRACTION of the best, 6 at "
+                        "most (default 0.1, the simulator's out-of-sample error; 0: exactly K)")
     p.set_defaults(func=run_from_args)

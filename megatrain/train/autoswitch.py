@@ -7,10 +7,11 @@ candidates on the run's first steps and train with the fastest measured. The ran
     switch = auto.before_step()     # a Candidate to switch the trainer to before this step (switch_trainer), or None
     auto.after_step(result)         # the StepResult of the step
 
-Measuring (`measure` = K, `--auto-measure K`, default 3): the best predicted candidate runs first (the trainer was
-built with it); each candidate runs `UNTIMED_STEPS` step after its switch (new GPU buffers, a compile of the layer)
-and `TIMED_STEPS` timed steps; the median of its timed steps is its measured step time. Then the next candidate is
-the fastest predicted one not measured yet, until K are measured; the run switches to the fastest measured and
+Measuring (`measure` = K, `--auto-measure K`, default 3; and every candidate predicted within `band`, 10%, of the
+best, up to MAX_MEASURE: the simulator cannot tell those apart): the best predicted candidate runs first (the trainer
+was built with it); each candidate runs `UNTIMED_STEPS` step after its switch (new GPU buffers, a compile of the
+layer) and `TIMED_STEPS` timed steps; the median of its timed steps is its measured step time. Then the next
+candidate is the fastest predicted one not measured yet, until that many are measured; the run switches to the fastest measured and
 trains with it, and one line per candidate says its prediction, its measured time, the error and which was chosen.
 These are the run's own training steps, on its batches, counted, logged and checkpointed as any other: a schedule
 changes the speed, never the numbers computed (the candidates keep the run's numerics, `tune.auto_candidates`; a
@@ -57,6 +58,12 @@ from megatrain.train.fit import check_fits
 from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
 
 DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
+# Beyond K, every candidate predicted within this fraction of the best is measured too, up to MAX_MEASURE: the
+# simulator cannot tell such candidates apart (its out-of-sample errors reach 13.5% on an H200, docs/accuracy.md).
+# Measured on an H200, bench-3b 8 x 2048 at 16 GiB: the best named schedule was predicted 6.5% behind auto's top 3
+# and so never measured; auto trained 0.92x its speed.
+DEFAULT_BAND = 0.10
+MAX_MEASURE = 6
 UNTIMED_STEPS = 1  # after a switch: new GPU buffers, a compile of the layer, the first pending update
 TIMED_STEPS = 2  # timed steps per candidate: their median is its measured step time
 
@@ -82,6 +89,7 @@ class AutoChoice:
     profile: HardwareProfile
     measure: int = DEFAULT_MEASURE
     assumed: StepFacts = field(default_factory=StepFacts)
+    band: float = DEFAULT_BAND  # also measure every candidate predicted within this fraction of the best
     # measuring state (start .. done)
     pool: list[Candidate] = field(default_factory=list)  # candidates of the running host layout, fastest first
     running: Candidate | None = None
@@ -103,19 +111,23 @@ class AutoChoice:
         self.pool = [c for c in self.ranked if resolve_host_layout(self.spec, c.knobs) == layout]
         self.running = next(c for c in self.pool if c.label == self.label)
         per = UNTIMED_STEPS + TIMED_STEPS
-        self.limit = min(self.measure, len(self.pool), max(steps_left, 0) // per)
         if self.measure <= 0:
             self.done = True
             log(f"auto: not measuring (--auto-measure 0): training with the best predicted, {self.label}")
             return
-        if self.limit < min(self.measure, len(self.pool)):
-            log(f"auto: {steps_left} steps measure {self.limit} candidate(s), not {self.measure} "
+        close = sum(c.step_s <= self.running.step_s * (1 + self.band) for c in self.pool)
+        want = min(max(self.measure, min(close, MAX_MEASURE)), len(self.pool))
+        self.limit = min(want, max(steps_left, 0) // per)
+        if self.limit < want:
+            log(f"auto: {steps_left} steps measure {self.limit} candidate(s), not {want} "
                 f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each)")
         if self.limit == 0:
             self.done = True
             return
+        why = (f", every one predicted within {100 * self.band:.0f}% of the best (at most {MAX_MEASURE})"
+               if want > self.measure else "")
         log(f"auto: measuring the {self.limit} fastest predicted with this host layout on the run's first steps "
-            f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each), first {self.label}: predicted "
+            f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each{why}), first {self.label}: predicted "
             f"{self.running.step_s * 1e3:,.1f} ms/step")
 
     def before_step(self) -> Candidate | None:
@@ -178,7 +190,7 @@ class AutoChoice:
             pred, meas = by_label[label].step_s, self.measured_s(label)
             self.log(f"  {label}: predicted {pred * 1e3:,.1f} ms/step, measured {meas * 1e3:,.1f} ms/step "
                      f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
-        for c in self.ranked[:self.measure]:
+        for c in self.ranked[:max(self.measure, self.limit)]:
             if c.label not in by_label:
                 why = self.unstarted.get(c.label, "another host layout than the running store's (a second host "
                                                   "store may not fit)")
@@ -193,13 +205,13 @@ class AutoChoice:
 def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, backend: str, run_dir=None,
                       profile: str | None = None, gpu_gib: float | None = None, log=print,
                       resumed: bool = False, *, measure: int = DEFAULT_MEASURE, vary_compile: bool = False,
-                      assumed: StepFacts = StepFacts()) -> tuple[AutoChoice, str]:
+                      assumed: StepFacts = StepFacts(), band: float = DEFAULT_BAND) -> tuple[AutoChoice, str]:
     """`--schedule auto` before a run on this machine (`train`, scripts/bench_megatrain.py): the budget by the one
     rule (`tune.auto.auto_budget`, GPU and host), `profile` when given, else this machine's (`machine_profile`:
     profiling/store.py's precedence; `run_dir` and `resumed`: a resumed run's own calibrated profile comes first),
     the ranking (`tune.auto.choose_auto`, clipping priced at `assumed`, the compiled layer tried both ways with
-    `vary_compile`), logged with the next best. Returns the AutoChoice that measures the `measure` best on the run's
-    first steps and the profile it ranked with. ScheduleError when nothing fits, BudgetError without a budget."""
+    `vary_compile`), logged with the next best. Returns the AutoChoice that measures the `measure` best (and every
+    one predicted within `band` of the best) on the run's first steps and the profile it ranked with. ScheduleError when nothing fits, BudgetError without a budget."""
     budget = auto_budget(backend, gpu_gib)
     if not profile:
         knobs = replace(base, compile_layers=True) if vary_compile else base  # both kernels' tables
@@ -213,7 +225,7 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
         log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")
     if estimate_line(pick.predicted):  # the ranking rests on FLOP estimates: say so (sim/estimates.py)
         log(estimate_line(pick.predicted))
-    return AutoChoice(spec, batch, seq, pick.knobs, pick.label, pick.ranked, loaded, measure, assumed), profile
+    return AutoChoice(spec, batch, seq, pick.knobs, pick.label, pick.ranked, loaded, measure, assumed, band), profile
 
 
 def covers(profile, spec: ModelSpec, seq: int, dtype: str, compiled: bool = False) -> bool:

@@ -85,18 +85,20 @@ def config_from_args(args) -> RunConfig:
     cfg = load_config(getattr(args, "config", None), overrides)
     if getattr(args, "schedule", None) == "auto":
         overrides, args.auto_choice = _auto_schedule(cfg, getattr(args, "gpu_budget_gib", None),
-                                                     getattr(args, "auto_measure", None))
+                                                     getattr(args, "auto_measure", None),
+                                                     getattr(args, "auto_band", None))
         cfg = cfg.with_overrides(overrides)
     return cfg
 
 
-def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None = None):
+def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None = None, band: float | None = None):
     """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/auto.py:
     the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that measures
     the best few on the run's first steps (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel, micro-batches) are
     kept. Without run.profile it uses the profile of profiling/store.py's precedence, and measures this machine
     quickly first (into the per-user cache) when that is only the shipped default. measure: candidates measured on
-    the run's first steps (--auto-measure; None: the default); the compiled layer is a candidate knob unless the
+    the run's first steps (--auto-measure; None: the default), band: also every one predicted within that fraction
+    of the best (--auto-band; None: the default); the compiled layer is a candidate knob unless the
     config sets schedule.compile_layers (autoswitch.varies_compile)."""
     try:  # each rank would choose (and measure) on its own, and ranks must run one Program (the resolver says so)
         check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
@@ -104,24 +106,30 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None
         raise ConfigError(str(e)) from None
 
     # Only `auto` needs these: the simulator and the candidates (tune), the profiler and torch (autoswitch).
-    from megatrain.train.autoswitch import DEFAULT_MEASURE, choose_before_run, schedule_overrides, varies_compile
-    from megatrain.tune.auto import BudgetError
+    from megatrain.train import autoswitch
+    from megatrain.tune.auto import BudgetError  # (local for the same reason)
 
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and gpu_memory() is not None)
     spec, (batch, seq), base = cfg.model.spec(), cfg.step_shape(), cfg.step_knobs()
-    measure = DEFAULT_MEASURE if measure is None else measure
+    measure = autoswitch.DEFAULT_MEASURE if measure is None else measure
     if measure < 0:
         raise ConfigError(f"--auto-measure {measure}: give the number of candidates to measure, 0 or more")
+    band = autoswitch.DEFAULT_BAND if band is None else band
+    if not 0 <= band < 1:
+        raise ConfigError(f"--auto-band {band}: give a fraction of the best predicted step time, 0 (measure exactly "
+                          "--auto-measure candidates) up to below 1")
     try:
         backend = "cuda" if cuda else "cpu"
-        vary = varies_compile("compile_layers" in cfg.schedule.overrides, backend)  # set in the config or --set
-        choice, _ = choose_before_run(spec, batch, seq, base, backend, cfg.run.run_dir, cfg.run.profile, budget_gib,
-                                      resumed=bool(cfg.run.resume), measure=measure, vary_compile=vary)
+        # the compiled layer is a candidate knob unless set in the config or --set
+        vary = autoswitch.varies_compile("compile_layers" in cfg.schedule.overrides, backend)
+        choice, _ = autoswitch.choose_before_run(spec, batch, seq, base, backend, cfg.run.run_dir, cfg.run.profile,
+                                                 budget_gib, resumed=bool(cfg.run.resume), measure=measure,
+                                                 vary_compile=vary, band=band)
     except (ScheduleError, BudgetError) as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     # No run.profile is set for the run: the profile auto chose with is the one the run resolves itself
     # (profiling/store.py; auto wrote this machine's into the cache when it had to measure it).
-    return schedule_overrides(choice.knobs, cfg.schedule.micro_batches), choice
+    return autoswitch.schedule_overrides(choice.knobs, cfg.schedule.micro_batches), choice
 
 
 def run_from_args(args) -> int:
