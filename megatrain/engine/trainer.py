@@ -36,6 +36,7 @@ from megatrain.ir.program import Program
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout
 from megatrain.model.spec import ModelSpec
+from megatrain.plan.machine import host_memory
 
 
 @dataclass
@@ -54,6 +55,10 @@ class StepResult:
     # the global norm exceeded the clipping max (or was not finite): what a share of clipping steps counts
     # (StepFacts.clip_share) and live calibration prices; also `timeline.attrs["clipped"]`
     clipped: bool = False
+
+
+class HostMemoryShort(MemoryError):
+    """A schedule switch whose host layout would not fit the host's memory (nothing was changed)."""
 
 
 def set_update_threads(backend: Backend, threads: int | None = None) -> int:
@@ -125,6 +130,17 @@ class StreamedTrainer:
         units), which the host store was built for."""
         if program.model != self.spec:
             raise ValueError(f"the Program trains {program.model.name}, this trainer {self.spec.name}")
+        self._release_program()
+        self.world.check_same("Program", program.to_json())  # before the first collective
+        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
+        self._program = program
+        self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
+        # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.
+        self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
+        self._shape = (program.batch, program.seq)
+
+    def _release_program(self) -> None:
+        """Drop the running Program's buffers and threads (resident units' state synced to the host first)."""
         if self._work is not None:
             self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
         if self._runtime is not None:
@@ -135,30 +151,53 @@ class StreamedTrainer:
         self._work = self._runtime = None
         if replacing:  # a StepWork holds reference cycles (bodies bound to it): only the collector frees it
             gc.collect()
-        self.world.check_same("Program", program.to_json())  # before the first collective
-        self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
-        self._program = program
-        self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
-        # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.
-        self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
-        self._shape = (program.batch, program.seq)
 
     def switch_schedule(self, knobs: ScheduleKnobs, batch: int, seq: int, name: str = "custom"
                         ) -> tuple[Program, UpdatePlan | None]:
-        """Run `knobs` from the next step on the same host store: the pending update (overlap timing) is applied
-        first with the old Program, as a checkpoint does, then the new Program for (batch, seq) takes over
-        (`use_program`). The schedule must keep this trainer's host layout (ValueError otherwise: the store was
-        built for it). Returns the new Program and the update plan the flush applied (None if none was pending)."""
-        if resolve_host_layout(self.spec, knobs) != resolve_host_layout(self.spec, self.knobs):
-            raise ValueError(f"schedule {name} needs another host layout than the one this trainer's store was "
-                             "built for; build a StreamedTrainer for it")
+        """Run `knobs` from the next step: the pending update (overlap timing) is applied first with the old
+        Program, as a checkpoint does, then the new Program for (batch, seq) takes over (`use_program`). A schedule
+        of another host layout (wires, GPU-updated units, gradient ring) takes the store over in place
+        (`HostStore.relayout`: the master and moments are kept, the rest rebuilt; one process only, and
+        HostMemoryShort when the larger layout would not fit the host); if its Program then cannot start, the store
+        goes back to the old layout before the error is raised. Returns the new Program and the update plan the
+        flush applied (None if none was pending)."""
+        layout = resolve_host_layout(self.spec, knobs)
+        relayout = layout != self.store.layout
+        if relayout and self.world.distributed:
+            raise ValueError(f"schedule {name} needs another host layout than the one this rank's store was built "
+                             "for; a data-parallel run keeps its layout (start the run with it)")
+        if relayout:
+            self._check_relayout_fits(layout, name)
         applied = self.flush()
         sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.parallelism)
         sched.name = name
         program = lower(sched)
-        self.use_program(program)
+        if relayout:
+            old = self.store.layout
+            self._release_program()
+            self.store = self.store.relayout(layout)
+            try:
+                self.use_program(program)
+            except BaseException:
+                self._release_program()
+                self.store = self.store.relayout(old)  # the caller may put the old Program back
+                raise
+        else:
+            self.use_program(program)
         self.knobs, self.schedule_name = knobs, name
         return program, applied
+
+    def _check_relayout_fits(self, layout, name: str) -> None:
+        """HostMemoryShort, before anything is freed, when the new layout's buffers beyond the master and moments
+        need more than the old layout's free and the host has."""
+        more = self.store.extra_bytes(layout) - self.store.extra_bytes()
+        if more <= 0:
+            return
+        limit = host_memory()
+        if more > limit.usable_bytes:
+            raise HostMemoryShort(f"schedule {name} needs {more / 2**30:.2f} GiB more host memory for its layout "
+                                  f"than the running one frees, and {limit.describe()} leaves "
+                                  f"{limit.usable_bytes / 2**30:.2f} GiB")
 
     # ---- training ------------------------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:

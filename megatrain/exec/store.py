@@ -98,7 +98,8 @@ class HostStore:
     """Master weights, AdamW moments, streaming copies and gradient landing space of every unit."""
 
     def __init__(self, spec: ModelSpec, layout: HostLayout, backend: Backend | None = None,
-                 tiles: Mapping[int, torch.Tensor] | None = None):
+                 tiles: Mapping[int, torch.Tensor] | None = None, *, adopt: HostStore | None = None):
+        """`adopt`: a spent store whose master, moments and step counts this one takes over (`relayout`)."""
         if layout.state_tier not in EXECUTED_STATE_TIERS:
             raise ScheduleError(f"state_tier={layout.state_tier!r} is planned only, not executed: `megatrain plan` "
                                 "and `simulate` model the NVMe tier, but the executor keeps the optimizer state in "
@@ -114,10 +115,15 @@ class HostStore:
         self.wire_dtype = TORCH_DTYPES[layout.weight_wire]
         own, full = self._tile_sizes()
 
-        self._master = HostRegion(self.backend, torch.float32, own)
         state_dtype = TORCH_DTYPES[layout.state_dtype]
-        self._m = HostRegion(self.backend, state_dtype, own)
-        self._v = HostRegion(self.backend, state_dtype, own)
+        if adopt is not None:  # the state is the adopted store's: nothing to allocate or zero
+            self._master, self._m, self._v = adopt._master, adopt._m, adopt._v
+            fresh: tuple[HostRegion | None, ...] = ()
+        else:
+            self._master = HostRegion(self.backend, torch.float32, own)
+            self._m = HostRegion(self.backend, state_dtype, own)
+            self._v = HostRegion(self.backend, state_dtype, own)
+            fresh = (self._master, self._m, self._v)
         # Gradient landing: a tile per unit, or a ring of tiles the units share in turn ({unit: tile}).
         self._ring_of = dict(layout.ring_tiles)
         if layout.grad_ring:
@@ -137,7 +143,7 @@ class HostStore:
         # the host's memory nodes as the update's threads will read them, and faulted in now rather than during
         # the first step. It comes before pinning, because cudaHostRegister faults the pages from this one thread,
         # as the seeded init would for the master.
-        for r in (self._master, self._m, self._v, self._grad, self._stream, self._scratch, self._state_scratch):
+        for r in (*fresh, self._grad, self._stream, self._scratch, self._state_scratch):
             if r is not None:
                 r.raw.zero_()
         # Pin only what DMA touches.
@@ -152,8 +158,51 @@ class HostStore:
 
         self.steps = {u: 0 for u in self.units}  # AdamW step count per unit (skipped steps do not count)
         self._tied_merged = False
+        if adopt is not None:
+            self.steps, self._tied_merged = dict(adopt.steps), adopt._tied_merged
+            for u in self.units:  # the new streaming copy (if any) from the adopted master
+                self.refresh_stream(u)
         if tiles is not None:
             self.load(tiles)
+
+    def relayout(self, layout: HostLayout) -> HostStore:
+        """This store's master weights, AdamW moments and step counts under another host layout (other wires, other
+        GPU-updated units, a gradient ring or not), without a second copy of them: the master and moment regions are
+        taken over and re-pinned as the new layout pins them; the gradient landing space, the streaming copy and the
+        scratch buffers are dropped before the new layout's are allocated, so the peak is the larger layout, not
+        both. Call between steps (no update pending, no Program holding views of this store); this store is spent
+        afterwards. Host memory is the caller's to check (`extra_bytes`). One process's store only: a sharded
+        store's slices are the strategy's (ValueError)."""
+        if type(self) is not HostStore:
+            raise ValueError(f"{type(self).__name__}: a data-parallel rank's store keeps its layout (relayout is for "
+                             "one process)")
+        same = ("state_dtype", "state_tier")
+        if any(getattr(layout, k) != getattr(self.layout, k) for k in same):
+            raise ValueError(f"relayout keeps the optimizer state as it is ({', '.join(same)}): "
+                             f"{self.layout.state_dtype}/{self.layout.state_tier} -> "
+                             f"{layout.state_dtype}/{layout.state_tier}")
+        for r in (self._master, self._m, self._v):  # pinned again as the new layout pins them
+            _unpin_all(r.backend, r._pinned)
+            r.pinned_bytes = 0
+        self._grad = self._stream = self._scratch = self._state_scratch = None  # freed here (unpinned by finalizer)
+        return HostStore(self.spec, layout, self.backend, adopt=self)
+
+    def extra_bytes(self, layout: HostLayout | None = None) -> int:
+        """Bytes of `layout`'s store beyond the master and moments (landing space, streaming copy, scratch), as
+        allocated; default this store's own layout. What a relayout frees and allocates."""
+        if layout is None:
+            return sum(r.nbytes for r in (self._grad, self._stream, self._scratch, self._state_scratch) if r)
+        full = [self.layouts[u].numel for u in self.units]  # one process's store: whole tiles (as _tile_sizes)
+
+        def pages(n: int, size: int) -> int:  # a tile's page-aligned bytes, as HostRegion carves it
+            return -(-n * size // PAGE) * PAGE
+
+        item = TORCH_DTYPES[layout.grad_wire].itemsize
+        grads = (layout.grad_ring * pages(layout.ring_tile_elements, item) if layout.grad_ring
+                 else sum(pages(n, item) for n in full))
+        stream = sum(pages(n, 2) for n in full) if layout.weight_wire == "bf16" else 0
+        scratch = pages(layout.grad_scratch_elements, 4) + 2 * pages(layout.state_scratch_elements, 4)
+        return grads + stream + scratch
 
     def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Elements per unit of the optimizer's tiles (master, moments) and of the full tiles (streaming copy,

@@ -25,11 +25,14 @@ steps have run at the share measured on every step so far (`StepResult.clipped`)
 speculative clipping is simulated again before the next one is picked (`tune.auto.reprice`), and the predictions
 printed beside the measured times are at the measured share.
 
-Only candidates with the running schedule's host layout are measured (weight and gradient wires, GPU-updated
-units: `compile.resolve.resolve_host_layout`): the host store was built for that layout and holds the only copy of
-the master weights and AdamW moments. Another layout would need a second store of the same size (a 7 B model's
-~112 GiB twice), which may not fit; a Program on the same store is what `use_program` supports and costs nothing
-but new GPU buffers. A candidate among the K best predicted that has another layout is listed as not measured.
+Candidates of every host layout are measured (weight and gradient wires, GPU-updated units, a gradient ring:
+`compile.resolve.resolve_host_layout`). A candidate of the running layout costs new GPU buffers; one of another
+layout also takes the host store over in place (`StreamedTrainer.switch_schedule` -> `HostStore.relayout`: the
+master weights and AdamW moments, the only copy of the run's state, are kept; the landing space and streaming copy
+are rebuilt, the old freed first), which is refused before anything changes when the larger layout would not fit
+the host (`HostMemoryShort`: listed as not measured with its reason). Measured on an H200 (docs/accuracy.md): with
+only the first layout's candidates measured, auto missed the best named schedule by 8-12% on llama-4.5b and
+llama3-8b, both times a schedule of another layout predicted within 5% of auto's pick.
 
 The compiled layer (`compile_layers`) is a candidate knob (`varies_compile`): it computes the same math with other
 rounding. It is varied unless the user set it (config or --set), and not on the CPU backend, where compiling the
@@ -47,7 +50,7 @@ import torch
 
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.compile.resolve import resolve_host_layout
-from megatrain.engine.trainer import StepResult
+from megatrain.engine.trainer import HostMemoryShort, StepResult
 from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
@@ -107,8 +110,7 @@ class AutoChoice:
         """Before the run's first step, on a trainer built with `knobs`: `steps_left` steps will run; logs what
         will be measured."""
         self.log = log
-        layout = resolve_host_layout(self.spec, self.knobs)
-        self.pool = [c for c in self.ranked if resolve_host_layout(self.spec, c.knobs) == layout]
+        self.pool = list(self.ranked)  # every host layout (module docstring)
         self.running = next(c for c in self.pool if c.label == self.label)
         per = UNTIMED_STEPS + TIMED_STEPS
         if self.measure <= 0:
@@ -126,7 +128,7 @@ class AutoChoice:
             return
         why = (f", every one predicted within {100 * self.band:.0f}% of the best (at most {MAX_MEASURE})"
                if want > self.measure else "")
-        log(f"auto: measuring the {self.limit} fastest predicted with this host layout on the run's first steps "
+        log(f"auto: measuring the {self.limit} fastest predicted on the run's first steps "
             f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each{why}), first {self.label}: predicted "
             f"{self.running.step_s * 1e3:,.1f} ms/step")
 
@@ -192,8 +194,7 @@ class AutoChoice:
                      f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked[:max(self.measure, self.limit)]:
             if c.label not in by_label:
-                why = self.unstarted.get(c.label, "another host layout than the running store's (a second host "
-                                                  "store may not fit)")
+                why = self.unstarted.get(c.label, "not among the fastest predicted measured")
                 self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: {why}")
         if self.chosen.label != self.running.label:
             self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
@@ -271,13 +272,18 @@ def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
     return ProfileChoice(str(path), "this machine's profile in the cache, measured just now", "cache")
 
 
-def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: str):
+def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: str, log=print):
     """Run `knobs` on `trainer` from the next step (`StreamedTrainer.switch_schedule`: the pending update is applied
-    first with the old Program, as a checkpoint does, then the new Program takes the same host store). Returns the
-    new Program and the update plan the flush applied (None if none was pending)."""
-    if resolve_host_layout(trainer.spec, knobs) != resolve_host_layout(trainer.spec, trainer.knobs):
-        raise ValueError("auto switches only between schedules with the same host layout")  # see the docstring
-    return trainer.switch_schedule(replace(knobs), batch, seq, name)
+    first with the old Program, as a checkpoint does, then the new Program takes the host store, relaid in place
+    for another layout). Returns the new Program and the update plan the flush applied (None if none was
+    pending)."""
+    t0 = time.perf_counter()
+    relayout = resolve_host_layout(trainer.spec, knobs) != trainer.store.layout
+    out = trainer.switch_schedule(replace(knobs), batch, seq, name)
+    if relayout:
+        log(f"auto: {name} has another host layout: the store was taken over in place in "
+            f"{time.perf_counter() - t0:.1f} s")
+    return out
 
 
 def schedule_overrides(knobs, micro_batches: int) -> list[str]:
@@ -296,9 +302,11 @@ def measure_candidates(auto: AutoChoice, trainer, step: Callable[[], StepResult]
         if cand is not None and cand.knobs != trainer.knobs:
             program = trainer.program(auto.batch, auto.seq)
             try:
-                switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label)
+                switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label, log)
             except torch.cuda.OutOfMemoryError as e:
                 auto.could_not_start(cand, _restore(trainer, program, e))
+            except HostMemoryShort as e:  # refused before anything changed: the Program that ran runs on
+                auto.could_not_start(cand, f"its host layout would not fit: {e}")
         if auto.done:
             return auto.chosen or auto.running
         auto.after_step(step())
@@ -327,9 +335,13 @@ def auto_before_step(run) -> bool | None:
         return False
     applied = run.trainer.flush()  # here, so that a switch that fails below loses no applied update's bookkeeping
     try:
-        program, _ = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label)
+        program, _ = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label, run.auto.log)
     except torch.cuda.OutOfMemoryError as e:
         run.auto.could_not_start(cand, _restore(run.trainer, run.program, e))
+        run.switch_schedule(run.trainer.knobs, run.program, run.predicted, applied)
+        return False
+    except HostMemoryShort as e:  # refused before anything changed: the Program that ran runs on
+        run.auto.could_not_start(cand, f"its host layout would not fit: {e}")
         run.switch_schedule(run.trainer.knobs, run.program, run.predicted, applied)
         return False
     run.switch_schedule(cand.knobs, program, cand.result, applied)
