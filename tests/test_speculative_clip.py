@@ -45,6 +45,23 @@ def test_adamw_undo_inverts_one_update_to_fp32_rounding(step):
     torch.testing.assert_close(v, v0, rtol=1e-4, atol=1e-11)
 
 
+def test_adamw_undo_does_not_depend_on_its_chunk():
+    """A GPU undoes in larger chunks than the host (exec/optim.UNDO_CHUNK_DEVICE): bitwise the same result, the
+    weight decay's boundary falling inside a chunk or on its edge."""
+    g = torch.Generator().manual_seed(7)
+    n = 10_000
+    p0, m0, grad = torch.randn(n, generator=g), 0.01 * torch.randn(n, generator=g), 0.01 * torch.randn(n, generator=g)
+    v0 = m0.square() + 1e-4 * torch.rand(n, generator=g)
+    cfg = AdamWConfig(weight_decay=0.1)
+    out = []
+    for chunk in (1 << 20, 4096, 1000, 999):
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        adamw_undo(p, grad, m, v, 3, 6000, 1e-3, cfg, chunk=chunk)
+        out.append((p, m, v))
+    for p, m, v in out[1:]:
+        assert torch.equal(p, out[0][0]) and torch.equal(m, out[0][1]) and torch.equal(v, out[0][2])
+
+
 def run(knobs, steps: int):
     spec = SPECS["llama"]
     trainer = StreamedTrainer(spec, knobs, initial_tiles(spec), optim=AdamWConfig(lr=LR, weight_decay=WD),
