@@ -9,8 +9,8 @@ Two steps, so that the GPU machine only measures and every prediction is recompu
     PYTHONPATH=. python scripts/accuracy.py report OUT --calibrate-on bench-3b:arrival
 
 `measure` profiles the machine for the shape (`megatrain profile --quick`, eager and compiled layer), then measures
-every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one host store per host layout, the
-schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
+every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one host store, taken over in place by
+each host layout, the schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
 
 `ablate DIR --model M` rebuilds one shape's quick profile from its measurements with parts of the profiler's method
 left out (one weight wire; the default device redo) and prints each row's (a) error with each.

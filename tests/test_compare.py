@@ -152,16 +152,17 @@ def test_compare_command_writes_the_stacked_trace_and_ranks(profile_path, tmp_pa
 
 def test_compare_measures_every_variant_and_round_in_one_process(tmp_path, capsys):
     """Three schedules, two rounds: six rows, each the Program that ran (its hash is the fingerprint of the
-    schedule's Program), overlap and arrival on one host store (same host layout), lean on its own."""
+    schedule's Program), interleaved whatever their host layout (lean's differs: the store is taken over in
+    place), each row saying its layout."""
     out = tmp_path / "cmp"
     assert main(["compare", "--model", "debug", "--batch", "2", "--seq", "16", "--schedule", "overlap,arrival,lean",
                  "--rounds", "2", "--steps", "3", "--device", "cpu", "--profile", "cpu", "--no-plots",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "2 host store(s)" in text and "min_ms" in text and "median over 2 rounds" in text
+    assert "2 host layout(s)" in text and "min_ms" in text and "median over 2 rounds" in text
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert [(r["config"], r["round"], r["layout_group"]) for r in rows] == [
-        ("overlap", 0, 0), ("arrival", 0, 0), ("overlap", 1, 0), ("arrival", 1, 0), ("lean", 0, 1), ("lean", 1, 1)]
+        ("overlap", 0, 0), ("arrival", 0, 0), ("lean", 0, 1), ("overlap", 1, 0), ("arrival", 1, 0), ("lean", 1, 1)]
     for r in rows:
         knobs = knobs_for(r["config"])
         assert r["program_hash"] == lower(build_schedule(DEBUG, 2, 16, knobs)).fingerprint(), r["config"]

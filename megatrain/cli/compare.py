@@ -5,8 +5,8 @@
         [--out DIR]
 
 Every variant (`--sweep`, or a comma-separated --schedule) is measured in this one process by
-`profiling.rounds.measure_rounds`: one host store per host layout, the variants of a layout taking turns on it,
-interleaved over `--rounds` rounds; each (variant, round) is a line of DIR/rows.jsonl (knobs, Program hash, step
+`profiling.rounds.measure_rounds`: one host store, taken over in place by each host layout in turn, the variants
+taking turns on it, interleaved over `--rounds` rounds; each (variant, round) is a line of DIR/rows.jsonl (knobs, Program hash, step
 times, clipping share, prediction), written as it is measured, and its timed steps' timelines are appended to
 DIR/timelines.csv.gz. Per variant, of its median round: step time, GPU idle % and tokens/s predicted vs measured,
 the per-task error distribution by task group (median and p90 of |pred - meas| / meas of each task's
@@ -174,7 +174,7 @@ def _check_memory(args, spec, device: str, groups: list[dict]) -> None:
                 check_fits(spec, args.batch, args.seq, knobs, device, f"compare's variant {label}", ADVICE)
             except ScheduleError as e:
                 raise UserError(f"{label}: {e}") from None
-    print(f"memory: fits; {len(groups)} host store(s), one per host layout and one at a time ("
+    print(f"memory: fits; one host store taken over in place by each of {len(groups)} host layout(s) in turn ("
           + "; ".join(f"{', '.join(group)}" for group in groups)
           + "), each variant checked with its layout's store and its own GPU buffers and activations")
 

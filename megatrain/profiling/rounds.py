@@ -1,20 +1,22 @@
-"""Many schedules measured in one process: one host store per host layout, each schedule warmed and timed in turn,
-interleaved over rounds.
+"""Many schedules measured in one process on one host store, each schedule warmed and timed in turn, interleaved
+over rounds.
 
     from megatrain.profiling.rounds import measure_rounds
     rows = measure_rounds(spec, {"arrival": knobs_for("arrival"), "lean": knobs_for("lean")}, batch=8, seq=2048,
                           rounds=3, device="cuda", predict={"quick": "my-profile.json"})
 
 Why: a separate process per measured configuration spends most of its time building the host store (15-40 s of a
-45-75 s run for a 3 B model on the GPU machine) and starting torch; the schedules that share a host layout
-(`compile.resolve.resolve_host_layout`: wires, state dtype, GPU-updated units) can take turns on one store
-(`StreamedTrainer.switch_schedule`), so a configuration after the first costs its warm-up and timed steps only.
+45-75 s run for a 3 B model on the GPU machine) and starting torch; the schedules take turns on one store
+(`StreamedTrainer.switch_schedule`): one of the same host layout (`compile.resolve.resolve_host_layout`: wires,
+GPU-updated units, a gradient ring) costs its warm-up and timed steps only, one of another layout also takes the
+store over in place (`HostStore.relayout`: the master and moments are kept, the rest rebuilt; its time is in the
+row's `switch_s`).
 
-Interleaving: round r measures every schedule of the group once, in the same order, before round r+1 starts. A
-machine's load drifts over seconds and minutes (page cache, clocks, other tenants); interleaving exposes every
-schedule to the same drift, so medians over rounds compare schedules and not moments. Groups of different host
-layouts run one after the other (their stores do not fit in host memory together): rounds interleave within a
-group only, which each row says (`layout_group`).
+Interleaving: round r measures every schedule once, in the same order, before round r+1 starts. A machine's load
+drifts over seconds and minutes (page cache, clocks, other tenants); interleaving exposes every schedule to the
+same drift, so medians over rounds compare schedules and not moments. Every schedule interleaves with every other,
+whatever its layout (until issue 24's layout takeover, only schedules of one layout could, a store per layout one
+after the other); each row still says its layout (`layout_group`, in first-seen order).
 
 The weights keep training across schedules (each switch applies the pending update first, as a checkpoint does):
 the step time of a schedule does not depend on the values of the weights, and the clipping share of every row is
@@ -57,7 +59,7 @@ class MeasuredRow:
 
     config: str  # the caller's name for the schedule
     round: int
-    layout_group: int  # schedules of one group share a host store and are interleaved over rounds
+    layout_group: int  # the host layout it ran with (first-seen order): schedules of one group share its store as is
     program: Program
     step_s: list[float]  # wall time of each timed step (StreamedTrainer.step's time_s)
     clip_share: float  # share of timed steps whose update was clipped (clip coefficient < 1)
@@ -139,8 +141,8 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
                    on_row: Callable[[MeasuredRow], None] | None = None,
                    log: Callable[[str], None] | None = None,
                    skip: set[tuple[str, int]] = frozenset()) -> list[MeasuredRow]:
-    """Measure every schedule of `schedules` ({name: knobs}) `rounds` times at (batch, seq), one host store per host
-    layout (module docstring). `predict` ({label: profile}) adds the simulator's step time per row; `on_row` sees
+    """Measure every schedule of `schedules` ({name: knobs}) `rounds` times at (batch, seq) on one host store
+    (module docstring). `predict` ({label: profile}) adds the simulator's step time per row; `on_row` sees
     each row as it is measured (write it out: an interrupted run keeps what it measured). Returns every row, in
     the order measured. `skip` holds (name, round) pairs measured before (a resumed measurement): not measured
     again."""
@@ -151,38 +153,38 @@ def measure_rounds(spec: ModelSpec, schedules: dict[str, ScheduleKnobs], batch: 
     profiles = {label: load_profile(p) for label, p in (predict or {}).items()}
     say = log or (lambda _line: None)
     rows: list[MeasuredRow] = []
-    for g, group in enumerate(layout_groups(spec, schedules)):
-        first = next(iter(group.values()))
-        t0 = time.perf_counter()
-        trainer = StreamedTrainer(spec, first, optim=AdamWConfig(lr=1e-5), backend=device, seed=seed,
-                                  timeout_s=timeout_s)
-        say(f"layout group {g}: {len(group)} schedule(s), host store built in {time.perf_counter() - t0:.1f} s")
-        batches = synthetic_batches(spec, batch, seq, seed)
-        try:
-            for r in range(rounds):
-                for name, knobs in group.items():
-                    if (name, r) in skip:
-                        continue
-                    program, timed, switch_s, peak = measure_on(trainer, name, knobs, batches, warmup=warmup,
-                                                                steps=steps, batch=batch, seq=seq)
-                    row = MeasuredRow(name, r, g, program, [t.time_s for t in timed],
-                                      sum(t.clipped for t in timed) / len(timed), [t.loss for t in timed],
-                                      switch_s, peak, [t.timeline for t in timed])
-                    facts = StepFacts(clip_share=row.clip_share)
-                    for label, profile in profiles.items():
-                        row.predicted_step_s[label] = simulate(program, profile, facts).mean_step_s
-                    say(f"  round {r} {name}: {row.median_step_s * 1e3:,.1f} ms/step "
-                        f"({row.tokens_per_s:,.0f} tok/s; switch + warm-up {switch_s:.1f} s)"
-                        + "".join(f"; {label} {row.error(label):+.1%}" for label in profiles))
-                    rows.append(row)
-                    if on_row is not None:
-                        on_row(row)
-        finally:
-            trainer.flush()
-            del trainer
-            gc.collect()  # the store's pinned pages go back before the next group's store is built
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    group_of = {name: g for g, group in enumerate(layout_groups(spec, schedules)) for name in group}
+    first = next(iter(schedules.values()))
+    t0 = time.perf_counter()
+    trainer = StreamedTrainer(spec, first, optim=AdamWConfig(lr=1e-5), backend=device, seed=seed, timeout_s=timeout_s)
+    say(f"{len(schedules)} schedule(s) of {len(set(group_of.values()))} host layout(s); host store built in "
+        f"{time.perf_counter() - t0:.1f} s (another layout takes it over in place: HostStore.relayout)")
+    batches = synthetic_batches(spec, batch, seq, seed)
+    try:
+        for r in range(rounds):
+            for name, knobs in schedules.items():
+                if (name, r) in skip:
+                    continue
+                program, timed, switch_s, peak = measure_on(trainer, name, knobs, batches, warmup=warmup,
+                                                            steps=steps, batch=batch, seq=seq)
+                row = MeasuredRow(name, r, group_of[name], program, [t.time_s for t in timed],
+                                  sum(t.clipped for t in timed) / len(timed), [t.loss for t in timed],
+                                  switch_s, peak, [t.timeline for t in timed])
+                facts = StepFacts(clip_share=row.clip_share)
+                for label, profile in profiles.items():
+                    row.predicted_step_s[label] = simulate(program, profile, facts).mean_step_s
+                say(f"  round {r} {name}: {row.median_step_s * 1e3:,.1f} ms/step "
+                    f"({row.tokens_per_s:,.0f} tok/s; switch + warm-up {switch_s:.1f} s)"
+                    + "".join(f"; {label} {row.error(label):+.1%}" for label in profiles))
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    finally:
+        trainer.flush()
+        del trainer
+        gc.collect()  # the store's pinned pages go back now, not at the caller's next collection
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
 
 
