@@ -48,10 +48,11 @@ def test_recorded_h100_predictions_stay_within_their_errors(recorded):
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
     # (a) a fresh --quick profile, no training run: median 6.5%, max 17.1% with the tree of issue 24
     assert _median(a) <= 0.075 and a[-1] <= 0.19, a
-    # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.5%, max 24.4%
+    # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.1%, max 25.9%
     assert _median(b) <= 0.055 and b[-1] <= 0.26, b
-    # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.8%, max 5.5%
-    assert _median(c) <= 0.012 and c[-1] <= 0.065, c
+    # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.4%, max 3.1% (0.8% and 5.5%
+    # before the fit left the slowest of 3 timed steps out)
+    assert _median(c) <= 0.006 and c[-1] <= 0.035, c
     for shape, tau_a, tau_b in recorded["taus"]:  # the measured order of the 7 schedules, per shape: 0.81-1.0
         assert tau_a >= 0.8 and tau_b >= 0.85, (shape, tau_a, tau_b)
 
@@ -71,10 +72,10 @@ def test_recorded_h200_predictions_stay_within_their_errors(recorded_h200):
     errors = recorded_h200["errors"]
     assert len(errors["a"]) == 21 and len(errors["b"]) == 12
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) median 5.6%, max 13.5%; (b) median 2.9%, max 13.0%; (c) in-sample median 0.6%, max 4.1%
+    # (a) median 5.6%, max 13.5%; (b) median 2.9%, max 12.5%; (c) in-sample median 0.4%, max 2.3%
     assert _median(a) <= 0.065 and a[-1] <= 0.15, a
-    assert _median(b) <= 0.035 and b[-1] <= 0.145, b
-    assert _median(c) <= 0.01 and c[-1] <= 0.05, c
+    assert _median(b) <= 0.035 and b[-1] <= 0.14, b
+    assert _median(c) <= 0.006 and c[-1] <= 0.03, c
     for shape, tau_a, tau_b in recorded_h200["taus"]:  # 1.0 / 0.9 / 1.0 both ways
         assert tau_a >= 0.85 and tau_b >= 0.85, (shape, tau_a, tau_b)
 
