@@ -31,12 +31,13 @@ from megatrain.parallel.world import World
 from megatrain.model.init import init_into
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
-from megatrain.ir.placement import DEFAULT_STRATEGY
+from megatrain.ir.placement import DEFAULT_STRATEGY, host_component_names
 from megatrain.ir.program import Program
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout
 from megatrain.model.spec import ModelSpec
 from megatrain.plan.machine import host_memory
+from megatrain.plan.memory import plan_host_memory
 
 
 @dataclass
@@ -166,12 +167,12 @@ class StreamedTrainer:
         if relayout and self.world.distributed:
             raise ValueError(f"schedule {name} needs another host layout than the one this rank's store was built "
                              "for; a data-parallel run keeps its layout (start the run with it)")
-        if relayout:
-            self._check_relayout_fits(layout, name)
-        applied = self.flush()
         sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.parallelism)
         sched.name = name
         program = lower(sched)
+        if relayout:
+            self._check_relayout_fits(program, name)
+        applied = self.flush()
         if relayout:
             old = self.store.layout
             self._release_program()
@@ -187,10 +188,18 @@ class StreamedTrainer:
         self.knobs, self.schedule_name = knobs, name
         return program, applied
 
-    def _check_relayout_fits(self, layout, name: str) -> None:
-        """HostMemoryShort, before anything is freed, when the new layout's buffers beyond the master and moments
-        need more than the old layout's free and the host has."""
-        more = self.store.extra_bytes(layout) - self.store.extra_bytes()
+    def _check_relayout_fits(self, program: Program, name: str) -> None:
+        """HostMemoryShort, before anything is freed, when the new layout's store components beyond the master and
+        moments (the planner's figures, `plan_host_memory`) need more than the running store's free and the host
+        has."""
+        def beyond_state(components: dict[str, int], layout) -> int:
+            names = host_component_names(layout)
+            kept = {names[k] for k in ("master", "m", "v")}  # taken over in place (HostStore.relayout)
+            return sum(v for k, v in components.items() if k in names.values() and k not in kept)
+
+        planned = plan_host_memory(program.placement, self.backend.name).components
+        layout = program.placement.host_layout
+        more = beyond_state(planned, layout) - beyond_state(self.store.bytes_by_component(), self.store.layout)
         if more <= 0:
             return
         limit = host_memory()

@@ -171,7 +171,7 @@ class HostStore:
         taken over and re-pinned as the new layout pins them; the gradient landing space, the streaming copy and the
         scratch buffers are dropped before the new layout's are allocated, so the peak is the larger layout, not
         both. Call between steps (no update pending, no Program holding views of this store); this store is spent
-        afterwards. Host memory is the caller's to check (`extra_bytes`). One process's store only: a sharded
+        afterwards. Host memory is the caller's to check (`StreamedTrainer.switch_schedule` checks the planner's figures). One process's store only: a sharded
         store's slices are the strategy's (ValueError)."""
         if type(self) is not HostStore:
             raise ValueError(f"{type(self).__name__}: a data-parallel rank's store keeps its layout (relayout is for "
@@ -186,23 +186,6 @@ class HostStore:
             r.pinned_bytes = 0
         self._grad = self._stream = self._scratch = self._state_scratch = None  # freed here (unpinned by finalizer)
         return HostStore(self.spec, layout, self.backend, adopt=self)
-
-    def extra_bytes(self, layout: HostLayout | None = None) -> int:
-        """Bytes of `layout`'s store beyond the master and moments (landing space, streaming copy, scratch), as
-        allocated; default this store's own layout. What a relayout frees and allocates."""
-        if layout is None:
-            return sum(r.nbytes for r in (self._grad, self._stream, self._scratch, self._state_scratch) if r)
-        full = [self.layouts[u].numel for u in self.units]  # one process's store: whole tiles (as _tile_sizes)
-
-        def pages(n: int, size: int) -> int:  # a tile's page-aligned bytes, as HostRegion carves it
-            return -(-n * size // PAGE) * PAGE
-
-        item = TORCH_DTYPES[layout.grad_wire].itemsize
-        grads = (layout.grad_ring * pages(layout.ring_tile_elements, item) if layout.grad_ring
-                 else sum(pages(n, item) for n in full))
-        stream = sum(pages(n, 2) for n in full) if layout.weight_wire == "bf16" else 0
-        scratch = pages(layout.grad_scratch_elements, 4) + 2 * pages(layout.state_scratch_elements, 4)
-        return grads + stream + scratch
 
     def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Elements per unit of the optimizer's tiles (master, moments) and of the full tiles (streaming copy,

@@ -177,7 +177,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     convert_rate = float(m["cpu_refresh"]["rate"])
     # the update at both weight wires (operating point): one budget, the update's bytes and the conversion pass's
     # own bytes fitted jointly, and the conversion pass's time alone is the two updates' difference
-    wires = None
+    wires, convert_from_wires = None, False
     if op is not None and "contention_other" in op:
         wires = host.fit_host_memory_wires([op["contention"], op["contention_other"]], copy_draw,
                                            m["host_memory"]["Bps"])
@@ -186,7 +186,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         lo, hi = min(by_passes), max(by_passes)
         extra_s = (by_passes[hi]["update_alone_s"] - by_passes[lo]["update_alone_s"]) / (hi - lo)
         if extra_s > 0:
-            convert_rate = op["params"] / extra_s
+            convert_rate, convert_from_wires = op["params"] / extra_s, True
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
@@ -216,7 +216,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "cpu_convert_params_per_s": ("measured: the runtime's update alone at the bf16 weight wire less the same "
                                      "at the fp32 wire (the streaming copy's refresh in Updates.update; "
                                      f"HostStore.refresh_stream alone: {float(m['cpu_refresh']['rate']) / 1e9:.2f} "
-                                     "Gparam/s)" if wires is not None and convert_rate != float(m["cpu_refresh"]["rate"])
+                                     "Gparam/s)" if convert_from_wires
                                      else "measured: fp32 master -> bf16 streaming copy (HostStore.refresh_stream) at "
                                      "the runtime's threads")
                                     + "; charged to a CPU update once per bf16 wire (weights, gradients).",

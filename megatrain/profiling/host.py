@@ -103,6 +103,24 @@ def update_bytes_per_param(passes: int) -> float:
     return ADAM_BYTES_PER_PARAM + passes * CONVERT_BYTES_PER_PARAM
 
 
+def _drawn(c: dict, copy_draw: float) -> dict[str, float]:
+    """Host bytes/s the copies of each mix drew beside the update (a contention record's copy rates)."""
+    return {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
+            "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}
+
+
+def _mix_rates(c: dict, copy_draw: float) -> tuple[float, list[tuple[float, float]]]:
+    """A contention record's update rate alone and its (copy host bytes/s drawn, update rate) per copy mix."""
+    n, drawn = c["params"], _drawn(c, copy_draw)
+    return n / c["update_alone_s"], [(drawn[k], n / c[f"update_{k}_s"]) for k in MIXES]
+
+
+def _model_rate(alone: float, host: float, bpp: float, drawn: float) -> float:
+    """The simulator's update rate beside copies drawing `drawn` host bytes/s (sim/hostmem.py, max-min): what the
+    budget leaves it, at most its rate alone."""
+    return max(0.0, min(alone, (host - drawn) / bpp))
+
+
 def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_Bps: float) -> dict:
     """host_memory_Bps and cpu_update_bytes_per_param from `measure_contention`'s record (module docstring).
 
@@ -111,8 +129,7 @@ def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_
     bound by host memory, and per copy mix the update rate measured and the rate the fitted model gives."""
     alone = params / c["update_alone_s"]
     rate = {k: params / c[f"update_{k}_s"] for k in MIXES}
-    drawn = {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
-             "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}  # copy host bytes/s beside the update
+    drawn = _drawn(c, copy_draw)
     slowed = [k for k in MIXES if rate[k] < SLOWED * alone]
     bpp, host = math.inf, math.inf
     if len(slowed) >= 2:
@@ -133,24 +150,10 @@ def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_
     if not math.isfinite(bpp):
         bpp = update_bytes_per_param(passes)
         host = max(stream_Bps, bpp * alone + drawn["both"])
-    model = {k: max(0.0, min(alone, (host - drawn[k]) / bpp)) for k in MIXES}
+    model = {k: _model_rate(alone, host, bpp, drawn[k]) for k in MIXES}
     return {"host_memory_Bps": host, "cpu_update_bytes_per_param": bpp, "bound": bool(slowed),
             "update_alone_params_per_s": alone, "update_params_per_s": rate, "model_params_per_s": model,
             "copies_drawn_Bps": drawn, "stream_Bps": stream_Bps}
-
-
-def _mix_rates(c: dict, copy_draw: float) -> tuple[float, list[tuple[float, float]]]:
-    """A contention record's update rate alone and its (copy host bytes/s drawn, update rate) per copy mix."""
-    n = c["params"]
-    drawn = {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
-             "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}
-    return n / c["update_alone_s"], [(drawn[k], n / c[f"update_{k}_s"]) for k in MIXES]
-
-
-def _model_rate(alone: float, host: float, bpp: float, drawn: float) -> float:
-    """The simulator's update rate beside copies drawing `drawn` host bytes/s (sim/hostmem.py, max-min): what the
-    budget leaves it, at most its rate alone."""
-    return max(0.0, min(alone, (host - drawn) / bpp))
 
 
 def _misfit(alone: float, mixes: list[tuple[float, float]], host: float, bpp: float) -> float:

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from megatrain.compile.knobs import ScheduleKnobs
-from megatrain.compile.resolve import resolve_host_layout
 from megatrain.engine.trainer import HostMemoryShort, StepResult
 from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
@@ -277,10 +276,9 @@ def switch_trainer(trainer, batch: int, seq: int, knobs: ScheduleKnobs, name: st
     first with the old Program, as a checkpoint does, then the new Program takes the host store, relaid in place
     for another layout). Returns the new Program and the update plan the flush applied (None if none was
     pending)."""
-    t0 = time.perf_counter()
-    relayout = resolve_host_layout(trainer.spec, knobs) != trainer.store.layout
+    t0, store = time.perf_counter(), trainer.store
     out = trainer.switch_schedule(replace(knobs), batch, seq, name)
-    if relayout:
+    if trainer.store is not store:  # another layout: switch_schedule relaid the store
         log(f"auto: {name} has another host layout: the store was taken over in place in "
             f"{time.perf_counter() - t0:.1f} s")
     return out
