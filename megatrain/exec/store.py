@@ -171,8 +171,8 @@ class HostStore:
         taken over and re-pinned as the new layout pins them; the gradient landing space, the streaming copy and the
         scratch buffers are dropped before the new layout's are allocated, so the peak is the larger layout, not
         both. Call between steps (no update pending, no Program holding views of this store); this store is spent
-        afterwards. Host memory is the caller's to check (`StreamedTrainer.switch_schedule` checks the planner's figures). One process's store only: a sharded
-        store's slices are the strategy's (ValueError)."""
+        afterwards. Host memory is the caller's to check (`StreamedTrainer.switch_schedule` checks the planner's
+        figures). One process's store only: a sharded store's slices are the strategy's (ValueError)."""
         if type(self) is not HostStore:
             raise ValueError(f"{type(self).__name__}: a data-parallel rank's store keeps its layout (relayout is for "
                              "one process)")

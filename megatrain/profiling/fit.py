@@ -99,7 +99,8 @@ def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataF
     With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`)."""
     classes = step_classes(program, steps, step_clips(program, steps, clipped))
     p = replace(profile, task_overhead_s=_overheads(program, classes),
-                compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)  # the norm's whole measured time is its "N" overhead
+                # the norm's whole measured time is its "N" overhead
+                compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)
     p = _seeded(p, program, classes)
     groups = _flow_groups(program)
     for _ in range(FIT_ITERATIONS):

@@ -11,8 +11,9 @@ Measuring (`measure` = K, `--auto-measure K`, default 3; and every candidate pre
 best, up to MAX_MEASURE: the simulator cannot tell those apart): the best predicted candidate runs first (the trainer
 was built with it); each candidate runs `UNTIMED_STEPS` step after its switch (new GPU buffers, a compile of the
 layer) and `TIMED_STEPS` timed steps; the median of its timed steps is its measured step time. Then the next
-candidate is the fastest predicted one not measured yet, until that many are measured; the run switches to the fastest measured and
-trains with it, and one line per candidate says its prediction, its measured time, the error and which was chosen.
+candidate is the fastest predicted one not measured yet, until that many are measured; the run switches to the
+fastest measured and trains with it, and one line per candidate says its prediction, its measured time, the error
+and which was chosen.
 These are the run's own training steps, on its batches, counted, logged and checkpointed as any other: a schedule
 changes the speed, never the numbers computed (the candidates keep the run's numerics, `tune.auto_candidates`; a
 switch first applies the pending update, as a checkpoint does), so nothing is wasted but the slower steps.
@@ -193,7 +194,7 @@ class AutoChoice:
                      f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked[:max(self.measure, self.limit)]:
             if c.label not in by_label:
-                why = self.unstarted.get(c.label, "not among the fastest predicted measured")
+                why = self.unstarted.get(c.label, "the run's steps measured fewer candidates")
                 self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: {why}")
         if self.chosen.label != self.running.label:
             self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
@@ -211,7 +212,8 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
     profiling/store.py's precedence; `run_dir` and `resumed`: a resumed run's own calibrated profile comes first),
     the ranking (`tune.auto.choose_auto`, clipping priced at `assumed`, the compiled layer tried both ways with
     `vary_compile`), logged with the next best. Returns the AutoChoice that measures the `measure` best (and every
-    one predicted within `band` of the best) on the run's first steps and the profile it ranked with. ScheduleError when nothing fits, BudgetError without a budget."""
+    one predicted within `band` of the best) on the run's first steps and the profile it ranked with. ScheduleError
+    when nothing fits, BudgetError without a budget."""
     budget = auto_budget(backend, gpu_gib)
     if not profile:
         knobs = replace(base, compile_layers=True) if vary_compile else base  # both kernels' tables
