@@ -7,13 +7,13 @@
 Every variant (`--sweep`, or a comma-separated --schedule) is measured in this one process by
 `profiling.rounds.measure_rounds`: one host store, taken over in place by each host layout in turn, the variants
 taking turns on it, interleaved over `--rounds` rounds; each (variant, round) is a line of DIR/rows.jsonl (knobs,
-Program hash, step times, clipping share, prediction), written as it is measured, and its timed steps' timelines
-are appended to DIR/timelines.csv.gz. Per variant, of its median round: step time, GPU idle % and tokens/s predicted vs measured,
-the per-task error distribution by task group (median and p90 of |pred - meas| / meas of each task's
+Program hash, step times, clipping share, prediction), written as it is measured, and its timed steps' timelines are
+appended to DIR/timelines.csv.gz. Per variant, of its median round: step time, GPU idle % and tokens/s predicted vs
+measured, the per-task error distribution by task group (median and p90 of |pred - meas| / meas of each task's
 ready-to-done time), the tasks with the largest error; and in DIR/<variant>/ the timelines (CSV), tasks.csv,
 by_group.csv, compare.json, trace.json (predicted and measured stacked, one process each) and gantt.png (side by
-side). Then the step table (median over rounds, with min-max when there are several) and, with several variants,
-the ranking by predicted and by measured step time and whether the orders agree.
+side). Then the step table (median over rounds, with min-max when there are several) and, with several variants, the
+ranking by predicted and by measured step time and whether the orders agree.
 """
 from __future__ import annotations
 

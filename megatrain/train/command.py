@@ -93,13 +93,13 @@ def config_from_args(args) -> RunConfig:
 
 def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None = None, band: float | None = None):
     """`--schedule auto`: the schedule overrides of the fastest predicted schedule for this run (megatrain/tune/auto.py:
-    the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that measures
-    the best few on the run's first steps (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel,
+    the one `auto`, with the one budget rule), printed with the next best, and the AutoChoice that measures the best
+    few on the run's first steps (train/autoswitch.py); the config's numerics (clipping, dtypes, kernel,
     micro-batches) are kept. Without run.profile it uses the profile of profiling/store.py's precedence, and
-    measures this machine quickly first (into the per-user cache) when that is only the shipped default. measure: candidates measured on
-    the run's first steps (--auto-measure; None: the default), band: also every one predicted within that fraction
-    of the best (--auto-band; None: the default); the compiled layer is a candidate knob unless the
-    config sets schedule.compile_layers (autoswitch.varies_compile)."""
+    measures this machine quickly first (into the per-user cache) when that is only the shipped default. measure:
+    candidates measured on the run's first steps (--auto-measure; None: the default), band: also every one predicted
+    within that fraction of the best (--auto-band; None: the default); the compiled layer is a candidate knob unless
+    the config sets schedule.compile_layers (autoswitch.varies_compile)."""
     try:  # each rank would choose (and measure) on its own, and ranks must run one Program (the resolver says so)
         check_run_for_ranks(int(os.environ.get("WORLD_SIZE", "1")), auto=True)
     except ScheduleError as e:
