@@ -63,8 +63,8 @@ from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
 DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
 # Beyond K, every candidate predicted within this fraction of the best is measured too, up to MAX_MEASURE: the
 # simulator cannot tell such candidates apart (its out-of-sample errors reach 13.5% on an H200, docs/accuracy.md).
-# Measured on an H200, bench-3b 8 x 2048 at 16 GiB: the best named schedule was predicted 6.5% behind auto's top 3
-# and so never measured; auto trained 0.92x its speed.
+# Measured on an H200, bench-3b 8 x 2048 at 16 GiB: the best named schedule was predicted 6.5% behind auto's pick,
+# level with its third candidate and ranked after it, and so never measured; auto trained 0.92x its speed.
 DEFAULT_BAND = 0.10
 MAX_MEASURE = 6
 UNTIMED_STEPS = 1  # after a switch: new GPU buffers, a compile of the layer, the first pending update
