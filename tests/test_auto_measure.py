@@ -77,8 +77,8 @@ def test_the_fastest_measured_wins_over_the_prediction():
 
 
 def test_every_candidate_the_simulator_cannot_tell_from_the_best_is_measured():
-    """Beyond K, every candidate of the host layout predicted within the band of the best is measured, up to
-    MAX_MEASURE; one predicted further off is not (H200: the best named schedule was predicted 6.5% behind auto's pick, after its 3)."""
+    """Beyond K, every candidate predicted within the band of the best is measured, up to MAX_MEASURE; one
+    predicted further off is not (H200: the best named schedule, 6.5% behind auto's pick, was never measured)."""
     auto = _choice(ScheduleKnobs(clip=0), measure=2, band=0.10)
     best = auto.ranked[0].step_s
     _drive(auto, lambda label: 0.01)
