@@ -10,6 +10,7 @@ not named (the runtime's wait timeout names its task instead).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
@@ -50,6 +51,7 @@ class Heartbeat:
         beat = cls(store, rank, size)
         beat._write()
         beat._thread.start()
+        atexit.register(beat.stop)  # every way out of the process, an error's included, stops the thread first
         return beat
 
     def _write(self) -> bool:
@@ -66,7 +68,14 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread to end (at most one store write, STORE_WAIT_S). Joining matters: a
+        daemon thread still inside a store call when the interpreter exits aborts the process ("terminate called
+        without an active exception", SIGABRT instead of the rank's exit status), since it is unwound at
+        finalisation from inside the binding's GIL guard."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STORE_WAIT_S + BEAT_S)
+        atexit.unregister(self.stop)
 
     def stopping(self) -> None:
         """Tell the peers this rank is alive and stopping because a collective failed (it saw a peer die): its

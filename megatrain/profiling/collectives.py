@@ -102,9 +102,9 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
 
 def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool = False,
                    log=print) -> tuple[int, dict]:
-    """Every rank of a torchrun launch: join the world (`World.from_env`), measure the collectives, leave it.
-    Returns (rank, record); only rank 0 logs. The rank's core pinning (World.from_env) is undone afterwards, so
-    that rank 0 measures the rest of a profile on all the cores, as one process would."""
+    """Every rank of a torchrun launch: join the world (`World.from_env`), measure the collectives, leave it
+    (`World.close`). Returns (rank, record); only rank 0 logs. The rank's core pinning (World.from_env) is undone
+    afterwards, so that rank 0 measures the rest of a profile on all the cores, as one process would."""
 
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     world = World.from_env("cuda" if device == "cuda" else "cpu", timeout_s)
@@ -116,8 +116,11 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
         on_gpu = dev.type == "cuda"
         warmup, iters = ((2, 10) if quick else (5, 20)) if on_gpu else (2, 5)
         rec = measure_collectives(world, dev, weight_wire, warmup=warmup, iters=iters, log=say)
+        world.close()  # every rank done before any tears its groups down; the liveness thread joined
     finally:
-        if dist.is_initialized():
+        if world.watch is not None:
+            world.watch.stop()
+        if dist.is_initialized():  # a failed measurement: leave without waiting for the peers
             dist.destroy_process_group()
         if cores is not None:
             os.sched_setaffinity(0, cores)
