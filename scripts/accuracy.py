@@ -13,7 +13,9 @@ every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one h
 each host layout, the schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
 
 `ablate DIR --model M` rebuilds one shape's quick profile from its measurements with parts of the profiler's method
-left out (one weight wire; the default device redo) and prints each row's (a) error with each.
+left out (one weight wire; the default device redo; copies not slowed beside the update) and prints each row's (a)
+error with each. `report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older
+measurements under today's profiler).
 
 `report` predicts every measured row two ways and compares with the median over rounds:
   (a) "quick": from the fresh quick profiles of that machine (every shape's compute tables, no training run);
@@ -163,7 +165,7 @@ def report(a) -> int:
     if not any((d / "rows.jsonl").is_file() for d in root.iterdir()):
         print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
         return 2
-    result = evaluate(root, a.calibrate_on, a.quick_file)
+    result = evaluate(root, a.calibrate_on, a.quick_file, a.rebuild)
     print(result["text"])
     if a.write:
         Path(a.write).write_text(result["text"])
@@ -171,9 +173,12 @@ def report(a) -> int:
     return 0
 
 
-def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.json") -> dict:
+def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.json",
+             rebuild: str | None = None) -> dict:
     """The errors of every measured row of `root` (module docstring): {"text": the markdown table and summary,
-    "errors": {"a"|"b"|"b_all"|"c": [fractions]}, "taus": [(shape, tau a, tau b)], "transfer": the profile of (b)}."""
+    "errors": {"a"|"b"|"b_all"|"c": [fractions]}, "taus": [(shape, tau a, tau b)], "transfer": the profile of (b)}.
+    `rebuild`: each shape's quick profile rebuilt from its measurements by today's profiler (`rebuild_profile`'s
+    variant) instead of the saved `quick_file`."""
     from megatrain.compile.record import program_of
     from megatrain.ir.facts import StepFacts
     from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
@@ -183,7 +188,8 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     shapes = sorted(d for d in root.iterdir() if (d / "rows.jsonl").is_file())
     data = {d.name: _load_shape(d) for d in shapes}
     # (a) for a shape: the quick profile measured for that shape (its rates), with every shape's compute tables
-    quick = {d.name: load_profile(d / quick_file) for d in shapes}
+    quick = {d.name: (rebuild_profile(d, _model_of(d), rebuild) if rebuild else load_profile(d / quick_file))
+             for d in shapes}
     tables = tuple({(t.key, t.seq): t for p in quick.values() for t in p.compute_tables}.values())
     machine = {name: replace(p, compute_tables=tables) for name, p in quick.items()}
     cal_shape, cal_config = calibrate_on.split(":", 1)
@@ -197,9 +203,11 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     except TypeError:  # a calibration that does not take the clip facts (before issue 24)
         cal = calibrate_run(cal_program, machine[cal_shape], cal_steps, warmup=0)
     transfer = cal.profile
-    lines = [f"# Prediction errors: {root}", "",
+    how = f" (profiles rebuilt from the measurements by today's profiler: {rebuild})" if rebuild else ""
+    lines = [f"# Prediction errors: {root}{how}", "",
              f"(a) quick: for each shape, the fresh `--quick` profile measured for it on this machine, with the "
-             f"compute tables of every shape ({', '.join(d.name for d in shapes)}); no training run. (b) transfer: (a) calibrated on round 0 of "
+             f"compute tables of every shape ({', '.join(d.name for d in shapes)}); no training run. (b) transfer: "
+             "(a) calibrated on round 0 of "
              f"{cal_shape} {cal_config} ({len(_steps_of(tl, cal_config, 0))} timed steps). Error = predicted / "
              "measured - 1 of the step time (+ = predicted too slow); measured = median over rounds of each "
              "round's median timed step (min-max over rounds). (c) IN-SAMPLE: the row's own profile calibrated on "
@@ -281,37 +289,58 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
 
 
 # ---- ablate ------------------------------------------------------------------------------------------------------
-def ablate(a) -> int:
-    """`ablate`: the (a) error of every row of one shape with its quick profile rebuilt from its measurements as
-    measured and with parts of the method left out (what each part of the profiler is worth, on the same data)."""
+# The parts of the profiler's method `ablate` leaves out one at a time (and `report --rebuild` can): each rebuilds a
+# shape's quick profile from its measurements with today's code, that part undone.
+VARIANTS = ("as measured", "one weight wire", "redo = 2 updates", "copies not slowed by the update")
+
+
+def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
+    """Shape directory `d`'s quick profile rebuilt from its `profile-quick.measurements.json` by today's profiler
+    (`VARIANTS`: with one part of the method left out), with the compute tables of its saved profile (which holds
+    the eager and the compiled layer's). `model`: its preset or HF model directory, as given to `measure`."""
     import copy
 
     from megatrain.compile.knobs import ScheduleKnobs
-    from megatrain.compile.record import program_of
-    from megatrain.ir.facts import StepFacts
     from megatrain.model.presets import get_model
     from megatrain.profiling.assemble import build_profile
     from megatrain.profiling.calibrate import ProfileRequest
+    from megatrain.sim import load_profile
+
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown profile variant {variant!r}; use one of {', '.join(VARIANTS)}")
+    m = json.loads((d / "profile-quick.measurements.json").read_text())
+    r = m["request"]
+    spec = get_model(model)
+    req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m["machine"]["device"], dtypes=r["dtypes"],
+                         quick=True, knobs=ScheduleKnobs(**r["knobs"]))
+    m = copy.deepcopy(m)
+    if variant == "one weight wire":
+        m.get("operating_point", {}).pop("contention_other", None)
+    if variant == "redo = 2 updates":
+        for k in ("redo_updates", "redo_s"):
+            m["gpu_adam"].pop(k, None)
+    p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
+    if variant == "copies not slowed by the update":  # as the simulator ran before issue 24's third round
+        p = p.with_(copy_beside_update={})
+    saved = d / "profile-quick.json"
+    return p.with_(compute_tables=load_profile(saved).compute_tables) if saved.is_file() else p
+
+
+def _model_of(d: Path) -> str:
+    """The preset or HF model directory of a measured shape directory: scripts/shapes/<name> when it exists."""
+    shapes = Path(__file__).parent / "shapes" / d.name
+    return str(shapes) if shapes.is_dir() else d.name
+
+
+def ablate(a) -> int:
+    """`ablate`: the (a) error of every row of one shape with its quick profile rebuilt from its measurements as
+    measured and with parts of the method left out (what each part of the profiler is worth, on the same data)."""
+    from megatrain.compile.record import program_of
+    from megatrain.ir.facts import StepFacts
     from megatrain.sim import simulate
 
     d = Path(a.dir)
-    m0 = json.loads((d / "profile-quick.measurements.json").read_text())
-    r = m0["request"]
-    spec = get_model(a.model)
-    req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m0["machine"]["device"], dtypes=r["dtypes"],
-                         quick=True, knobs=ScheduleKnobs(**r["knobs"]))
-
-    def rebuilt(one_wire: bool = False, default_redo: bool = False):
-        m = copy.deepcopy(m0)
-        if one_wire:
-            m.get("operating_point", {}).pop("contention_other", None)
-        if default_redo:
-            for k in ("redo_updates", "redo_s"):
-                m["gpu_adam"].pop(k, None)
-        return build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
-
-    variants = {"as measured": rebuilt(), "one weight wire": rebuilt(one_wire=True),
-                "redo = 2 updates": rebuilt(default_redo=True)}
+    variants = {v: rebuild_profile(d, a.model, v) for v in VARIANTS}
     rows, _ = _load_shape(d)
     by: dict[str, list[dict]] = {}
     for row in rows:
@@ -353,6 +382,9 @@ def main(argv=None) -> int:
     r.add_argument("--quick-file", default="profile-quick.json",
                    help="the file name of each shape's quick profile (a resumed run keeps the earlier one as "
                         "profile-quick-<run>.json)")
+    r.add_argument("--rebuild", choices=VARIANTS, metavar="VARIANT",
+                   help="rebuild each shape's quick profile from its measurements by today's profiler, as measured "
+                        f"or with one part left out ({'; '.join(VARIANTS)})")
     r.add_argument("--write", help="write the markdown table here (and the transfer profile beside it)")
     r.set_defaults(func=report)
     b = sub.add_parser("ablate", help="one shape's (a) errors with parts of the profiler's method left out")

@@ -3,8 +3,9 @@ simulator's errors on the rows recorded on one H100 (docs/runs/24-accuracy/h100-
 within bounds.
 
 The recorded rows are GPU measurements nobody can re-run in CI; the predictions are recomputed here by the current
-simulator and calibration from the rows' Program records, the machine's quick profiles and the measured timelines.
-A change that makes the simulator predict those runs worse fails here. The bounds sit a little above what the tree
+profiler (each quick profile rebuilt from its recorded measurements: `report --rebuild`), simulator and calibration
+from the rows' Program records and the measured timelines. A change that makes the profiler or the simulator
+predict those runs worse fails here. The bounds sit a little above what the tree
 of issue 24 gives (in the comments); tighten them as the simulator improves, never loosen them to pass.
 """
 import importlib.util
@@ -39,20 +40,22 @@ def recorded(tmp_path_factory):
     for tgz in sorted(RECORDED.glob("acc-*.tgz")):
         with tarfile.open(tgz) as t:
             t.extractall(root, filter="data")
-    return _script().evaluate(root, "bench-3b:arrival")
+    return _script().evaluate(root, "bench-3b:arrival", rebuild="as measured")
 
 
 def test_recorded_h100_predictions_stay_within_their_errors(recorded):
     errors = recorded["errors"]
     assert len(errors["a"]) == 21 and len(errors["b"]) == 12  # 3 shapes x 7 schedules; 2 x 6 strictly out of sample
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) a fresh --quick profile, no training run: median 6.5%, max 17.1% with the tree of issue 24
+    # (a) a fresh --quick profile, no training run: median 6.7%, max 17.1% (6.5%, 17.1% before the copies were
+    # slowed beside the update: copy_beside_update)
     assert _median(a) <= 0.075 and a[-1] <= 0.19, a
-    # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.1%, max 25.9%
-    assert _median(b) <= 0.055 and b[-1] <= 0.26, b
-    # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.4%, max 3.1% (0.8% and 5.5%
-    # before the fit left the slowest of 3 timed steps out)
-    assert _median(c) <= 0.006 and c[-1] <= 0.035, c
+    # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.1%, max 22.5%
+    # (4.1%, 25.9% before)
+    assert _median(b) <= 0.055 and b[-1] <= 0.24, b
+    # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.3%, max 2.1% (0.4%, 3.1%
+    # before; 0.8% and 5.5% before the fit left the slowest of 3 timed steps out)
+    assert _median(c) <= 0.005 and c[-1] <= 0.025, c
     for shape, tau_a, tau_b in recorded["taus"]:  # the measured order of the 7 schedules, per shape: 0.81-1.0
         assert tau_a >= 0.8 and tau_b >= 0.85, (shape, tau_a, tau_b)
 
@@ -63,7 +66,7 @@ def recorded_h200(tmp_path_factory):
     for tgz in sorted((RECORDED.parent / "h200-run1").glob("acc-*.tgz")):
         with tarfile.open(tgz) as t:
             t.extractall(root, filter="data")
-    return _script().evaluate(root, "bench-3b:arrival")
+    return _script().evaluate(root, "bench-3b:arrival", rebuild="as measured")
 
 
 def test_recorded_h200_predictions_stay_within_their_errors(recorded_h200):
@@ -72,10 +75,11 @@ def test_recorded_h200_predictions_stay_within_their_errors(recorded_h200):
     errors = recorded_h200["errors"]
     assert len(errors["a"]) == 21 and len(errors["b"]) == 12
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) median 5.6%, max 13.5%; (b) median 2.9%, max 12.5%; (c) in-sample median 0.4%, max 2.3%
+    # (a) median 5.6%, max 13.5%; (b) median 3.3%, max 9.9%; (c) in-sample median 0.2%, max 1.0% (before
+    # copy_beside_update: 5.6 / 13.5, 2.9 / 12.5, 0.4 / 2.3)
     assert _median(a) <= 0.065 and a[-1] <= 0.15, a
-    assert _median(b) <= 0.035 and b[-1] <= 0.14, b
-    assert _median(c) <= 0.006 and c[-1] <= 0.03, c
+    assert _median(b) <= 0.035 and b[-1] <= 0.11, b
+    assert _median(c) <= 0.004 and c[-1] <= 0.015, c
     for shape, tau_a, tau_b in recorded_h200["taus"]:  # 1.0 / 0.9 / 1.0 both ways
         assert tau_a >= 0.85 and tau_b >= 0.85, (shape, tau_a, tau_b)
 
@@ -116,3 +120,10 @@ def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
     lean = next(e for e, line in zip(result["errors"]["a"], [ln for ln in result["text"].splitlines()
                                                              if ln.startswith("| debug |")]) if "| lean |" in line)
     assert as_measured == pytest.approx(lean, abs=0.0011)  # both rounded to 0.1% in print
+    # report --rebuild: the profiles rebuilt from the measurements predict as the saved ones; a part left out moves
+    # nothing it should not (the row count, the labels)
+    rebuilt = acc.evaluate(tmp_path, "debug:arrival", rebuild="as measured")
+    assert rebuilt["errors"]["a"] == pytest.approx(result["errors"]["a"], abs=1e-9)
+    assert "rebuilt from the measurements by today's profiler: as measured" in rebuilt["text"]
+    plain = acc.evaluate(tmp_path, "debug:arrival", rebuild="copies not slowed by the update")
+    assert len(plain["errors"]["a"]) == 2 and "| debug | lean |" in plain["text"]

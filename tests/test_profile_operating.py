@@ -142,6 +142,16 @@ def test_the_profile_is_built_from_the_operating_point(calibration):
             rebuilt = op["params"] / p.cpu_adam_rate() + op["passes"] * op["params"] / p.cpu_convert_params_per_s
             assert rebuilt == pytest.approx(op["contention"]["update_alone_s"] - fixed, rel=1e-9)
     assert "both weight wires" in p.notes["host_memory_Bps"]
+    # the copies beside the update, as the host fit assumed them: each direction's measured rate beside the
+    # update (and beside it and the other direction) over its rate alone, the mean of the two wires' records
+    recs = (op["contention"], other)
+    for key, rate, alone in (("h2d", "h2d_update_Bps", "h2d_alone_Bps"),
+                             ("d2h", "d2h_update_Bps", "d2h_alone_Bps"),
+                             ("h2d_both", "h2d_both_Bps", "h2d_alone_Bps"),
+                             ("d2h_both", "d2h_both_Bps", "d2h_alone_Bps")):
+        mean = sum(c[rate] / c[alone] for c in recs) / 2
+        assert p.copy_beside_update[key] == pytest.approx(min(1.0, max(0.05, mean)), rel=1e-12)
+    assert "beside the runtime's update" in p.notes["copy_beside_update"]
     # the clipping redo of a device unit (undo + update) measured in updates, no longer the default of 2
     assert p.clip_redo_updates == pytest.approx(m["gpu_adam"]["redo_updates"]) and p.clip_redo_updates > 1.0
     assert m["gpu_adam"]["redo_s"] > 0 and "measured" in p.notes["clip_redo_updates"]

@@ -170,3 +170,43 @@ def test_host_memory_simulation_is_deterministic():
     pd.testing.assert_frame_equal(a, b)
     # The budget matters here: without it the same step is faster.
     assert simulate(prog, dataclasses.replace(prof, host_memory_Bps=math.inf)).step_s < simulate(prog, prof).step_s
+
+
+def test_a_copy_beside_the_update_runs_at_its_measured_fraction_and_the_update_gets_the_rest():
+    # copy_beside_update (the profile's measured copy rates beside the runtime's update, issue 24): h2d keeps 0.5 of
+    # its 30 B/s while the update runs. Budget 100 B/s: the copy draws 15, the update (ceiling 140) the other 85.
+    # 300 B of h2d at 15 B/s: 20 s; the update's 1400 B at 85 B/s would take 16.47 s < 20, so it ends first and
+    # the copy then runs alone: by 1400/85 s it moved 1400/85 x 15 B, the rest at 30 B/s.
+    t_u = 1400 / 85
+    t_p = t_u + (300 - t_u * 15) / 30
+    res = simulate(copy_program(300, 0, cpu_params=50), host_profile(100.0, copy_beside_update={"h2d": 0.5}))
+    assert ends(res) == pytest.approx({"P0": t_p, "O0": 0.0, "U0": t_u}, rel=1e-12)
+    # Without the fraction (profiles before issue 24) the copy keeps 30 B/s: P0 at 10 s, U0 at 17 s (above).
+    assert ends(simulate(copy_program(300, 0, cpu_params=50), host_profile(100.0)))["P0"] == pytest.approx(10.0)
+
+
+def test_both_directions_beside_the_update_take_the_both_fractions():
+    fr = {"h2d": 0.9, "d2h": 0.8, "h2d_both": 0.5, "d2h_both": 0.25}
+    # both copies and the update: each copy at its ceiling x its *_both fraction (unlimited budget: nothing else)
+    both = share_rates({"h2d": 40.0, "d2h": 40.0, "cpu": 100.0}, {"h2d": 1.0, "d2h": 1.0, "cpu": 1.0},
+                       {"h2d", "d2h"}, math.inf, math.inf, fr)
+    assert both == {"h2d": 20.0, "d2h": 10.0, "cpu": 100.0}
+    one = share_rates({"d2h": 40.0, "cpu": 100.0}, {"d2h": 1.0, "cpu": 1.0}, {"d2h"}, math.inf, math.inf, fr)
+    assert one == {"d2h": 32.0, "cpu": 100.0}
+    # no update in flight: the fractions do not apply; PCIe duplex still shares first (60 of 80: x0.75 each)
+    copies = share_rates({"h2d": 40.0, "d2h": 40.0}, {"h2d": 1.0, "d2h": 1.0}, {"h2d", "d2h"}, math.inf, 60.0, fr)
+    assert copies == {"h2d": 30.0, "d2h": 30.0}
+    # a fraction above what duplex already left changes nothing: min(30, 40 x 0.9) while the update runs
+    duplex = share_rates({"h2d": 40.0, "d2h": 40.0, "cpu": 100.0}, {"h2d": 1.0, "d2h": 1.0, "cpu": 1.0},
+                         {"h2d", "d2h"}, math.inf, 60.0, {"h2d_both": 0.9, "d2h_both": 0.5})
+    assert duplex == {"h2d": 30.0, "d2h": 20.0, "cpu": 100.0}
+
+
+def test_copy_beside_update_is_checked_and_survives_json(tmp_path):
+    p = host_profile(100.0, copy_beside_update={"h2d": 0.8, "d2h_both": 0.6})
+    p.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").copy_beside_update == {"h2d": 0.8, "d2h_both": 0.6}
+    with pytest.raises(ValueError, match="copy_beside_update has unknown keys"):
+        host_profile(100.0, copy_beside_update={"both": 0.5})
+    with pytest.raises(ValueError, match="copy_beside_update"):
+        host_profile(100.0, copy_beside_update={"h2d": 1.5})

@@ -187,6 +187,9 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         extra_s = (by_passes[hi]["update_alone_s"] - by_passes[lo]["update_alone_s"]) / (hi - lo)
         if extra_s > 0:
             convert_rate, convert_from_wires = op["params"] / extra_s, True
+    # the copies beside the update, as the fit above assumed them: the runtime's records, else the isolated loop's
+    contention_records = [op[k] for k in ("contention", "contention_other") if k in op] if op is not None else [hc]
+    beside = host.copy_beside_update(contention_records)
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
@@ -245,6 +248,13 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         "copy_host_bytes_per_byte": ("1: a DMA copy reads (h2d) or writes (d2h) host memory once." if copy_draw == 1
                                      else "2: on the CPU backend a copy is a memcpy, which reads and writes host "
                                           "memory."),
+        "copy_beside_update": ("measured: each copy direction's rate beside the runtime's update (and beside it "
+                               "and the other direction) over its rate alone, mean of "
+                               f"{len(contention_records)} record(s) ("
+                               + ("the operating point's update at each weight wire" if op is not None
+                                  else "the isolated update loop") + "): "
+                               + ", ".join(f"{k} {v:.2f}" for k, v in beside.items())
+                               + "; the host fit (host_memory_Bps) assumed the copies at these rates."),
         "dma_factor_cpu_optimizer": f"legacy, not simulated (host_memory_Bps replaces it): h2d "
                                     f"{hc['h2d_alone_Bps'] / 1e9:.2f} GB/s alone, {hc['h2d_update_Bps'] / 1e9:.2f} "
                                     "GB/s while CPU updates run.",
@@ -279,6 +289,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
             "cpu_update_bytes_per_param": float(max(1.0, hfit["cpu_update_bytes_per_param"]
                                                     - passes * CONVERT_BYTES_PER_PARAM))}),
         copy_host_bytes_per_byte=copy_draw,
+        copy_beside_update=beside,
         task_overhead_s=overhead,
         machine={k: v for k, v in info.items() if k != "host"},
         description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "

@@ -103,6 +103,20 @@ def update_bytes_per_param(passes: int) -> float:
     return ADAM_BYTES_PER_PARAM + passes * CONVERT_BYTES_PER_PARAM
 
 
+def copy_beside_update(records: list[dict]) -> dict[str, float]:
+    """The profile's `copy_beside_update` from `measure_contention` records: each copy direction's rate beside the
+    update (and beside it and the other direction) over its rate alone, the mean over the records (the runtime's
+    update at one or both weight wires beside the same copies), within [0.05, 1]."""
+    out = {}
+    for key, (rate, alone) in {"h2d": ("h2d_update_Bps", "h2d_alone_Bps"), "d2h": ("d2h_update_Bps", "d2h_alone_Bps"),
+                               "h2d_both": ("h2d_both_Bps", "h2d_alone_Bps"),
+                               "d2h_both": ("d2h_both_Bps", "d2h_alone_Bps")}.items():
+        fracs = [c[rate] / c[alone] for c in records if c.get(rate, 0) > 0 and c.get(alone, 0) > 0]
+        if fracs:
+            out[key] = min(1.0, max(0.05, sum(fracs) / len(fracs)))
+    return out
+
+
 def _drawn(c: dict, copy_draw: float) -> dict[str, float]:
     """Host bytes/s the copies of each mix drew beside the update (a contention record's copy rates)."""
     return {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],

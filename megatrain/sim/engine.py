@@ -79,7 +79,8 @@ class _Engine:
         self.program, self.profile = program, profile
         self.cost = CostModel(program, profile, clip_activates)
         self.env = simpy.Environment()
-        self.host = HostMemory(self.env, profile.host_memory_Bps, profile.duplex_Bps, profile.copy_host_bytes_per_byte)
+        self.host = HostMemory(self.env, profile.host_memory_Bps, profile.duplex_Bps, profile.copy_host_bytes_per_byte,
+                               profile.copy_beside_update)
         self.done = {t: self.env.event() for t in program.tasks}
         self.rows: list[dict] = []
 

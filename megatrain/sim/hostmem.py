@@ -19,6 +19,13 @@ has no more. Why max-min and not proportional sharing: on the 1xH200 host a 13-t
 every flow by the same factor (with the budget fitted to the update, the copies would lose 40% too); max-min
 leaves the copies, whose ~49 GB/s per direction is below the fair share, at their rate and gives the update the
 rest, which is what was measured (docs/simulator.md has the arithmetic).
+
+Max-min alone leaves a copy below its fair share at its rate alone, but the copies measured beside the runtime's
+update do slow (on the 1xH200 host h2d 53.6 -> 44.6 GB/s beside it, 35.7 with d2h as well), and the budget B is
+fitted (profiling/host.py) with the copies drawing those measured rates. So while an update runs, a copy's ceiling
+is its rate alone times the profile's `copy_beside_update` fraction for the mix (one direction, or both: `BESIDE`);
+without it the copies are left at their rates, and the update was priced with less of the budget than the fit gave
+it (issue 24: copies beside an update predicted 9-28% fast per task, the fp32-wire update up to 32% slow).
 """
 from __future__ import annotations
 
@@ -26,11 +33,14 @@ import math
 
 import simpy
 
+from megatrain.sim.profile import BESIDE
+
 
 def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set[str], host_Bps: float,
-                duplex_Bps: float) -> dict[str, float]:
-    """Rates (progress units/s) of concurrent flows: PCIe duplex in proportion among `copies`, then host memory
-    max-min fair on host bytes/s (`draws[f]` host bytes per unit of progress of flow f).
+                duplex_Bps: float, beside_update: dict[str, float] | None = None) -> dict[str, float]:
+    """Rates (progress units/s) of concurrent flows: PCIe duplex in proportion among `copies`, each copy at most
+    its ceiling times its `beside_update` fraction (`BESIDE` keys) while a "cpu" flow runs, then host memory max-min
+    fair on host bytes/s (`draws[f]` host bytes per unit of progress of flow f).
 
     Deterministic: flows are visited in sorted order, and the result depends only on the inputs."""
     caps = dict(ceilings)
@@ -39,6 +49,12 @@ def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set
     if len(busy) > 1 and total > duplex_Bps:
         for f in busy:
             caps[f] *= duplex_Bps / total
+    if beside_update and "cpu" in caps:
+        both = len(busy) > 1
+        for f in busy:
+            key = BESIDE.get((f, both))
+            if key in beside_update:  # measured against each direction's rate alone (profiling/operating.py)
+                caps[f] = min(caps[f], ceilings[f] * beside_update[key])
     rates: dict[str, float] = {}
     free = {f: caps[f] for f in sorted(caps) if draws.get(f, 0.0) <= 0 or math.isinf(host_Bps)}
     rates.update(free)  # flows that draw no host memory (or an unlimited budget) run at their ceiling
@@ -70,8 +86,10 @@ class _Flow:
 class HostMemory:
     """The fluid model in simpy: flows in flight, re-rated (`share_rates`) whenever a flow starts or ends."""
 
-    def __init__(self, env: simpy.Environment, host_Bps: float, duplex_Bps: float, copy_draw: float):
+    def __init__(self, env: simpy.Environment, host_Bps: float, duplex_Bps: float, copy_draw: float,
+                 beside_update: dict[str, float] | None = None):
         self.env, self.host_Bps, self.duplex_Bps, self.copy_draw = env, host_Bps, duplex_Bps, copy_draw
+        self.beside_update = dict(beside_update or {})  # the profile's copy_beside_update (module docstring)
         self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time)
         self._t = 0.0  # time up to which `remaining` is accounted
         self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
@@ -115,7 +133,8 @@ class HostMemory:
             return
         rates = share_rates({n: f.ceiling for n, f in self.flows.items()},
                             {n: f.draw for n, f in self.flows.items()},
-                            {n for n in self.flows if n not in ("cpu", "nvme")}, self.host_Bps, self.duplex_Bps)
+                            {n for n in self.flows if n not in ("cpu", "nvme")}, self.host_Bps, self.duplex_Bps,
+                            self.beside_update)
         for n, f in self.flows.items():
             f.rate = rates[n]
         dt, due = min((max(f.remaining, 0.0) / f.rate, n) for n, f in self.flows.items())

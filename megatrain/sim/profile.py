@@ -22,6 +22,10 @@ A profile holds
                          (read 4 + write 2 = 6 by count; `megatrain profile` fits it from the runtime's update at
                          both weight wires, since the refresh pass is what copies slow down most)
     copy_host_bytes_per_byte  host bytes drawn per byte copied (1 for DMA; 2 on the CPU backend's memcpy)
+    copy_beside_update   a copy's rate while a CPU update runs, as a fraction of its rate alone: "h2d" / "d2h"
+                         beside the update, "h2d_both" / "d2h_both" beside it and the other direction
+                         (`megatrain profile` measures them at the runtime's operating point; empty: not slowed,
+                         as profiles before issue 24 were simulated); sim/hostmem.py applies them
     dma_factor_cpu_optimizer, cpu_optimizer_slowdown  legacy (before host_memory_Bps): copy rates while a CPU
                          update runs, and how many times longer an update takes while 1 / 2 copy directions run;
                          read only to derive host_memory_Bps for profiles that lack it
@@ -61,6 +65,9 @@ from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401 
 from megatrain.model.spec import ModelSpec
 from megatrain.sim import profile_checks as check
 from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exported: the error of this module)
+
+# copy_beside_update's keys, by (copy direction, whether the other direction runs too): a copy beside a CPU update
+BESIDE = {("h2d", False): "h2d", ("d2h", False): "d2h", ("h2d", True): "h2d_both", ("d2h", True): "d2h_both"}
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
@@ -209,6 +216,7 @@ class HardwareProfile:
     cpu_update_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     cpu_convert_bytes_per_param: float = CONVERT_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
+    copy_beside_update: dict[str, float] = field(default_factory=dict)
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
     nvme_write_Bps: float = 5.0e9
@@ -224,6 +232,10 @@ class HardwareProfile:
         if set(self.cpu_optimizer_slowdown) - {1, 2}:
             raise ProfileError(f"profile {self.name}: cpu_optimizer_slowdown maps the number of busy copy directions "
                                f"(1 or 2) to a factor >= 1, got {self.cpu_optimizer_slowdown}")
+        if set(self.copy_beside_update) - set(BESIDE.values()):
+            raise ProfileError(f"profile {self.name}: copy_beside_update has unknown keys "
+                               f"{sorted(set(self.copy_beside_update) - set(BESIDE.values()))}; use "
+                               f"{sorted(BESIDE.values())} (fractions of each copy direction's rate alone)")
         bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
         if bad:
             raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
@@ -264,7 +276,7 @@ class HardwareProfile:
     _MAPPINGS = {
         "matmul_flops_per_s": (check.RATE, False, None), "efficiency": (check.FRACTION, False, None),
         "cpu_adam_params_per_s": (check.RATE, True, None), "cpu_optimizer_slowdown": (check.SIZE, True, 1.0),
-        "task_overhead_s": (check.TIME, False, None),
+        "task_overhead_s": (check.TIME, False, None), "copy_beside_update": (check.FRACTION, False, None),
     }
 
     def _check_fields(self) -> None:
