@@ -165,6 +165,10 @@ def report(a) -> int:
     if not any((d / "rows.jsonl").is_file() for d in root.iterdir()):
         print(f"{root}: no <shape>/rows.jsonl under it; run `scripts/accuracy.py measure --out {root}` first")
         return 2
+    if a.rebuild and a.quick_file != "profile-quick.json":
+        print("--rebuild builds each shape's profile from profile-quick.measurements.json (the latest quick "
+              "profile's); drop --quick-file, or drop --rebuild to read an earlier run's saved profile")
+        return 2
     result = evaluate(root, a.calibrate_on, a.quick_file, a.rebuild)
     print(result["text"])
     if a.write:
@@ -321,7 +325,7 @@ def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
             m["gpu_adam"].pop(k, None)
     p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
     if variant == "copies not slowed by the update":  # as the simulator ran before issue 24's third round
-        p = p.with_(copy_beside_update={})
+        p = p.with_(copy_beside_update={}, notes={k: v for k, v in p.notes.items() if k != "copy_beside_update"})
     saved = d / "profile-quick.json"
     return p.with_(compute_tables=load_profile(saved).compute_tables) if saved.is_file() else p
 

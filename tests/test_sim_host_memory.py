@@ -187,25 +187,32 @@ def test_a_copy_beside_the_update_runs_at_its_measured_fraction_and_the_update_g
 
 def test_both_directions_beside_the_update_take_the_both_fractions():
     fr = {"h2d": 0.9, "d2h": 0.8, "h2d_both": 0.5, "d2h_both": 0.25}
-    # both copies and the update: each copy at its ceiling x its *_both fraction (unlimited budget: nothing else)
-    both = share_rates({"h2d": 40.0, "d2h": 40.0, "cpu": 100.0}, {"h2d": 1.0, "d2h": 1.0, "cpu": 1.0},
-                       {"h2d", "d2h"}, math.inf, math.inf, fr)
+    flows, draws = {"h2d": 40.0, "d2h": 40.0, "cpu": 100.0}, {"h2d": 1.0, "d2h": 1.0, "cpu": 1.0}
+    # both copies and the update: each copy at its ceiling x its *_both fraction; the budget (1000) binds nothing
+    both = share_rates(flows, draws, {"h2d", "d2h"}, 1000.0, math.inf, fr)
     assert both == {"h2d": 20.0, "d2h": 10.0, "cpu": 100.0}
-    one = share_rates({"d2h": 40.0, "cpu": 100.0}, {"d2h": 1.0, "cpu": 1.0}, {"d2h"}, math.inf, math.inf, fr)
+    one = share_rates({"d2h": 40.0, "cpu": 100.0}, {"d2h": 1.0, "cpu": 1.0}, {"d2h"}, 1000.0, math.inf, fr)
     assert one == {"d2h": 32.0, "cpu": 100.0}
     # no update in flight: the fractions do not apply; PCIe duplex still shares first (60 of 80: x0.75 each)
-    copies = share_rates({"h2d": 40.0, "d2h": 40.0}, {"h2d": 1.0, "d2h": 1.0}, {"h2d", "d2h"}, math.inf, 60.0, fr)
+    copies = share_rates({"h2d": 40.0, "d2h": 40.0}, {"h2d": 1.0, "d2h": 1.0}, {"h2d", "d2h"}, 1000.0, 60.0, fr)
     assert copies == {"h2d": 30.0, "d2h": 30.0}
     # a fraction above what duplex already left changes nothing: min(30, 40 x 0.9) while the update runs
-    duplex = share_rates({"h2d": 40.0, "d2h": 40.0, "cpu": 100.0}, {"h2d": 1.0, "d2h": 1.0, "cpu": 1.0},
-                         {"h2d", "d2h"}, math.inf, 60.0, {"h2d_both": 0.9, "d2h_both": 0.5})
+    duplex = share_rates(flows, draws, {"h2d", "d2h"}, 1000.0, 60.0, {"h2d_both": 0.9, "d2h_both": 0.5})
     assert duplex == {"h2d": 30.0, "d2h": 20.0, "cpu": 100.0}
+    # the cap is part of the host memory model: an unlimited budget (no contention) or an update of no known bytes
+    # (draw 0: a plain duration) leaves the copies at their rates
+    assert share_rates(flows, draws, {"h2d", "d2h"}, math.inf, math.inf, fr) == flows
+    assert share_rates(flows, {**draws, "cpu": 0.0}, {"h2d", "d2h"}, 1000.0, math.inf, fr) == flows
 
 
 def test_copy_beside_update_is_checked_and_survives_json(tmp_path):
     p = host_profile(100.0, copy_beside_update={"h2d": 0.8, "d2h_both": 0.6})
     p.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").copy_beside_update == {"h2d": 0.8, "d2h_both": 0.6}
+    # a profile without it writes no such key (older readers load it) and reads back empty: copies not capped
+    assert "copy_beside_update" not in host_profile(100.0).to_dict()
+    host_profile(100.0).save(tmp_path / "q.json")
+    assert load_profile(tmp_path / "q.json").copy_beside_update == {}
     with pytest.raises(ValueError, match="copy_beside_update has unknown keys"):
         host_profile(100.0, copy_beside_update={"both": 0.5})
     with pytest.raises(ValueError, match="copy_beside_update"):

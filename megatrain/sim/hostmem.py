@@ -22,10 +22,12 @@ rest, which is what was measured (docs/simulator.md has the arithmetic).
 
 Max-min alone leaves a copy below its fair share at its rate alone, but the copies measured beside the runtime's
 update do slow (on the 1xH200 host h2d 53.6 -> 44.6 GB/s beside it, 35.7 with d2h as well), and the budget B is
-fitted (profiling/host.py) with the copies drawing those measured rates. So while an update runs, a copy's ceiling
+fitted (profiling/host.py) with the copies drawing those measured rates (each weight wire's record its own; the
+profile keeps the mean of the two, which differ by a few points). So while an update runs, a copy's ceiling
 is its rate alone times the profile's `copy_beside_update` fraction for the mix (one direction, or both: `BESIDE`);
 without it the copies are left at their rates, and the update was priced with less of the budget than the fit gave
-it (issue 24: copies beside an update predicted 9-28% fast per task, the fp32-wire update up to 32% slow).
+it (issue 24: copies beside an update were predicted 9-28% fast per task; docs/accuracy.md, "Copies beside the
+update").
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ from megatrain.sim.profile import BESIDE
 def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set[str], host_Bps: float,
                 duplex_Bps: float, beside_update: dict[str, float] | None = None) -> dict[str, float]:
     """Rates (progress units/s) of concurrent flows: PCIe duplex in proportion among `copies`, each copy at most
-    its ceiling times its `beside_update` fraction (`BESIDE` keys) while a "cpu" flow runs, then host memory max-min
-    fair on host bytes/s (`draws[f]` host bytes per unit of progress of flow f).
+    its ceiling times its `beside_update` fraction (`BESIDE` keys) while a "cpu" flow of known bytes runs under a
+    finite budget, then host memory max-min fair on host bytes/s (`draws[f]` host bytes per unit of progress of
+    flow f).
 
     Deterministic: flows are visited in sorted order, and the result depends only on the inputs."""
     caps = dict(ceilings)
@@ -49,7 +52,8 @@ def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set
     if len(busy) > 1 and total > duplex_Bps:
         for f in busy:
             caps[f] *= duplex_Bps / total
-    if beside_update and "cpu" in caps:
+    # part of the host memory model: an unlimited budget (no contention) or an update of no known bytes leaves them
+    if beside_update and "cpu" in caps and draws.get("cpu", 0.0) > 0 and not math.isinf(host_Bps):
         both = len(busy) > 1
         for f in busy:
             key = BESIDE.get((f, both))

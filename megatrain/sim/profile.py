@@ -349,8 +349,8 @@ class HardwareProfile:
                 v = [asdict(t) for t in v]
             elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
-            elif f.name == "collectives" and not v:
-                continue  # one-GPU profiles keep their JSON
+            elif f.name in ("collectives", "copy_beside_update") and not v:
+                continue  # profiles without them keep their JSON (and older readers can load it)
             d[f.name] = v
         return d
 
