@@ -170,9 +170,7 @@ def test_every_kind_of_damage_to_a_one_process_checkpoint_is_caught(tmp_path):
 
 # ---- read-only or full: nothing deleted, one line ---------------------------------------------------------------
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
-    return small_run(
-        tmp_path, "run.steps=6", "run.checkpoint_every=2", "run.keep_last=2", "optimizer.warmup_steps=2",
-        "optimizer.lr=3e-3", *extra, name=name)
+    return small_run(tmp_path, "run.checkpoint_every=2", "run.keep_last=2", "optimizer.lr=3e-3", *extra, name=name)
 
 
 def steps_of(run: Path) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.model.presets import PRESETS
-from megatrain.parallel.world import World
+from megatrain.parallel.world import LaunchError, World, launch_shape
 from megatrain.train.config import ConfigError, load_config
 from megatrain.train.distributed import config_fields, config_for_rank, differing_keys
 from megatrain.train.fit import MemoryFitError, check_memory, node_ranks
@@ -113,6 +113,16 @@ def test_a_stale_world_size_without_torchrun_is_one_line_at_once(tmp_path):
     line = _last_line(r)
     assert r.returncode == 2 and "WORLD_SIZE=2 is set but RANK" in line and "torchrun" in line, r.stderr[-2000:]
     assert "unset WORLD_SIZE" in line and not out.exists()
+
+
+def test_a_local_world_size_of_zero_is_one_line_not_a_division_by_zero(monkeypatch):
+    """Before: LOCAL_WORLD_SIZE=0 passed the checks and launch_shape divided by it (ZeroDivisionError)."""
+    for k, v in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="0", MASTER_ADDR="x",
+                     MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LaunchError, match=r"^LOCAL_WORLD_SIZE=0 in the environment is not a number of ranks: unset "
+                                          r"WORLD_SIZE"):
+        launch_shape()
 
 
 def test_a_rank_whose_peers_never_arrive_is_told_so_within_the_rendezvous_wait(tmp_path):

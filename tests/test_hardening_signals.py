@@ -16,9 +16,7 @@ from runconfigs import small_run
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
-    return small_run(
-        tmp_path, "run.steps=6", "run.checkpoint_every=0", "run.log_every=1", "optimizer.warmup_steps=2",
-        "optimizer.lr=3e-3", *extra, name=name)
+    return small_run(tmp_path, "run.checkpoint_every=0", "run.log_every=1", "optimizer.lr=3e-3", *extra, name=name)
 
 
 def signal_at_step(signum: int, step: int, lines: list[str]):

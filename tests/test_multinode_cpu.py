@@ -25,6 +25,8 @@ from pathlib import Path
 
 import psutil
 
+from megatrain.exec.backend import ExecError
+from megatrain.parallel.liveness import PeerLost
 from megatrain.parallel.world import World, rank_cores
 from megatrain.train.distributed import core_ranges, launch_line
 
@@ -188,6 +190,34 @@ def _node_of(agent: subprocess.Popen) -> int:
         if "GROUP_RANK" in env:
             return int(env["GROUP_RANK"])
     raise AssertionError(f"torchrun agent {agent.pid} has no workers")
+
+
+class _Watch:
+    """A liveness watch that names no rank, with `note` (non-empty: the launch's store did not answer)."""
+
+    def __init__(self, note: str):
+        self.note = note
+
+    def stopping(self) -> None:
+        pass
+
+    def silent_ranks(self) -> tuple[list[int], str]:
+        return [], self.note
+
+
+def test_node_0_gone_with_the_store_is_a_lost_peer_saying_how_to_resume():
+    """Before: when node 0 (the store's host) died, no rank could be named and the error was a plain ExecError,
+    which run_training does not catch (a traceback). Now it is PeerLost with the resume advice; a failure with the
+    store answering and no rank gone stays a plain ExecError."""
+    note = " (the launch's store at h:1 does not answer either: the node hosting it, node 0, is gone)"
+    world = World(rank=2, size=4, local_size=2, node=1, nodes=2, watch=_Watch(note))
+    e = world.peer_error("summing the loss", RuntimeError("Connection closed by peer"))
+    assert isinstance(e, PeerLost), e
+    assert str(e).startswith("rank 2 on node 1 failed while summing the loss: Connection closed by peer (the launch's "
+                             "store at h:1 does not answer"), e
+    assert str(e).endswith("resume from the last checkpoint (run.resume=latest) once every node is up"), e
+    plain = World(rank=2, size=4, local_size=2, node=1, nodes=2, watch=_Watch("")).peer_error("x", RuntimeError())
+    assert type(plain) is ExecError and str(plain) == "rank 2 failed while x: RuntimeError", plain
 
 
 # ---- binding: each local rank its own cores -----------------------------------------------------------------------

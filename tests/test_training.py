@@ -29,7 +29,7 @@ from megatrain.train.command import (
     config_from_args,
     run_from_args,
 )
-from megatrain.train.config import ConfigError, OptimizerConfig, load_config
+from megatrain.train.config import ConfigError, OptimizerConfig
 from megatrain.data.batches import DataError
 from megatrain.train.errors import TrainingError
 from megatrain.train.loop import (
@@ -52,9 +52,8 @@ DEBUG = PRESETS["debug"]
 
 def tiny(tmp_path: Path, *extra: str, name: str = "t"):
     """A run of a few small steps (fp32 compute: the CPU has no fast bf16)."""
-    return small_run(
-        tmp_path, "run.steps=6", "run.eval_every=3", "run.eval_batches=1", "run.checkpoint_every=0",
-        "run.log_every=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", *extra, name=name)
+    return small_run(tmp_path, "run.eval_every=3", "run.eval_batches=1", "run.checkpoint_every=0", "run.log_every=1",
+                     "optimizer.lr=3e-3", *extra, name=name)
 
 
 def train(cfg, **kw) -> tuple[RunSummary, list[str]]:

@@ -30,5 +30,6 @@ def register(sub) -> None:
                         "measured (default 3; 0: the best predicted, not measured)")
     p.add_argument("--auto-band", dest="auto_band", type=float, metavar="FRACTION",
                    help="--schedule auto: also measure every candidate predicted within FRACTION of the best, 6 at "
-                        "most (default 0.1, the simulator's out-of-sample error; 0: exactly K)")
+                        "most (default 0.1, a choice: docs/accuracy.md has the measured prediction errors; 0: "
+                        "exactly K)")
     p.set_defaults(func=run_from_args)

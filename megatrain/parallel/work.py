@@ -42,11 +42,9 @@ class ShardedCopies:
 
     def _collective(self, t: ProgramTask, start) -> None:
         """Issue a collective (`start()` returns its Work) and wait for it; a peer that died is the world's one line
-        naming it (World.peer_error), not the backend's address."""
-        try:
-            start().wait()  # NCCL: the comm stream waits for the collective; gloo: done
-        except RuntimeError as e:  # gloo "Connection closed by peer", a process-group timeout
-            raise self.world.peer_error(f"running {t.id} on stream {t.stream}", e) from None
+        naming it (World.guard), not the backend's address."""
+        # NCCL: the comm stream waits for the collective; gloo: done
+        self.world.guard(f"running {t.id} on stream {t.stream}", lambda: start().wait())
 
     # ---- ALL_GATHER: the other ranks' slices into the slot ---------------------------------------------------------
     def gather(self, t: ProgramTask) -> None:

@@ -48,7 +48,7 @@ class World:
 
     def node_of(self, rank: int) -> int:
         """The node of `rank` (torchrun numbers ranks node by node)."""
-        return rank // max(self.local_size, 1)
+        return rank // self.local_size
 
     def describe_ranks(self, ranks) -> str:
         """"rank 3 (node 1)" / "ranks 2,3 (node 1)": ranks named with their nodes, for error lines."""
@@ -96,28 +96,36 @@ class World:
         ("terminate called without an active exception") while a peer still talks to it."""
         if not self.distributed or not dist.is_initialized():
             return
-        try:
-            dist.barrier(group=self.host_group)
-        except RuntimeError as e:  # a peer died after the last step: say which, in one line
-            raise self.peer_error("leaving the run", e) from None
+        # a peer that died after the last step is named in one line (guard)
+        self.guard("leaving the run", dist.barrier, group=self.host_group)
+        self.leave()
+
+    def leave(self) -> None:
+        """Stop the liveness watch and tear the process groups down, without waiting for the peers: after `close`'s
+        barrier, or straight away after a failure."""
         if self.watch is not None:
             self.watch.stop()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def peer_error(self, doing: str, cause: BaseException) -> ExecError:
-        """The one-line error of a failed exchange or collective: the ranks (and nodes) that stopped answering when
-        the liveness watch knows them (a process or node that died), else the collective's own first line."""
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        first = first.split(" This is typically")[0].rstrip(".")  # gloo's advice to read the peer's log
+        """The one-line error of a failed exchange or collective: PeerLost when the liveness watch names the ranks
+        (and nodes) that stopped answering (a process or node that died), or cannot be read because the launch's
+        store does not answer either (node 0, its host, is gone); else an ExecError with the collective's own first
+        line."""
+        first = _first_line(cause).split(" This is typically")[0].rstrip(".")  # gloo's advice to read the peer's log
         if self.watch is not None:
             self.watch.stopping()  # alive, stopping on its own: the peers must not name this rank
         gone, note = self.watch.silent_ranks() if self.watch is not None else ([], "")
+        here = f" on node {self.node}" if self.nodes > 1 else ""
+        resume = "resume from the last checkpoint (run.resume=latest) once every node is up"
         if gone:
-            here = f" on node {self.node}" if self.nodes > 1 else ""
             return PeerLost(f"{self.describe_ranks(gone)} of {self.size} stopped answering while rank {self.rank}"
-                            f"{here} was {doing} (process or node died: {first}); this rank stops too: resume from "
-                            "the last checkpoint (run.resume=latest) once every node is up")
-        return ExecError(f"rank {self.rank} failed while {doing}: {first}{note}")
+                            f"{here} was {doing} (process or node died: {first}); this rank stops too: {resume}")
+        if note:  # no rank can be named, but the run cannot go on without the store's host either
+            return PeerLost(f"rank {self.rank}{here} failed while {doing}: {first}{note}; this rank stops too: "
+                            f"{resume}")
+        return ExecError(f"rank {self.rank} failed while {doing}: {first}")
 
     # ---- host exchanges (main thread, between steps) --------------------------------------------------------------
     def check_same(self, what: str, text: str) -> None:
@@ -127,7 +135,7 @@ class World:
             return
         digest = hashlib.sha256(text.encode()).hexdigest()
         digests: list[str] = [""] * self.size
-        self._exchange(f"comparing the {what}", dist.all_gather_object, digests, digest, group=self.host_group)
+        self.guard(f"comparing the {what}", dist.all_gather_object, digests, digest, group=self.host_group)
         if len(set(digests)) > 1:
             groups = {d: [r for r, x in enumerate(digests) if x == d] for d in digests}
             raise ExecError(f"the ranks built different {what}s (ranks by hash: "
@@ -140,7 +148,7 @@ class World:
         if not self.distributed:
             return [value]
         out: list = [None] * self.size
-        self._exchange("exchanging host objects", dist.all_gather_object, out, value, group=self.host_group)
+        self.guard("exchanging host objects", dist.all_gather_object, out, value, group=self.host_group)
         return out
 
     def sum(self, value: float) -> float:
@@ -148,7 +156,7 @@ class World:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        self._exchange("summing the loss", dist.all_reduce, t, group=self.host_group)
+        self.guard("summing the loss", dist.all_reduce, t, group=self.host_group)
         return float(t)
 
     def gather_slices(self, piece: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,7 @@ class World:
         if not self.distributed:
             return piece
         out = [torch.empty_like(piece) for _ in range(self.size)]
-        self._exchange("gathering slices", dist.all_gather, out, piece.contiguous(), group=self.host_group)
+        self.guard("gathering slices", dist.all_gather, out, piece.contiguous(), group=self.host_group)
         return torch.cat(out)
 
     def share(self, value):
@@ -164,7 +172,7 @@ class World:
         if not self.distributed:
             return value
         box = [value]
-        self._exchange("receiving rank 0's value", dist.broadcast_object_list, box, src=0, group=self.host_group)
+        self.guard("receiving rank 0's value", dist.broadcast_object_list, box, src=0, group=self.host_group)
         return box[0]
 
     def any(self, flag: bool) -> bool:
@@ -177,13 +185,14 @@ class World:
         if not self.distributed:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)  # (n_flags,)
-        self._exchange("agreeing on a decision", dist.all_reduce, t, group=self.host_group)
+        self.guard("agreeing on a decision", dist.all_reduce, t, group=self.host_group)
         return tuple(bool(x > 0) for x in t.tolist())
 
-    def _exchange(self, doing: str, collective, *args, **kwargs):
-        """Run a host-group collective; a peer that died or timed out is `peer_error`'s one line, not gloo's."""
+    def guard(self, doing: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`: a collective (a host exchange, or a device collective and its wait); a peer that died
+        or timed out is `peer_error`'s one line (`doing`: what this rank was doing), not the backend's."""
         try:
-            return collective(*args, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout (DistError is a RuntimeError)
             raise self.peer_error(doing, e) from None
 
@@ -221,7 +230,9 @@ def launch_env() -> tuple[int, int, int, int] | None:
             raise LaunchError(f"{var}={text!r} in the environment is not a non-negative integer: {fix}")
         values[var] = int(text)
     rank, local_rank, local_size = values["RANK"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
-    if rank >= size or local_rank >= max(local_size, 1):
+    if local_size < 1:
+        raise LaunchError(f"LOCAL_WORLD_SIZE={local_size} in the environment is not a number of ranks: {fix}")
+    if rank >= size or local_rank >= local_size:
         raise LaunchError(f"RANK={rank} / LOCAL_RANK={local_rank} is not a rank of WORLD_SIZE={size} "
                           f"(LOCAL_WORLD_SIZE={local_size}): {fix}")
     return size, rank, local_rank, local_size
@@ -268,12 +279,17 @@ def rendezvous(rank: int, size: int, wait_s: float):
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=datetime.timedelta(seconds=wait_s)))
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LaunchError(f"rank {rank} of WORLD_SIZE={size} waited {wait_s:.0f} s at {where} and the other ranks "
-                          f"did not all arrive ({first}): start all {size} with `torchrun --standalone "
+                          f"did not all arrive ({_first_line(e)}): start all {size} with `torchrun --standalone "
                           f"--nproc_per_node={size} ...`, or unset WORLD_SIZE (stale in this shell?) to train in "
                           "one process") from None
     return dist.PrefixStore("default_pg", store)  # as init_process_group keys its own store
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of `e`'s message, else its type name (an exception raised without a message)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def rank_cores(local_rank: int, local_size: int, cores: list[int]) -> list[int]:

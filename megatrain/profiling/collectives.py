@@ -118,10 +118,7 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
         rec = measure_collectives(world, dev, weight_wire, warmup=warmup, iters=iters, log=say)
         world.close()  # every rank done before any tears its groups down; the liveness thread joined
     finally:
-        if world.watch is not None:
-            world.watch.stop()
-        if dist.is_initialized():  # a failed measurement: leave without waiting for the peers
-            dist.destroy_process_group()
+        world.leave()  # a failed measurement: leave without waiting for the peers (after close: nothing left to do)
         if cores is not None:
             os.sched_setaffinity(0, cores)
     return world.rank, rec

@@ -29,7 +29,7 @@ from dataclasses import replace
 from megatrain.compile.resolve import check_model_shards, check_run_for_ranks
 from megatrain.ir.dag import ScheduleError
 from megatrain.train.config import ConfigError, RunConfig
-from megatrain.parallel.world import LaunchError, World
+from megatrain.parallel.world import BIND_ENV, LaunchError, World
 from megatrain.plan.memory import GiB
 
 # Keys of the RunConfig a rank may hold on its own: they change what it shows, not what it trains. Every other key
@@ -84,8 +84,8 @@ def launch_line(world: World, per_rank: list[tuple[int, list[int]]]) -> str:
     for rank, (node, cores) in enumerate(per_rank):
         by_node.setdefault(node, []).append(f"rank {rank} {core_ranges(cores) if cores else 'unbound'}")
     bound = any(cores for _, cores in per_rank)
-    how = ("each rank bound to its share of its node's cores, update threads sized to them; MEGATRAIN_BIND_CORES=0 "
-           "turns it off" if bound else "ranks not bound to cores (MEGATRAIN_BIND_CORES=0)")
+    how = (f"each rank bound to its share of its node's cores, update threads sized to them; {BIND_ENV}=0 turns it "
+           "off" if bound else f"ranks not bound to cores ({BIND_ENV}=0)")
     return (f"launch: {world.size} ranks on {world.nodes} node{'s' if world.nodes > 1 else ''} x {world.local_size}; "
             f"cores: {'; '.join(f'node {n}: ' + ', '.join(rs) for n, rs in sorted(by_node.items()))} ({how})")
 

@@ -36,7 +36,6 @@ after its step; applying that update then or at the start of the next step gives
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -67,7 +66,7 @@ from megatrain.train.metrics import (
     reset_gpu_peak,
 )
 from megatrain.compile.record import ProgramRecord
-from megatrain.train.outputs import report_lines, write_timelines, written_after_training
+from megatrain.train.outputs import report_after_run
 from megatrain.train.preflight import preflight
 from megatrain.train.result import RunSummary
 from megatrain.train.resume import branch_off, restore, resume_state
@@ -79,7 +78,6 @@ from megatrain.analysis.summary import summarize
 from megatrain.engine.trainer import StreamedTrainer
 from megatrain.exec.backend import ExecError
 from megatrain.exec.optim import AdamWConfig
-from megatrain.profiling.live import calibrate_training_run
 from megatrain.sim import simulate
 from megatrain.parallel.liveness import PeerLost
 from megatrain.train.distributed import join, node_store_line
@@ -378,33 +376,12 @@ class _Training:
             raise
         self.runlog.close_bar()
         summary.elapsed_s = time.perf_counter() - t_start
-        return self._report(summary, start, since, timelines, step_times, idles)
-
-    def _report(self, summary: RunSummary, start: int, since: int, timelines: list, step_times: list[float],
-                idles: list[float]) -> RunSummary:
-        """After the session's last step: finish (final checkpoint, export), the measured step time and GPU idle of
-        the Program that ran last (`since`: its first step), the timelines, the report and the live calibration."""
-        if not summary.stopped_early:
+        if not summary.stopped_early:  # the end: final checkpoint and export, then the outputs (outputs.py)
             self._finish(summary, start)
         summary.checkpoint = self.ckpt.last
-        warm = step_times[1:] or step_times
-        if warm:
-            summary.measured_step_s = statistics.median(warm)
-            summary.measured_idle_pct = statistics.median(idles[1:] or idles)
-        if timelines:
-            write_timelines(self.run_dir, timelines, self.predicted, self.profile_name,
-                            self.program, f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} "
-                                          f"x seq {self.seq}", log=self.log)
-        # step_times holds steps since+1.. (since: the session's start, or auto's switch); the median leaves the first out
-        measured_steps = (since + (2 if len(step_times) > 1 else 1), summary.steps) if warm else None
-        for line in report_lines(summary, self.profile_name, self.skips.skipped_unit_updates, measured_steps):
-            self.log(line)
-        if self.predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
-            summary.calibration = written_after_training(  # a full disk now does not fail the finished run
-                self.log, [self.run_dir / "profile_calibrated.json"],
-                lambda: calibrate_training_run(self.run_dir, self.program, self.predicted, self.profile_name,
-                                               timelines, since, self.log))
-        return summary
+        title = f"{self.spec.name}, schedule {self.cfg.schedule.name}, batch {self.batch} x seq {self.seq}"
+        return report_after_run(summary, self.run_dir, since, timelines, step_times, idles, self.predicted,
+                                self.profile_name, self.program, title, self.skips.skipped_unit_updates, self.log)
 
     def _write_metrics(self, record: dict) -> MetricsWriteError | None:
         """Append the step's record; the error of a failed write (disk full), which stops the run after a checkpoint

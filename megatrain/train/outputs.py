@@ -1,5 +1,6 @@
 """What a run leaves at its end besides checkpoints and the export (export.py): the timelines (CSV, Chrome trace,
-Gantt chart) and the summary lines (loss, skipped updates, predicted against measured).
+Gantt chart), the summary lines (loss, skipped updates, predicted against measured) and the profile fitted to the
+run; `report_after_run` writes them all after a session's last step.
 
 These outputs are written after training, when the checkpoint and the metrics already hold what matters: one that
 cannot be written (a full or read-only disk) is a one-line warning, never a failed run, and leaves no empty or
@@ -8,6 +9,7 @@ partial file behind (each is written under a hidden temporary name and renamed i
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,8 @@ import pandas as pd
 from megatrain.analysis.summary import one_step
 from megatrain.analysis.viz import gantt, write_chrome_trace
 from megatrain.io.checkpoint import explain_os_error
+from megatrain.profiling.live import calibrate_training_run
+from megatrain.train.result import RunSummary
 
 
 def _stderr(line: str) -> None:
@@ -106,3 +110,28 @@ def report_lines(s, profile_name: str | None, skipped_unit_updates: int = 0,
                      + (" (the session's first step, which allocates, left out)" if a > s.start_step + 1 else ""))
     lines.append(f"run directory: {s.run_dir}")
     return lines
+
+
+def report_after_run(summary: RunSummary, run_dir: Path, since: int, timelines: list, step_times: list[float],
+                     idles: list[float], predicted, profile_name: str | None, program, title: str,
+                     skipped_unit_updates: int, log: Callable[[str], None]) -> RunSummary:
+    """What a session leaves after its last step (and its final checkpoint and export): `summary` given the measured
+    step time and GPU idle (medians of `step_times` and `idles`, the first left out) of the Program that ran last
+    (`since`: the step before its first; the session's start, or `--schedule auto`'s switch), the timelines
+    (`write_timelines`, titled `title`), the report (`report_lines`, each line to `log`) and, with a prediction,
+    the profile fitted to the run (profile_calibrated.json, profiling/live.py). Returns `summary`."""
+    warm = step_times[1:] or step_times
+    if warm:
+        summary.measured_step_s = statistics.median(warm)
+        summary.measured_idle_pct = statistics.median(idles[1:] or idles)
+    if timelines:
+        write_timelines(run_dir, timelines, predicted, profile_name, program, title, log=log)
+    # step_times holds steps since+1.. (since: the session's start, or auto's switch); the median leaves the first out
+    measured_steps = (since + (2 if len(step_times) > 1 else 1), summary.steps) if warm else None
+    for line in report_lines(summary, profile_name, skipped_unit_updates, measured_steps):
+        log(line)
+    if predicted is not None and timelines:  # fit the profile to this run (profiling/live.py)
+        summary.calibration = written_after_training(  # a full disk now does not fail the finished run
+            log, [run_dir / "profile_calibrated.json"],
+            lambda: calibrate_training_run(run_dir, program, predicted, profile_name, timelines, since, log))
+    return summary
