@@ -43,7 +43,8 @@ from megatrain.model.presets import get_model
 from megatrain.profiling.store import resolve_profile
 from megatrain.sim import load_profile
 from megatrain.ir.facts import StepFacts
-from megatrain.train.autoswitch import choose_before_run, measure_candidates, varies_compile
+from megatrain.train.autoswitch import (DEFAULT_BAND, DEFAULT_MEASURE, MAX_MEASURE, choose_before_run,
+                                       measure_candidates, varies_compile)
 from megatrain.tune.auto import auto_budget
 from megatrain.tune.search import best_gpu_fraction
 
@@ -105,11 +106,11 @@ def main() -> None:
     p.add_argument("--timeline", help="write the last measured timeline CSV here")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: the CPU backend (CI runs scripts/bench.py on it with the debug model)")
-    p.add_argument("--auto-measure", type=int, default=3, metavar="K",
+    p.add_argument("--auto-measure", type=int, default=DEFAULT_MEASURE, metavar="K",
                    help="--schedule auto: candidates measured before the timed steps (0: the best predicted)")
-    p.add_argument("--auto-band", type=float, default=0.1, metavar="FRACTION",
-                   help="--schedule auto: also measure every candidate predicted within FRACTION of the best (6 at "
-                        "most; 0: exactly K)")
+    p.add_argument("--auto-band", type=float, default=DEFAULT_BAND, metavar="FRACTION",
+                   help=f"--schedule auto: also measure every candidate predicted within FRACTION of the best "
+                        f"({MAX_MEASURE} at most; 0: exactly K)")
     p.add_argument("--clip-share", type=float, default=0.0, metavar="SHARE",
                    help="--schedule auto: share of clipping steps assumed before any is measured (default 0)")
     p.add_argument("--tune", action="store_true",

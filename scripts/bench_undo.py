@@ -3,7 +3,9 @@
     PYTHONPATH=. python scripts/bench_undo.py [--params 177217536] [--device cuda]
 
 Prints one row per chunk: the median of 5 timed calls (min-max) and the redo in updates (the profile's
-clip_redo_updates). The result does not depend on the chunk (tests/test_speculative_clip.py)."""
+clip_redo_updates): the update and the redo are those the profiler times (`profiling.rates.AdamTiles`, as
+`measure_gpu_adam` does), the redo with the chunk of the row. The result does not depend on the chunk
+(tests/test_speculative_clip.py)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +14,7 @@ import time
 
 import torch
 
-from megatrain.exec.optim import AdamWConfig, adamw_undo, adamw_update
+from megatrain.profiling.rates import AdamTiles
 
 
 def timed(fn, device: str, reps: int = 5) -> list[float]:
@@ -34,19 +36,15 @@ def main() -> int:
     a.add_argument("--params", type=int, default=177_217_536, help="a llama-4.5b layer's parameters by default")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = a.parse_args()
-    n, cfg = a.params, AdamWConfig(lr=1e-4, weight_decay=0.1)
-    p, g = torch.full((n,), 0.02, device=a.device), torch.full((n,), 1e-3, device=a.device)
-    m, v = torch.zeros(n, device=a.device), torch.full((n,), 1e-6, device=a.device)
-    upd = timed(lambda: adamw_update(p, g, m, v, 1, n, 1e-4, cfg, clip_coef=0.5), a.device)
+    n = a.params
+    tiles = AdamTiles(n, torch.device(a.device), streaming_copy=False)  # device tiles: no streaming copy
+    upd = timed(tiles.update, a.device)
     u = statistics.median(upd)
     print(f"{n:,} parameters on {a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else 'host'})")
     print(f"{'what':<28} {'median ms':>10} {'min-max ms':>16} {'in updates':>11}")
     print(f"{'fused update':<28} {1e3 * u:>10.3f} {1e3 * min(upd):>7.3f}-{1e3 * max(upd):<8.3f} {1.0:>11.2f}")
     for chunk in (1 << 20, 1 << 22, 1 << 24, 1 << 26):
-        def redo(chunk=chunk):
-            adamw_undo(p, g, m, v, 1, n, 1e-4, cfg, chunk=chunk)
-            adamw_update(p, g, m, v, 1, n, 1e-4, cfg, clip_coef=0.5)
-        t = timed(redo, a.device)
+        t = timed(lambda chunk=chunk: tiles.redo(chunk), a.device)
         r = statistics.median(t)
         print(f"{'redo, undo chunk ' + str(chunk >> 20) + ' Mi':<28} {1e3 * r:>10.3f} "
               f"{1e3 * min(t):>7.3f}-{1e3 * max(t):<8.3f} {r / u:>11.2f}")

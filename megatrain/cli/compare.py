@@ -224,8 +224,9 @@ def _step_table(rows: list, order: list[str], label: str, rounds: int, out: Path
     what = (f"median over {rounds} rounds of each round's median timed step, min-max over rounds" if rounds > 1
             else "median timed step")
     # Wall clock, as `train` and the benchmarks count a step (tokens/s); the per-variant reports above compare
-    # timelines, first task start to last end, which leave out the host work between steps (under 1-2% of a GPU
-    # step, docs/accuracy.md; more of a short CPU-backend step): the two are different quantities, named so.
+    # timelines, first task start to last end, which leave out the host work between steps (0.4-1.6% of a GPU step:
+    # median_step_s against median_span_s of the 63 rows in docs/runs/24-accuracy/h200-run1/acc-*.tgz rows.jsonl;
+    # more of a short CPU-backend step): the two are different quantities, named so.
     print(f"\nwall-clock step time per variant ({what}; trainer.step's wall clock, which tokens/s counts; the "
           f"reports above compare timelines, which leave out host work between steps; predicted with {label} at "
           f"the measured clipping share{'; rank 1 = fastest' if len(tab) > 1 else ''}):")

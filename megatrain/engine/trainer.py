@@ -31,7 +31,7 @@ from megatrain.parallel.world import World
 from megatrain.model.init import init_into
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
-from megatrain.ir.placement import DEFAULT_STRATEGY, host_component_names
+from megatrain.ir.placement import DEFAULT_STRATEGY
 from megatrain.ir.program import Program
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout
@@ -158,15 +158,18 @@ class StreamedTrainer:
         """Run `knobs` from the next step: the pending update (overlap timing) is applied first with the old
         Program, as a checkpoint does, then the new Program for (batch, seq) takes over (`use_program`). A schedule
         of another host layout (wires, GPU-updated units, gradient ring) takes the store over in place
-        (`HostStore.relayout`: the master and moments are kept, the rest rebuilt; one process only, and
-        HostMemoryShort when the larger layout would not fit the host); if its Program then cannot start, the store
-        goes back to the old layout before the error is raised. Returns the new Program and the update plan the
-        flush applied (None if none was pending)."""
+        (`HostStore.relayout`: the master and moments are kept, the rest rebuilt; one process and the same optimizer
+        state dtype and tier only (ValueError), and HostMemoryShort when the larger layout would not fit the host;
+        each refused before anything changes); if its Program then cannot start, the store goes back to the old
+        layout before the error is raised. Returns the new Program and the update plan the flush applied (None if
+        none was pending)."""
         layout = resolve_host_layout(self.spec, knobs)
         relayout = layout != self.store.layout
         if relayout and self.world.distributed:
             raise ValueError(f"schedule {name} needs another host layout than the one this rank's store was built "
                              "for; a data-parallel run keeps its layout (start the run with it)")
+        if relayout:  # refused (another optimizer state) before anything is flushed or released
+            self.store.check_relayout(layout)
         sched = build_schedule(self.spec, batch, seq, knobs, world=self.world.parallelism)
         sched.name = name
         program = lower(sched)
@@ -189,17 +192,12 @@ class StreamedTrainer:
         return program, applied
 
     def _check_relayout_fits(self, program: Program, name: str) -> None:
-        """HostMemoryShort, before anything is freed, when the new layout's store components beyond the master and
-        moments (the planner's figures, `plan_host_memory`) need more than the running store's free and the host
-        has."""
-        def beyond_state(components: dict[str, int], layout) -> int:
-            names = host_component_names(layout)
-            kept = {names[k] for k in ("master", "m", "v")}  # taken over in place (HostStore.relayout)
-            return sum(v for k, v in components.items() if k in names.values() and k not in kept)
-
-        planned = plan_host_memory(program.placement, self.backend.name).components
-        layout = program.placement.host_layout
-        more = beyond_state(planned, layout) - beyond_state(self.store.bytes_by_component(), self.store.layout)
+        """HostMemoryShort, before anything is freed, when the new layout's store (the planner's figure,
+        `plan_host_memory`) needs more than the running store's and the host has. The master and moments are taken
+        over in place (`HostStore.relayout`) and are the same bytes in both layouts, so the difference is that of
+        the rest: the gradient landing space, the streaming copy and the scratch buffers."""
+        planned = plan_host_memory(program.placement, self.backend.name).store_bytes
+        more = planned - self.store.store_bytes()
         if more <= 0:
             return
         limit = host_memory()

@@ -133,7 +133,7 @@ def adamw_update_bf16_state(param: torch.Tensor, grad: torch.Tensor, exp_avg: to
 
 
 # Elements per pass of `adamw_undo`. On the host, 1 Mi: its temporaries stay in cache instead of page-faulting a
-# tile-sized buffer. On a GPU, 16 Mi (a 64 MiB temporary): at 1 Mi the redo of a 177 M-parameter layer (177 chunks of
+# tile-sized buffer. On a GPU, 16 Mi (a 64 MiB temporary): at 1 Mi the redo of a 177 M-parameter layer (170 chunks of
 # about ten element-wise kernels each) took 31.7 ms, 16.6 times its fused update (profile of an H200,
 # docs/accuracy.md); what 16 Mi gains is not measured yet (scripts/bench_undo.py measures it).
 UNDO_CHUNK = 1 << 20

@@ -87,6 +87,11 @@ class HostRegion:
             self.pinned_bytes += hi - lo
             i = j + 1
 
+    def unpin_all(self) -> None:
+        """Unpin every pinned tile range now (the region stays allocated and may be pinned again)."""
+        _unpin_all(self.backend, self._pinned)
+        self.pinned_bytes = 0
+
 
 def _unpin_all(backend: Backend, views: list[torch.Tensor]) -> None:
     for v in views:
@@ -173,6 +178,16 @@ class HostStore:
         both. Call between steps (no update pending, no Program holding views of this store); this store is spent
         afterwards. Host memory is the caller's to check (`StreamedTrainer.switch_schedule` checks the planner's
         figures). One process's store only: a sharded store's slices are the strategy's (ValueError)."""
+        self.check_relayout(layout)
+        for r in (self._master, self._m, self._v):  # pinned again as the new layout pins them
+            r.unpin_all()
+        self._grad = self._stream = self._scratch = self._state_scratch = None  # freed here (unpinned by finalizer)
+        return HostStore(self.spec, layout, self.backend, adopt=self)
+
+    def check_relayout(self, layout: HostLayout) -> None:
+        """ValueError when `relayout(layout)` would be refused: a data-parallel rank's store, or another optimizer
+        state (dtype, tier). Changes nothing, so a caller checks before it releases anything
+        (`StreamedTrainer.switch_schedule`)."""
         if type(self) is not HostStore:
             raise ValueError(f"{type(self).__name__}: a data-parallel rank's store keeps its layout (relayout is for "
                              "one process)")
@@ -181,11 +196,6 @@ class HostStore:
             raise ValueError(f"relayout keeps the optimizer state as it is ({', '.join(same)}): "
                              f"{self.layout.state_dtype}/{self.layout.state_tier} -> "
                              f"{layout.state_dtype}/{layout.state_tier}")
-        for r in (self._master, self._m, self._v):  # pinned again as the new layout pins them
-            _unpin_all(r.backend, r._pinned)
-            r.pinned_bytes = 0
-        self._grad = self._stream = self._scratch = self._state_scratch = None  # freed here (unpinned by finalizer)
-        return HostStore(self.spec, layout, self.backend, adopt=self)
 
     def _tile_sizes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Elements per unit of the optimizer's tiles (master, moments) and of the full tiles (streaming copy,
@@ -340,11 +350,15 @@ class HostStore:
         """Bytes actually allocated: the payload plus page alignment of each tile (< 4 KiB per tile and kind)."""
         return sum(r.nbytes + PAGE for r in self._regions().values() if r)
 
+    def store_bytes(self) -> int:
+        """Payload bytes of every component: the planner's `HostMemoryPlan.store_bytes` of this layout."""
+        return sum(self.bytes_by_component().values())
+
     def pinned_bytes(self) -> int:
         return sum(r.pinned_bytes for r in self._regions().values() if r)
 
     def __repr__(self) -> str:
-        total = sum(self.bytes_by_component().values())
+        total = self.store_bytes()
         return (f"HostStore({self.spec.name}, {len(self.units)} units, {total / 2**30:.3f} GiB, "
                 f"pinned {self.pinned_bytes() / 2**30:.3f} GiB)")
 

@@ -46,11 +46,12 @@ class AdamTiles:
         if self.copy is not None:
             self.copy[:n].copy_(self.p[:n])  # refresh_stream: master -> bf16 streaming copy
 
-    def redo(self) -> None:
+    def redo(self, chunk: int | None = None) -> None:
         """Speculative clipping's CLIP_REDO of a unit on the device, as `Updates._redo` does it: undo the step's
-        unclipped update (`adamw_undo`, several element-wise passes), then update again with the coefficient."""
+        unclipped update (`adamw_undo`, several element-wise passes of `chunk` elements, by default the executor's),
+        then update again with the coefficient."""
         step = max(1, self.step)  # the undo divides by the bias correction of a step >= 1
-        adamw_undo(self.p, self.g, self.m, self.v, step, self.n - self.n // 100, 1e-4, _CFG)
+        adamw_undo(self.p, self.g, self.m, self.v, step, self.n - self.n // 100, 1e-4, _CFG, chunk=chunk)
         adamw_update(self.p, self.g, self.m, self.v, step, self.n - self.n // 100, 1e-4, _CFG, clip_coef=0.5)
 
 

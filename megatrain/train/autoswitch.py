@@ -31,9 +31,10 @@ Candidates of every host layout are measured (weight and gradient wires, GPU-upd
 layout also takes the host store over in place (`StreamedTrainer.switch_schedule` -> `HostStore.relayout`: the
 master weights and AdamW moments, the only copy of the run's state, are kept; the landing space and streaming copy
 are rebuilt, the old freed first), which is refused before anything changes when the larger layout would not fit
-the host (`HostMemoryShort`: listed as not measured with its reason). Measured on an H200 (docs/accuracy.md): with
-only the first layout's candidates measured, auto missed the best named schedule by 8-12% on llama-4.5b and
-llama3-8b, both times a schedule of another layout predicted within 5% of auto's pick.
+the host (`HostMemoryShort`: listed as not measured with its reason). Measured on an H200 while only the first
+layout's candidates were measured (docs/accuracy.md, "`--schedule auto` that measures"): auto trained at 0.88-0.92x
+of the best named schedule: 0.91x on llama-4.5b and 0.88x on llama3-8b, both times a schedule of another layout
+predicted within 5% of auto's pick; 0.92x on bench-3b, the band's case (DEFAULT_BAND).
 
 The compiled layer (`compile_layers`) is a candidate knob (`varies_compile`): it computes the same math with other
 rounding. It is varied unless the user set it (config or --set), and not on the CPU backend, where compiling the
@@ -51,6 +52,7 @@ import torch
 
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.engine.trainer import HostMemoryShort, StepResult
+from megatrain.ir.dag import ScheduleError
 from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
@@ -62,13 +64,26 @@ from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
 
 DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
 # Beyond K, every candidate predicted within this fraction of the best is measured too, up to MAX_MEASURE: the
-# simulator cannot tell such candidates apart (its out-of-sample errors reach 13.5% on an H200, docs/accuracy.md).
+# simulator cannot tell such candidates apart (docs/accuracy.md: predicted from a quick profile, errors up to 13.5%
+# on an H200 and 17.1% on an H100; out of sample, a profile calibrated on another run, up to 12.5% on the H200 and
+# 25.9% on the H100 before the copy-beside-update rule, 9.9% and 22.5% with it).
 # Measured on an H200, bench-3b 8 x 2048 at 16 GiB: the best named schedule was predicted 6.5% behind auto's pick,
 # level with its third candidate and ranked after it, and so never measured; auto trained 0.92x its speed.
 DEFAULT_BAND = 0.10
 MAX_MEASURE = 6
 UNTIMED_STEPS = 1  # after a switch: new GPU buffers, a compile of the layer, the first pending update
 TIMED_STEPS = 2  # timed steps per candidate: their median is its measured step time
+
+
+class BandError(ScheduleError):
+    """A band outside [0, 1): it is a fraction of the best predicted step time."""
+
+
+def check_band(band: float) -> None:
+    """BandError unless 0 <= band < 1 (0: measure exactly `measure` candidates)."""
+    if not 0 <= band < 1:
+        raise BandError(f"band {band}: give a fraction of the best predicted step time, 0 (measure exactly `measure` "
+                        "candidates) up to below 1")
 
 
 def varies_compile(explicit: bool, backend: str) -> bool:
@@ -94,7 +109,7 @@ class AutoChoice:
     assumed: StepFacts = field(default_factory=StepFacts)
     band: float = DEFAULT_BAND  # also measure every candidate predicted within this fraction of the best
     # measuring state (start .. done)
-    pool: list[Candidate] = field(default_factory=list)  # candidates of the running host layout, fastest first
+    pool: list[Candidate] = field(default_factory=list)  # `ranked` less those whose switch failed, fastest first
     running: Candidate | None = None
     times: dict[str, list[float]] = field(default_factory=dict)  # label -> timed step seconds
     clipped: list[bool] = field(default_factory=list)  # every step since the start: did its update clip
@@ -105,6 +120,9 @@ class AutoChoice:
     unstarted: dict[str, str] = field(default_factory=dict)  # label -> why its switch failed (never measured)
     chosen: Candidate | None = None
     done: bool = False
+
+    def __post_init__(self) -> None:
+        check_band(self.band)
 
     def start(self, steps_left: int, log) -> None:
         """Before the run's first step, on a trainer built with `knobs`: `steps_left` steps will run; logs what
@@ -166,21 +184,26 @@ class AutoChoice:
 
     def could_not_start(self, candidate: Candidate, why: str) -> None:
         """`candidate`'s switch failed (out of GPU memory: its buffers did not fit beside what the process holds;
-        the caller has put the previous Program back): it leaves the pool, is never measured or chosen, and the
-        previous candidate runs on; the next is picked after its next step, as after any measured step."""
+        the caller has put the previous Program back): it leaves the pool, is not measured (if it was not yet) nor
+        chosen, and the previous candidate runs on; the next is picked after its next step, as after any measured
+        step. When it was the fastest measured (the switch after measuring), the previous one becomes `chosen`: it
+        is what the run trains with."""
         self.unstarted[candidate.label] = why
         self.pool = [c for c in self.pool if c.label != candidate.label]
         self.limit = min(self.limit, len(self.pool))
         # its restored Program starts over: one untimed step (new buffers), then timed ones again
         self.running, self.pending, self.steps_on_running = self.previous, None, 0
-        self.log(f"auto: {candidate.label} could not start ({why}); not measured, {self.running.label} runs on")
+        if self.chosen is not None and self.chosen.label == candidate.label:
+            self.chosen = self.running
+        measured = "" if candidate.label in self.times else "not measured, "
+        self.log(f"auto: {candidate.label} could not start ({why}); {measured}{self.running.label} runs on")
 
     def measured_s(self, label: str) -> float:
         """The measured step time of a candidate: the median of its timed steps."""
         return statistics.median(self.times[label])
 
     def _finish(self, facts: StepFacts) -> None:
-        """Choose the fastest measured; one line per candidate (and per one of the K best not measured)."""
+        """Choose the fastest measured; one line per candidate measured and per one whose switch failed."""
         self.done = True
         by_label = {c.label: c for c in self.pool}
         measured = sorted(self.times, key=lambda label: (self.measured_s(label), label))
@@ -192,10 +215,10 @@ class AutoChoice:
             pred, meas = by_label[label].step_s, self.measured_s(label)
             self.log(f"  {label}: predicted {pred * 1e3:,.1f} ms/step, measured {meas * 1e3:,.1f} ms/step "
                      f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
-        for c in self.ranked[:max(self.measure, self.limit)]:
-            if c.label not in by_label:
-                why = self.unstarted.get(c.label, "the run's steps measured fewer candidates")
-                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: {why}")
+        for c in self.ranked:
+            if c.label in self.unstarted:
+                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: "
+                         f"{self.unstarted[c.label]}")
         if self.chosen.label != self.running.label:
             self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
         else:
@@ -213,7 +236,9 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
     the ranking (`tune.auto.choose_auto`, clipping priced at `assumed`, the compiled layer tried both ways with
     `vary_compile`), logged with the next best. Returns the AutoChoice that measures the `measure` best (and every
     one predicted within `band` of the best) on the run's first steps and the profile it ranked with. ScheduleError
-    when nothing fits, BudgetError without a budget."""
+    when nothing fits (BandError, one, for a band outside [0, 1), before anything is measured), BudgetError without
+    a budget."""
+    check_band(band)
     budget = auto_budget(backend, gpu_gib)
     if not profile:
         knobs = replace(base, compile_layers=True) if vary_compile else base  # both kernels' tables
@@ -295,21 +320,29 @@ def schedule_overrides(knobs, micro_batches: int) -> list[str]:
 def measure_candidates(auto: AutoChoice, trainer, step: Callable[[], StepResult], log=print) -> Candidate:
     """`auto`'s measuring on `trainer` outside the training loop (scripts/bench_megatrain.py; the loop calls
     `before_step` / `after_step` itself, `auto_before_step`): `step()` runs one training step; returns the
-    candidate the trainer runs afterwards (the fastest measured, or the best predicted with `measure` 0)."""
+    candidate the trainer runs afterwards (the fastest measured, or the one that ran before it when the switch to it
+    failed; the best predicted with `measure` 0)."""
     auto.start(2**62, log)  # as many steps as it takes
     while True:
         cand = auto.before_step()
         if cand is not None and cand.knobs != trainer.knobs:
-            program = trainer.program(auto.batch, auto.seq)
-            try:
-                switch_trainer(trainer, auto.batch, auto.seq, cand.knobs, cand.label, log)
-            except torch.cuda.OutOfMemoryError as e:
-                auto.could_not_start(cand, _restore(trainer, program, e))
-            except HostMemoryShort as e:  # refused before anything changed: the Program that ran runs on
-                auto.could_not_start(cand, f"its host layout would not fit: {e}")
+            _switch_or_skip(auto, trainer, trainer.program(auto.batch, auto.seq), auto.batch, auto.seq, cand)
         if auto.done:
-            return auto.chosen or auto.running
+            return auto.running  # the fastest measured, unless its switch failed; the best predicted with K = 0
         auto.after_step(step())
+
+
+def _switch_or_skip(auto: AutoChoice, trainer, program, batch: int, seq: int, cand: Candidate):
+    """Switch `trainer` to `cand` (`switch_trainer`); returns the new Program, or None when the switch failed
+    (`auto.could_not_start`): out of GPU memory (`program`, the one that ran, takes its buffers back) or a host
+    layout that would not fit (refused before anything changed)."""
+    try:
+        return switch_trainer(trainer, batch, seq, cand.knobs, cand.label, auto.log)[0]
+    except torch.cuda.OutOfMemoryError as e:
+        auto.could_not_start(cand, _restore(trainer, program, e))
+    except HostMemoryShort as e:  # refused before anything changed: the Program that ran runs on
+        auto.could_not_start(cand, f"its host layout would not fit: {e}")
+    return None
 
 
 def _restore(trainer, program, error: Exception) -> str:
@@ -334,14 +367,8 @@ def auto_before_step(run) -> bool | None:
         run.switch_schedule(cand.knobs, run.program, cand.result, None)
         return False
     applied = run.trainer.flush()  # here, so that a switch that fails below loses no applied update's bookkeeping
-    try:
-        program, _ = switch_trainer(run.trainer, run.batch, run.seq, cand.knobs, cand.label, run.auto.log)
-    except torch.cuda.OutOfMemoryError as e:
-        run.auto.could_not_start(cand, _restore(run.trainer, run.program, e))
-        run.switch_schedule(run.trainer.knobs, run.program, run.predicted, applied)
-        return False
-    except HostMemoryShort as e:  # refused before anything changed: the Program that ran runs on
-        run.auto.could_not_start(cand, f"its host layout would not fit: {e}")
+    program = _switch_or_skip(run.auto, run.trainer, run.program, run.batch, run.seq, cand)
+    if program is None:  # the Program that ran runs on
         run.switch_schedule(run.trainer.knobs, run.program, run.predicted, applied)
         return False
     run.switch_schedule(cand.knobs, program, cand.result, applied)

@@ -115,9 +115,6 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None
     if measure < 0:
         raise ConfigError(f"--auto-measure {measure}: give the number of candidates to measure, 0 or more")
     band = autoswitch.DEFAULT_BAND if band is None else band
-    if not 0 <= band < 1:
-        raise ConfigError(f"--auto-band {band}: give a fraction of the best predicted step time, 0 (measure exactly "
-                          "--auto-measure candidates) up to below 1")
     try:
         backend = "cuda" if cuda else "cpu"
         # the compiled layer is a candidate knob unless set in the config or --set
@@ -125,6 +122,9 @@ def _auto_schedule(cfg: RunConfig, budget_gib: float | None, measure: int | None
         choice, _ = autoswitch.choose_before_run(spec, batch, seq, base, backend, cfg.run.run_dir, cfg.run.profile,
                                                  budget_gib, resumed=bool(cfg.run.resume), measure=measure,
                                                  vary_compile=vary, band=band)
+    except autoswitch.BandError:  # autoswitch's range check, before anything is measured: in the option's words
+        raise ConfigError(f"--auto-band {band}: give a fraction of the best predicted step time, 0 (measure exactly "
+                          "--auto-measure candidates) up to below 1") from None
     except (ScheduleError, BudgetError) as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     # No run.profile is set for the run: the profile auto chose with is the one the run resolves itself

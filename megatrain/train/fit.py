@@ -73,9 +73,10 @@ def rank_plan(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backe
     """The memory of one rank of a data-parallel run over `ranks` ranks on each of `nodes` hosts (its slices of the
     store, 1/(ranks x nodes) of each unit, as `plan --gpus N --hosts H` counts them); the one-process plan for one
     rank. ScheduleError when the schedule or the model is not supported on that many ranks."""
-    if ranks * nodes <= 1:
+    world = ranks * nodes
+    if world <= 1:
         return plan_memory(spec, batch, seq, knobs, backend)
-    p = resolve(spec, batch, seq, knobs, Parallelism(ranks * nodes, nodes))
+    p = resolve(spec, batch, seq, knobs, Parallelism(world, nodes))
     return MemoryPlan(p, rank_host_plan(p, backend), plan_gpu_memory(p), knobs)
 
 
@@ -110,23 +111,28 @@ def check_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, ba
     launched = launch_nodes()
     ranks = launched[0] if ranks is None else ranks
     node_id, nodes = launched[1:] if node is None else node
+    world = ranks * nodes
     plan = rank_plan(spec, batch, seq, knobs, backend, ranks, nodes)
     measured_host = host_bytes is None
     have_host, have_gpu = machine_capacity(backend) if ranks == 1 else node_capacity(backend, ranks)
     host_bytes = max(0, have_host - reserve_host_bytes) if host_bytes is None else host_bytes
     gpu_bytes = have_gpu if gpu_bytes is None else gpu_bytes
-    if ranks * nodes > 1:
+    if world > 1:
         ok, lines = _node_fit(plan, host_bytes, gpu_bytes, ranks, backend, nodes)
     elif backend == "cpu":
         ok, lines = _cpu_fit(plan, host_bytes)
     else:
         ok, lines = fit_report(plan, host_bytes, gpu_bytes)
     if not ok:
-        where = ("this machine" if ranks * nodes == 1 else f"this node ({ranks} ranks)" if nodes == 1
-                 else f"node {node_id} of {nodes} ({ranks} ranks, {plan.placement.world} in all)")
+        if world == 1:
+            where = "this machine"
+        elif nodes == 1:
+            where = f"this node ({ranks} ranks)"
+        else:
+            where = f"node {node_id} of {nodes} ({ranks} ranks, {plan.placement.world} in all)"
         raise MemoryFitError(
             f"{what} does not fit {where} ({spec.name}, {spec.num_params / 1e9:.3f} B parameters, batch "
-            f"{batch} x seq {seq}{' per rank' if ranks * nodes > 1 else ''}, {backend} backend):\n  " + "\n  ".join(lines)
+            f"{batch} x seq {seq}{' per rank' if world > 1 else ''}, {backend} backend):\n  " + "\n  ".join(lines)
             + (_host_bound_note(ranks) if measured_host else "") + "\n  " + advice)
     return plan, lines
 
