@@ -137,10 +137,8 @@ def test_the_profile_is_built_from_the_operating_point(calibration):
     extra_s = op["contention"]["update_alone_s"] - other["update_alone_s"]
     if extra_s > 0:  # the conversion pass alone: the two updates' difference, which the simulator adds back
         assert p.cpu_convert_params_per_s == pytest.approx(op["params"] / extra_s, rel=1e-9)
-        if rate is not None:
-            fixed = m["cpu_adam"]["fixed_s"]
-            rebuilt = op["params"] / p.cpu_adam_rate() + op["passes"] * op["params"] / p.cpu_convert_params_per_s
-            assert rebuilt == pytest.approx(op["contention"]["update_alone_s"] - fixed, rel=1e-9)
+    else:  # no difference to take (a noisy host): the isolated refresh loop's rate
+        assert p.cpu_convert_params_per_s == m["cpu_refresh"]["rate"]
     assert "both weight wires" in p.notes["host_memory_Bps"]
     # the copies beside the update, as the host fit assumed them: each direction's measured rate beside the
     # update (and beside it and the other direction) over its rate alone, the mean of the two wires' records

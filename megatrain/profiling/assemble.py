@@ -182,13 +182,13 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
         wires = host.fit_host_memory_wires([op["contention"], op["contention_other"]], copy_draw,
                                            m["host_memory"]["Bps"])
         m["host_fit_wires"] = wires
-        by_passes = {c["passes"]: c for c in (op["contention"], op["contention_other"])}
-        lo, hi = min(by_passes), max(by_passes)
-        extra_s = (by_passes[hi]["update_alone_s"] - by_passes[lo]["update_alone_s"]) / (hi - lo)
+        lo, hi = wires["records"]  # by conversion passes, fewer first
+        extra_s = (hi["update_alone_s"] - lo["update_alone_s"]) / (hi["passes"] - lo["passes"])
         if extra_s > 0:
             convert_rate, convert_from_wires = op["params"] / extra_s, True
-    # the copies beside the update, as the fit above assumed them: the runtime's records, else the isolated loop's
-    contention_records = [op[k] for k in ("contention", "contention_other") if k in op] if op is not None else [hc]
+    # the copies beside the update, as the fit above assumed them: the runtime's records (hc is the operating
+    # point's own when there is one, profiling/calibrate.py), else the isolated loop's
+    contention_records = [hc, op["contention_other"]] if wires is not None else [hc]
     beside = host.copy_beside_update(contention_records)
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)

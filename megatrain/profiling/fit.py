@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -63,7 +64,8 @@ def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bo
 @dataclass
 class StepClass:
     """The measured steps of one kind (clipping or not): their share of the steps, the facts that simulate such a
-    step, its median step time, and per task the median over those steps of gap, duration and span."""
+    step, its median step time, and per task the mean over the middle steps (`step_classes`) of gap, duration and
+    span."""
 
     facts: StepFacts
     weight: float
@@ -74,8 +76,8 @@ class StepClass:
 def step_classes(program: Program, steps: list[pd.DataFrame], flags: list[bool]) -> list[StepClass]:
     """The steps split by whether they clipped. Per task the mean over the class's middle steps by step time (the
     fastest and slowest third left out, at least one each from 3 steps on: a step slowed by another process on a
-    shared machine; with a quarter, 3 timed steps kept their outlier, and the in-sample fit of qwen2-3b `lean` on
-    an H200 landed at the mean of 1.200, 1.287 and 1.216 s, +4.1% off the median it is compared with); a mean, not
+    shared machine; with a quarter left out, 3 timed steps kept their outlier, and an in-sample fit landed at the
+    mean of all three, off the median step time it is compared with); a mean, not
     a median, because the fit matches sums of task times to a step's time, and a median of each task undercounts a
     sum of right-skewed times. Every fitted number below is a sum or mean of these, so overheads, durations and
     spans agree with one another."""
@@ -96,25 +98,25 @@ def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataF
                 clipped: list[bool] | None = None, with_kinds: bool = False):
     """The calibrated profile (module docstring): overheads and compute tables measured, flow rates fitted, each
     kind of step (clipping or not, `step_clips`) simulated with its facts and weighed by its share of the steps.
-    With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`)."""
+    With `with_kinds`, also the per-kind table of predicted against measured time (`kind_table`) and the measured
+    step time (each kind's median step time weighed by its share)."""
     classes = step_classes(program, steps, step_clips(program, steps, clipped))
     p = replace(profile, task_overhead_s=_overheads(program, classes),
                 # the norm's whole measured time is its "N" overhead
                 compute_tables=_tables(program, profile, classes), clip_norm_params_per_s=math.inf)
-    p = _seeded(p, program, classes)
     groups = _flow_groups(program)
+    measured = _measured(p, program, classes, groups)
+    p = _seeded(p, program, groups, measured)
     for _ in range(FIT_ITERATIONS):
         spans = [with_spans(simulate(program, p, c.facts).timeline, program).set_index("task")["span_s"]
                  for c in classes]
         factors = {}
         for flow, tasks in groups.items():
-            meas, sim = 0.0, 0.0
+            over, meas = measured[flow]
+            sim = 0.0
             for c, span in zip(classes, spans):
-                if flow == "gpu_redo" and c.facts.clip_share < 1.0:
-                    continue  # a redo does nothing in a step that does not clip
-                over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-                meas += c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over)
-                sim += c.weight * (sum(span[t] for t in tasks) - over)
+                if _counts(flow, c):
+                    sim += c.weight * (sum(span[t] for t in tasks) - over)
             if meas > 0 and sim > 0:
                 factors[flow] = min(10.0, max(0.1, meas / sim))  # > 1: the flow must go slower
         if all(abs(f - 1.0) < 1e-3 for f in factors.values()):
@@ -125,13 +127,15 @@ def fit_profile(program: Program, profile: HardwareProfile, steps: list[pd.DataF
         f"fitted to {len(steps)} measured steps of {program.model.name} (batch {program.batch} x seq "
         f"{program.seq}, {program.placement.weight_wire} weight wire"
         + (f", {100 * share:.0f}% of them clipping" if program.placement.speculative_clip else "")
-        + ") by megatrain.profiling.live: task_overhead_s from the runtime's gaps, compute tables from the measured "
+        + ") by megatrain.profiling.fit: task_overhead_s from the runtime's gaps, compute tables from the measured "
         "durations, CPU/GPU AdamW (U and V tasks: one update per unit and step), the GPU clip redo and copy rates "
         "scaled until the simulated ready-to-done times of their tasks add up to the measured ones, each kind of "
         "step simulated with its facts")}
     fitted = replace(p, name=f"{profile.name}-calibrated", notes=notes,
                      description=f"{profile.description} Calibrated to a run of {program.model.name}.")
-    return (fitted, kind_table(program, fitted, classes)) if with_kinds else fitted
+    if not with_kinds:
+        return fitted
+    return fitted, kind_table(program, fitted, classes), sum(c.weight * c.step_s for c in classes)
 
 
 def kind_table(program: Program, profile: HardwareProfile, classes: list[StepClass]) -> pd.DataFrame:
@@ -145,9 +149,7 @@ def kind_table(program: Program, profile: HardwareProfile, classes: list[StepCla
                                                       "meas_s": 0.0})
             r["pred_s"] += c.weight * float(span[tid])
             r["meas_s"] += c.weight * float(c.med.at[tid, "span_s"])
-    n = {}
-    for t in program.tasks.values():
-        n[(t.kind, t.stream)] = n.get((t.kind, t.stream), 0) + 1
+    n = Counter((t.kind, t.stream) for t in program.tasks.values())
     for k, r in rows.items():
         r["n"] = n[k]
     return pd.DataFrame(list(rows.values())).sort_values(["kind", "stream"]).reset_index(drop=True)
@@ -161,10 +163,10 @@ def _overheads(program: Program, classes: list[StepClass]) -> dict[str, float]:
     for tid, t in program.tasks.items():
         if t.kind != "N":  # the norm has its own entry: its gap would skew its stream's
             streams.setdefault(t.stream, []).append(tid)
+    norm = [t for t, task in program.tasks.items() if task.kind == "N"]
     for c in classes:
         for s, tids in streams.items():
             out[s] = out.get(s, 0.0) + c.weight * float(c.med.loc[tids, "gap_s"].mean())
-        norm = [t for t, task in program.tasks.items() if task.kind == "N"]
         if norm:
             out["N"] = out.get("N", 0.0) + c.weight * float(c.med.loc[norm, "span_s"].median())
     return out
@@ -172,8 +174,9 @@ def _overheads(program: Program, classes: list[StepClass]) -> dict[str, float]:
 
 def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]) -> tuple[ComputeTable, ...]:
     """Compute tables of this model at the run's token counts: per task kind, unit class and tokens, the mean over
-    its tasks of their median measured duration, so that the tables' sum is the measured one (they replace the
-    profile's tables for the same key and seq; the layer's are of the compiled layer when the Program compiles)."""
+    its tasks of their mean measured duration (`step_classes`), so that the tables' sum is the measured one (they
+    replace the profile's tables for the same key and seq; the layer's are of the compiled layer when the Program
+    compiles)."""
     sig, dtype = model_signature(program.model), program.placement.compute_dtype
     compiled = program.placement.layer_kernel == "compiled"
     tasks: dict[tuple[str, str], dict[int, list[str]]] = {}
@@ -209,22 +212,40 @@ def _flow_groups(program: Program) -> dict[str, list[str]]:
     return groups
 
 
-def _seeded(p: HardwareProfile, program: Program, classes: list[StepClass]) -> HardwareProfile:
-    """Finite starting rates where the profile has none (inf = free) but the run measured time: the fixed point
-    can only scale a rate that costs something."""
-    groups, changes = _flow_groups(program), {}
+def _counts(flow: str, c: StepClass) -> bool:
+    """Whether a kind of step counts in a flow's fit: a redo does nothing in a step that does not clip."""
+    return flow != "gpu_redo" or c.facts.clip_share >= 1.0
 
-    def work(tasks):  # measured seconds beyond the launch overhead, per step
+
+def _measured(p: HardwareProfile, program: Program, classes: list[StepClass],
+              groups: dict[str, list[str]]) -> dict[str, tuple[float, float]]:
+    """Per fitted flow (`_flow_groups`): its tasks' launch overheads, and their measured ready-to-done seconds
+    beyond those overheads per step (each kind of step that counts, `_counts`, weighed by its share). Neither
+    changes while the fit scales the rates."""
+    out = {}
+    for flow, tasks in groups.items():
         over = sum(p.overhead(program.tasks[t].stream, program.tasks[t].kind) for t in tasks)
-        return sum(c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over) for c in classes)
+        meas = 0.0
+        for c in classes:
+            if _counts(flow, c):
+                meas += c.weight * (sum(c.med.at[t, "span_s"] for t in tasks) - over)
+        out[flow] = (over, meas)
+    return out
 
-    if "gpu_update" in groups and math.isinf(p.gpu_adam_params_per_s) and work(groups["gpu_update"]) > 0:
+
+def _seeded(p: HardwareProfile, program: Program, groups: dict[str, list[str]],
+            measured: dict[str, tuple[float, float]]) -> HardwareProfile:
+    """Finite starting rates where the profile has none (inf = free) but the run measured time (`_measured`): the
+    fixed point can only scale a rate that costs something."""
+    work = {flow: meas for flow, (_, meas) in measured.items()}  # seconds beyond the launch overheads, per step
+    changes = {}
+    if "gpu_update" in groups and math.isinf(p.gpu_adam_params_per_s) and work["gpu_update"] > 0:
         changes["gpu_adam_params_per_s"] = (sum(program.tasks[t].params for t in groups["gpu_update"])
-                                            / work(groups["gpu_update"]))
-    for d in ("h2d", "d2h"):
+                                            / work["gpu_update"])
+    for d in COPY_STREAMS:
         c = getattr(p, d)
-        if d in groups and not all(math.isfinite(b) for b in c.Bps) and work(groups[d]) > 0:
-            rate = sum(program.tasks[t].bytes for t in groups[d]) / work(groups[d])
+        if d in groups and not all(math.isfinite(b) for b in c.Bps) and work[d] > 0:
+            rate = sum(program.tasks[t].bytes for t in groups[d]) / work[d]
             changes[d] = CopyCurve.constant(rate, c.latency_s)
     return replace(p, **changes)
 
@@ -247,7 +268,7 @@ def _scaled(p: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
         changes["gpu_adam_params_per_s"] = p.gpu_adam_params_per_s / factors["gpu_update"]
     if "gpu_redo" in factors:  # in updates of the (just fitted) GPU rate
         changes["clip_redo_updates"] = p.clip_redo_updates * factors["gpu_redo"] / factors.get("gpu_update", 1.0)
-    for d in ("h2d", "d2h"):
+    for d in COPY_STREAMS:
         if d in factors:
             c = getattr(p, d)
             if all(math.isfinite(b) for b in c.Bps):

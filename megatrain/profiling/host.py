@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from megatrain.sim.profile import ADAM_BYTES_PER_PARAM, CONVERT_BYTES_PER_PARAM
+from megatrain.sim.profile import ADAM_BYTES_PER_PARAM, BESIDE, CONVERT_BYTES_PER_PARAM
 from megatrain.profiling.bench import Background, Worker, median
 
 MIXES = ("h2d", "d2h", "both")  # the copies that run beside the update
@@ -71,10 +71,11 @@ def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Work
     out: dict = {"copy_bytes": nbytes, "copy_out_bytes": out_bytes, "threads": threads, "rounds": rounds}
     try:
         cpu.call(torch.set_num_threads, threads)
-        # The four mixes take turns, round after round: the host's own speed drifts (a shared machine's memory
-        # bandwidth moved the update's rate by 10-15% between two profiles of one H200 host), and the fit reads
-        # the differences between mixes, which drift measured mix after mix would bias. Each mix keeps its least
-        # disturbed round (Worker.time_for's rule).
+        # The four mixes take turns, round after round: the host's own speed drifts (two quick profiles on two
+        # starts of the H200 kind predicted the same schedules 20-25% apart, docs/accuracy.md: two machines of one
+        # kind, or one host's drift, move the update's rate that much), and the fit reads the differences between
+        # mixes, which drift measured mix after mix would bias. Each mix keeps its least disturbed round
+        # (Worker.time_for's rule).
         first = cpu.time(update, 1, warmup=1)[0]
         per_round = max(1, int(budget_s / 4 / rounds / max(first, 1e-7)))
         samples: dict[str, list[float]] = {mix: [] for mix in backgrounds}
@@ -108,9 +109,8 @@ def copy_beside_update(records: list[dict]) -> dict[str, float]:
     update (and beside it and the other direction) over its rate alone, the mean over the records (the runtime's
     update at one or both weight wires beside the same copies), within [0.05, 1]."""
     out = {}
-    for key, (rate, alone) in {"h2d": ("h2d_update_Bps", "h2d_alone_Bps"), "d2h": ("d2h_update_Bps", "d2h_alone_Bps"),
-                               "h2d_both": ("h2d_both_Bps", "h2d_alone_Bps"),
-                               "d2h_both": ("d2h_both_Bps", "d2h_alone_Bps")}.items():
+    for (direction, both), key in BESIDE.items():
+        rate, alone = f"{direction}_{'both' if both else 'update'}_Bps", f"{direction}_alone_Bps"
         fracs = [c[rate] / c[alone] for c in records if c.get(rate, 0) > 0 and c.get(alone, 0) > 0]
         if fracs:
             out[key] = min(1.0, max(0.05, sum(fracs) / len(fracs)))
@@ -119,13 +119,14 @@ def copy_beside_update(records: list[dict]) -> dict[str, float]:
 
 def _drawn(c: dict, copy_draw: float) -> dict[str, float]:
     """Host bytes/s the copies of each mix drew beside the update (a contention record's copy rates)."""
-    return {"h2d": copy_draw * c["h2d_update_Bps"], "d2h": copy_draw * c["d2h_update_Bps"],
-            "both": copy_draw * (c["h2d_both_Bps"] + c["d2h_both_Bps"])}
+    both = c["h2d_both_Bps"] + c["d2h_both_Bps"]
+    return {mix: copy_draw * (both if mix == "both" else c[f"{mix}_update_Bps"]) for mix in MIXES}
 
 
-def _mix_rates(c: dict, copy_draw: float) -> tuple[float, list[tuple[float, float]]]:
-    """A contention record's update rate alone and its (copy host bytes/s drawn, update rate) per copy mix."""
-    n, drawn = c["params"], _drawn(c, copy_draw)
+def _mix_rates(c: dict, params: int, copy_draw: float) -> tuple[float, list[tuple[float, float]]]:
+    """A contention record's update rate alone and its (copy host bytes/s drawn, update rate) per copy mix (MIXES
+    order), for an update of `params` parameters."""
+    n, drawn = params, _drawn(c, copy_draw)
     return n / c["update_alone_s"], [(drawn[k], n / c[f"update_{k}_s"]) for k in MIXES]
 
 
@@ -141,9 +142,9 @@ def fit_host_memory(c: dict, params: int, passes: int, copy_draw: float, stream_
     params: parameters of one measured update; passes: its bf16 conversion passes; copy_draw: host bytes drawn
     per byte copied; stream_Bps: `measure_host_memory`'s bandwidth. Returns the two fields, whether the update was
     bound by host memory, and per copy mix the update rate measured and the rate the fitted model gives."""
-    alone = params / c["update_alone_s"]
-    rate = {k: params / c[f"update_{k}_s"] for k in MIXES}
-    drawn = _drawn(c, copy_draw)
+    alone, mixes = _mix_rates(c, params, copy_draw)
+    drawn = {k: d for k, (d, _) in zip(MIXES, mixes)}
+    rate = {k: r for k, (_, r) in zip(MIXES, mixes)}
     slowed = [k for k in MIXES if rate[k] < SLOWED * alone]
     bpp, host = math.inf, math.inf
     if len(slowed) >= 2:
@@ -189,17 +190,18 @@ def fit_host_memory_wires(records: list[dict], copy_draw: float, stream_Bps: flo
 
     Why two: the update with the bf16 weight wire also refreshes the bf16 streaming copy, and on the H100 host that
     pass is what the copies slow down (52 ms alone, 67 beside both copies for a 177 M-parameter layer), while the
-    fp32-wire update beside the same copies ran at its rate alone (38 ms in the steps); a fit of the bf16-wire update
-    alone priced the fp32-wire one 7-31% slow (docs/accuracy.md). Each record gets bpp_i = b0 + passes_i x cb;
-    the simulator's rate beside copies drawing d is min(alone, (B - d) / bpp_i). B is searched on a grid from the
-    streaming bandwidth up; for each B each record's bpp is the one that fits its rates alone and beside the three
-    copy mixes best (relative squared error), ties going to the implementation's count (28 + 6 per pass); the B of
-    the least total error wins. Returns B, b0, cb, and per record the measured and modelled rates."""
+    fp32-wire update beside the same copies ran at its rate alone (38 ms in the steps); the uncalibrated (a) quick
+    profiles, whose fit took the bf16-wire update alone, predicted the fp32-wire one 7-31% slow (docs/accuracy.md).
+    Each record gets bpp_i = b0 + passes_i x cb; the simulator's rate beside copies drawing d is
+    min(alone, (B - d) / bpp_i). B is searched on a grid from the streaming bandwidth up; for each B each record's
+    bpp is the one that fits its rates alone and beside the three copy mixes best (relative squared error), ties
+    going to the implementation's count (28 + 6 per pass); the B of the least total error wins. Returns B, b0, cb,
+    and per record its update's time alone and the measured and modelled rates."""
     if len({r["passes"] for r in records}) != len(records) or len(records) != 2:
         raise ValueError(f"fit_host_memory_wires needs two records of different conversion passes, got "
                          f"{[r['passes'] for r in records]}")
     records = sorted(records, key=lambda r: r["passes"])
-    data = [_mix_rates(r, copy_draw) for r in records]
+    data = [_mix_rates(r, r["params"], copy_draw) for r in records]
     floor = max(stream_Bps, max(d for _, mixes in data for d, _ in mixes) * 1.05)
     best = None
     for scale in _HOST_GRID:
@@ -220,7 +222,8 @@ def fit_host_memory_wires(records: list[dict], copy_draw: float, stream_Bps: flo
            "stream_Bps": stream_Bps, "records": []}
     for rec, (alone, mixes) in zip(records, data):
         bpp = b0 + rec["passes"] * cb
-        out["records"].append({"passes": rec["passes"], "params": rec["params"], "alone_params_per_s": alone,
+        out["records"].append({"passes": rec["passes"], "params": rec["params"],
+                               "update_alone_s": rec["update_alone_s"], "alone_params_per_s": alone,
                                "measured_params_per_s": dict(zip(MIXES, (r for _, r in mixes))),
                                "model_params_per_s": {k: _model_rate(alone, host, bpp, d)
                                                       for k, (d, _) in zip(MIXES, mixes)}})

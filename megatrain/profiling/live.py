@@ -24,7 +24,7 @@ from megatrain.ir.program import Program
 from megatrain.ir.tasks import TaskKind
 from megatrain.sim import HardwareProfile, SimResult, simulate
 from megatrain.profiling.compare import task_table
-from megatrain.profiling.fit import fit_profile, step_classes, step_clips
+from megatrain.profiling.fit import fit_profile, step_clips
 from megatrain.profiling.machine import this_machine
 
 
@@ -116,9 +116,8 @@ def calibrate_run(program: Program, profile: HardwareProfile, timelines: list[pd
         raise ValueError(f"live calibration needs a measured step after the {warmup} warm-up step(s)")
     facts = StepFacts(clip_share=sum(flags) / len(flags))
     before = simulate(program, profile, facts)
-    fitted, kinds = fit_profile(program, profile, steps, flags, with_kinds=True)
+    fitted, kinds, measured = fit_profile(program, profile, steps, flags, with_kinds=True)
     after = simulate(program, fitted, facts)
-    measured = sum(c.weight * c.step_s for c in step_classes(program, steps, flags))
     shown = facts.clip_share >= 1.0  # the step before.timeline is of (engine.simulate)
     tasks = task_table(program, before.timeline, [s for s, f in zip(steps, flags) if f == shown] or steps)
     groups = tasks.groupby("group", sort=False).agg(pred_s=("pred_span_s", "sum"), meas_s=("meas_span_s", "sum"))

@@ -36,6 +36,7 @@ from megatrain.exec.buffers import DeviceBuffers
 from megatrain.exec.optim import AdamWConfig, UpdatePlan
 from megatrain.exec.store import HostStore
 from megatrain.exec.updates import Updates
+from megatrain.ir.placement import WIRE_DTYPES
 from megatrain.ir.program import ProgramTask
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling import copies, host
@@ -143,7 +144,7 @@ def measure_operating_point(spec: ModelSpec, batch: int, seq: int, knobs: Schedu
         rec["redo_over_update"] = rec["redo_s"] / c["update_alone_s"]
     finally:
         w["cpu"].call(_release, cut)
-    other = replace(knobs, weight_wire="fp32" if knobs.weight_wire == "bf16" else "bf16")
+    other = replace(knobs, weight_wire=next(w for w in WIRE_DTYPES if w != knobs.weight_wire))
     cut = w["cpu"].call(RuntimeCut, spec, batch, seq, other, backend)
     try:
         rec["contention_other"] = _contention(cut, w, threads, budget_s / 2, quick)

@@ -26,8 +26,8 @@ fitted (profiling/host.py) with the copies drawing those measured rates (each we
 profile keeps the mean of the two, which differ by a few points). So while an update runs, a copy's ceiling
 is its rate alone times the profile's `copy_beside_update` fraction for the mix (one direction, or both: `BESIDE`);
 without it the copies are left at their rates, and the update was priced with less of the budget than the fit gave
-it (issue 24: copies beside an update were predicted 9-28% fast per task; docs/accuracy.md, "Copies beside the
-update").
+it (issue 24: the out-of-sample predictions of the (a) quick profiles, round 0, put copies beside an update 9-28%
+fast per task; docs/accuracy.md, "Copies beside the update").
 """
 from __future__ import annotations
 

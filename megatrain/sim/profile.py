@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from megatrain.ir.streams import STREAMS
+from megatrain.ir.streams import COPY_STREAMS, STREAMS
 from megatrain.ir.tasks import COMPUTE_KINDS as IR_COMPUTE_KINDS
 from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401  (re-exported)
 from megatrain.model.spec import ModelSpec
@@ -67,7 +67,8 @@ from megatrain.sim import profile_checks as check
 from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exported: the error of this module)
 
 # copy_beside_update's keys, by (copy direction, whether the other direction runs too): a copy beside a CPU update
-BESIDE = {("h2d", False): "h2d", ("d2h", False): "d2h", ("h2d", True): "h2d_both", ("d2h", True): "d2h_both"}
+# ("h2d", "d2h", "h2d_both", "d2h_both")
+BESIDE = {(d, both): f"{d}_both" if both else d for both in (False, True) for d in COPY_STREAMS}
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
