@@ -159,6 +159,22 @@ def _steps_of(tl, config: str, rnd: int) -> list:
             for _, g in part.groupby("timed_step")]
 
 
+def _configs(rows: list[dict]):
+    """Per measured config of one shape, in the order of its first row: (config, its rows, measured step s = the
+    median over rounds of each round's median timed step, the Program its first row recorded, its StepFacts with
+    the median clip share)."""
+    from megatrain.compile.record import program_of
+    from megatrain.ir.facts import StepFacts
+
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    for config, rs in by.items():
+        measured = statistics.median(r["median_step_s"] for r in rs)
+        facts = StepFacts(clip_share=statistics.median(r["clip_share"] for r in rs))
+        yield config, rs, measured, program_of(rs[0]["record"]), facts
+
+
 def report(a) -> int:
     """`report`: print (and with --write, save) the table of `evaluate`."""
     root = Path(a.dir)
@@ -184,7 +200,6 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     `rebuild`: each shape's quick profile rebuilt from its measurements by today's profiler (`rebuild_profile`'s
     variant) instead of the saved `quick_file`."""
     from megatrain.compile.record import program_of
-    from megatrain.ir.facts import StepFacts
     from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
     from megatrain.profiling.live import calibrate_run
     from megatrain.sim import load_profile, simulate, step_bound
@@ -223,15 +238,9 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     summary = {"a": [], "b": [], "b_all": [], "c": [], "efficiency": []}
     taus = []
     for shape, (rows, tl) in data.items():
-        by: dict[str, list[dict]] = {}
-        for r in rows:
-            by.setdefault(r["config"], []).append(r)
         meas_l, pa_l, pb_l = [], [], []
-        for config, rs in by.items():
+        for config, rs, measured, program, facts in _configs(rows):
             meds = [r["median_step_s"] for r in rs]
-            measured = statistics.median(meds)
-            program = program_of(rs[0]["record"])
-            facts = StepFacts(clip_share=statistics.median(r["clip_share"] for r in rs))
             pa_sim = simulate(program, machine[shape], facts)
             pa, pb = pa_sim.mean_step_s, simulate(program, transfer, facts).mean_step_s
             ea, eb = pa / measured - 1, pb / measured - 1
@@ -339,23 +348,15 @@ def _model_of(d: Path) -> str:
 def ablate(a) -> int:
     """`ablate`: the (a) error of every row of one shape with its quick profile rebuilt from its measurements as
     measured and with parts of the method left out (what each part of the profiler is worth, on the same data)."""
-    from megatrain.compile.record import program_of
-    from megatrain.ir.facts import StepFacts
     from megatrain.sim import simulate
 
     d = Path(a.dir)
     variants = {v: rebuild_profile(d, a.model, v) for v in VARIANTS}
     rows, _ = _load_shape(d)
-    by: dict[str, list[dict]] = {}
-    for row in rows:
-        by.setdefault(row["config"], []).append(row)
     print(f"(a) error of each row of {d} (predicted / measured - 1), the quick profile rebuilt from its measurements")
     print("| schedule | measured s | " + " | ".join(variants) + " |")
     print("|---|---|" + "---|" * len(variants))
-    for config, rs in by.items():
-        measured = statistics.median(x["median_step_s"] for x in rs)
-        program = program_of(rs[0]["record"])
-        facts = StepFacts(clip_share=statistics.median(x["clip_share"] for x in rs))
+    for config, _, measured, program, facts in _configs(rows):
         errs = [simulate(program, p, facts).mean_step_s / measured - 1 for p in variants.values()]
         print(f"| {config} | {measured:.3f} | " + " | ".join(f"{e:+.1%}" for e in errs) + " |")
     return 0

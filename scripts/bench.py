@@ -4,10 +4,10 @@ min-max, ratios to a reference, and megatrain's predictions beside the measureme
 
 Configurations (`--configs`, comma-separated, in the order each round runs them):
 
-    PEER[:clip=C]            the project's own peer benchmark (scripts/peers/run_peer.py, docs/peers.md): all-on-gpu,
-                             fsdp2-cpuoffload, zero3-offload, superoffload, twinflow, zenflow, each with its config in
-                             scripts/peers/configs/ and the same model, data, AdamW and clipping (default 1.0) as
-                             megatrain; the DeepSpeed ones under DeepSpeed's launcher (`--ds-bind`: core binding)
+    PEER[:clip=C]            the project's own peer benchmark (scripts/peers/run_peer.py, docs/peers.md): one peer
+                             per config file in scripts/peers/configs/ (`--help` lists them), each with the same
+                             model, data, AdamW and clipping (default 1.0) as megatrain; the DeepSpeed ones under
+                             DeepSpeed's launcher (`--ds-bind`: core binding)
     resident, zero3, fsdp2   the older peers of bench/baseline_train.py (not in the repository; kept so the earlier
                              runs can be repeated: no clipping, a Llama of vocab 32000, not the model's own shape)
     authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping;
@@ -247,7 +247,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
     cols = ["config", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
             "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %", "predicted, profile",
-            "predicted, live-calibrated", "predicted, calibrated elsewhere"]
+            "IN-SAMPLE: live-calibrated on its own steps", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():
         med = statistics.median(s["tps"]) if s["tps"] else None
@@ -274,13 +274,14 @@ def tau_lines(summary: dict[str, dict]) -> list[str]:
     """Kendall tau between each prediction column and the measured medians of the megatrain rows."""
     rows = {k: s for k, s in summary.items() if k.startswith("megatrain ") and s["tps"]}
     out = []
-    for key, what in (("predicted_tokens_per_s", "profile"), ("calibrated_tokens_per_s", "live-calibrated"),
-                      ("transfer_tokens_per_s", "calibrated elsewhere")):
+    for key, what, label in (("predicted_tokens_per_s", "profile", ""),
+                             ("calibrated_tokens_per_s", "live-calibrated on each run's own steps", "IN-SAMPLE: "),
+                             ("transfer_tokens_per_s", "calibrated elsewhere", "")):
         pairs = [(s[key], statistics.median(s["tps"])) for s in rows.values() if s[key] is not None]
         tau = kendall_tau([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 2 else None
         if tau is not None:
-            out.append(f"Kendall tau, predicted ({what}) vs measured medians of {len(pairs)} megatrain configs: "
-                       f"{tau:.2f}")
+            out.append(f"{label}Kendall tau, predicted ({what}) vs measured medians of {len(pairs)} megatrain "
+                       f"configs: {tau:.2f}")
     return out
 
 
@@ -288,9 +289,8 @@ def tau_lines(summary: dict[str, dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
-                    help="comma-separated: a peer of scripts/peers (all-on-gpu, fsdp2-cpuoffload, zero3-offload, "
-                         "superoffload, twinflow, zenflow; PEER:clip=0 for no clipping), resident, zero3, fsdp2, "
-                         "authors, or a megatrain SCHEDULE[:k=v;k=v]")
+                    help=f"comma-separated: a peer of scripts/peers ({', '.join(OUR_PEERS)}; PEER:clip=0 for no "
+                         f"clipping), {', '.join(PEERS)}, {AUTHORS}, or a megatrain SCHEDULE[:k=v;k=v]")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")
     ap.add_argument("--batch", type=int, default=8)

@@ -10,6 +10,7 @@ of issue 24 gives (in the comments); tighten them as the simulator improves, nev
 """
 import importlib.util
 import json
+import statistics
 import tarfile
 from pathlib import Path
 
@@ -30,10 +31,6 @@ def _abs(errors):
     return sorted(abs(e) for e in errors)
 
 
-def _median(xs):
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("acc")
@@ -49,13 +46,13 @@ def test_recorded_h100_predictions_stay_within_their_errors(recorded):
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
     # (a) a fresh --quick profile, no training run: median 6.7%, max 17.1% (6.5%, 17.1% before the copies were
     # slowed beside the update: copy_beside_update)
-    assert _median(a) <= 0.075 and a[-1] <= 0.19, a
+    assert statistics.median(a) <= 0.075 and a[-1] <= 0.19, a
     # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.1%, max 22.5%
     # (4.1%, 25.9% before)
-    assert _median(b) <= 0.055 and b[-1] <= 0.24, b
+    assert statistics.median(b) <= 0.055 and b[-1] <= 0.24, b
     # (c) in-sample (a fit of each row to its own steps, not a prediction): median 0.3%, max 2.1% (0.4%, 3.1%
     # before; 0.8% and 5.5% before the fit left the slowest of 3 timed steps out)
-    assert _median(c) <= 0.005 and c[-1] <= 0.025, c
+    assert statistics.median(c) <= 0.005 and c[-1] <= 0.025, c
     for shape, tau_a, tau_b in recorded["taus"]:  # the measured order of the 7 schedules, per shape: 0.81-1.0
         assert tau_a >= 0.8 and tau_b >= 0.85, (shape, tau_a, tau_b)
 
@@ -77,9 +74,9 @@ def test_recorded_h200_predictions_stay_within_their_errors(recorded_h200):
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
     # (a) median 5.6%, max 13.5%; (b) median 3.3%, max 9.9%; (c) in-sample median 0.2%, max 1.0% (before
     # copy_beside_update: 5.6 / 13.5, 2.9 / 12.5, 0.4 / 2.3)
-    assert _median(a) <= 0.065 and a[-1] <= 0.15, a
-    assert _median(b) <= 0.035 and b[-1] <= 0.11, b
-    assert _median(c) <= 0.004 and c[-1] <= 0.015, c
+    assert statistics.median(a) <= 0.065 and a[-1] <= 0.15, a
+    assert statistics.median(b) <= 0.035 and b[-1] <= 0.11, b
+    assert statistics.median(c) <= 0.004 and c[-1] <= 0.015, c
     for shape, tau_a, tau_b in recorded_h200["taus"]:  # 1.0 / 0.9 / 1.0 both ways
         assert tau_a >= 0.85 and tau_b >= 0.85, (shape, tau_a, tau_b)
 

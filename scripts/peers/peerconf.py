@@ -111,6 +111,11 @@ def adamw_params(lr: float = DEFAULT_LR) -> dict:
     return {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
 
 
+def zenflow(cfg: dict) -> dict | None:
+    """The ZenFlow settings of a peer's config (deepspeed.zero_optimization.zenflow), None for every other peer."""
+    return cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
+
+
 def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:
     """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW (at `lr`)."""
     ds = copy.deepcopy(cfg["deepspeed"])

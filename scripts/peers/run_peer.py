@@ -30,7 +30,8 @@ What is the same as megatrain's benchmark (scripts/bench_megatrain.py):
   * clipping: global-norm clipping at `--clip` (0 = none) the peer's own way: DeepSpeed's gradient_clipping,
     torch.nn.utils.clip_grad_norm_ for the torch peers;
   * timing: `--warmup` untimed steps, then `--steps` timed steps, each closed by torch.cuda.synchronize(); the median
-    step (ZenFlow: the mean over whole update intervals, its step time depending on the step's place in one);
+    step (the upper one of an even count, as bench_megatrain.py takes it; ZenFlow: the mean over whole update
+    intervals, its step time depending on the step's place in one);
     model TFLOP/s = 6·N·tokens / step (recompute not counted); peak GPU memory allocated after the warm-up.
 Host memory: the RSS at the end of this process and of its children (SuperOffload runs its CPU Adam in a child
 process), and their PSS (shared pages counted once), from which bytes per parameter are computed.
@@ -273,13 +274,16 @@ def result(a, cfg, spec, params: int, times, losses, device: str, **extra) -> di
     import torch
 
     tokens = a.batch * a.seq
-    zen = cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
+    zen = peerconf.zenflow(cfg)
+    # the upper median (the middle of the sorted times, the later one of an even count), as bench_megatrain.py takes
+    # it: megatrain's recorded rows use that rule, so a table of both means one thing by "median"
+    median = sorted(times)[len(times) // 2] if times else None
     if times:
-        step_s = statistics.mean(times) if zen else statistics.median(times)
+        step_s = statistics.mean(times) if zen else median
     rss, pss = host_memory()
     out = {
         "mode": cfg["peer"], "model": spec.name, "params_B": round(params / 1e9, 3), "batch": a.batch, "seq": a.seq,
-        "clip": a.clip, "median_step_s": round(statistics.median(times), 4) if times else None,
+        "clip": a.clip, "median_step_s": round(median, 4) if times else None,
         "step_s_used": "mean over whole update intervals" if zen else "median",
         "tokens_per_s": round(tokens / step_s, 1) if times else None,
         "model_TFLOPs": round(spec.model_flops_per_token() * tokens / step_s / 1e12, 1) if times else None,
@@ -338,7 +342,7 @@ def main(argv=None) -> int:
     except peerconf.PeerConfigError as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
-    zen = cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
+    zen = peerconf.zenflow(cfg)
     if zen and not a.dry_run and isinstance(zen.get("update_interval"), int) and a.steps % zen["update_interval"]:
         print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
               f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
@@ -402,26 +406,17 @@ def main(argv=None) -> int:
             else:
                 out = run_steps(a, cfg, None, spec, "cpu", dry_run=True, steps_run=a.steps, checked=checked,
                                 command=command)
-                _close_group()
-            print("RESULT " + json.dumps(out), flush=True)
-            return 0
-        if a.device == "cpu":
+        elif a.device == "cpu":
             out = run_steps(a, cfg, None, get_model(a.model), "cpu", steps_run=a.steps, checked=checked,
                             command=command, note_device="CPU check run: no speed claim")
-            _close_group()
-            print("RESULT " + json.dumps(out), flush=True)
-            return 0
-    except DataError as e:
-        print(f"run_peer: {e}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("run_peer: no CUDA device: a measured run needs the GPU machine (use --dry-run on the CPU)",
-              file=sys.stderr)
-        return 2
-    torch.cuda.set_device(0)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (the launcher's binding)
-    try:
-        out = run_steps(a, cfg, ds_cfg, get_model(a.model), "cuda", checked=checked, command=command)
+        elif not torch.cuda.is_available():
+            print("run_peer: no CUDA device: a measured run needs the GPU machine (use --dry-run on the CPU)",
+                  file=sys.stderr)
+            return 2
+        else:
+            torch.cuda.set_device(0)
+            torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core the launcher's binding leaves us
+            out = run_steps(a, cfg, ds_cfg, get_model(a.model), "cuda", checked=checked, command=command)
     except DataError as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
