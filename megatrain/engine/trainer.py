@@ -40,6 +40,9 @@ from megatrain.plan.machine import host_memory
 from megatrain.plan.memory import plan_host_memory
 
 
+CLIPPED = "clipped"  # timeline.attrs key: whether the step's global norm exceeded the max (`step`)
+
+
 @dataclass
 class StepResult:
     """What one training step did. `update` is the plan of this step's gradients: with "overlap" it is applied
@@ -54,7 +57,7 @@ class StepResult:
     timeline: pd.DataFrame
     update: UpdatePlan
     # the global norm exceeded the clipping max (or was not finite): what a share of clipping steps counts
-    # (StepFacts.clip_share) and live calibration prices; also `timeline.attrs["clipped"]`
+    # (StepFacts.clip_share) and live calibration prices; also `timeline.attrs[CLIPPED]`
     clipped: bool = False
 
 
@@ -225,7 +228,7 @@ class StreamedTrainer:
         self._work.settle_device_skips(current)
         # whether the global norm exceeded the max (or was not finite): live calibration prices such steps
         clipped = self._program.placement.clip_max_norm is not None and (current.skip or current.clip_coef < 1.0)
-        timeline.attrs["clipped"] = clipped
+        timeline.attrs[CLIPPED] = clipped
         self._pending = current if self._defers_update else None
         self.step_count += 1
         self.last_timeline = timeline

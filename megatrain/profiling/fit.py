@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import pandas as pd
 
+from megatrain.engine.trainer import CLIPPED
 from megatrain.ir.facts import StepFacts
 from megatrain.ir.program import Program
 from megatrain.ir.streams import COPY_STREAMS
@@ -39,14 +40,11 @@ from megatrain.sim.profile import COMPUTE_KINDS, unit_class
 FIT_ITERATIONS = 6
 
 
-CLIPPED = "clipped"  # timeline.attrs key: whether the step's global norm exceeded the max (StreamedTrainer.step)
-
-
 def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bool] | None = None) -> list[bool]:
     """Whether each measured step clipped, as the simulator prices it: only speculative clipping changes a step's
     work (a step that clips defers its host updates to CLIP_REDO and undoes and redoes its GPU updates), so every
     step of another Program counts as not clipping. `clipped` overrides what the timelines say
-    (`timeline.attrs["clipped"]`, recorded by StreamedTrainer.step); raises ValueError when neither says."""
+    (`timeline.attrs[CLIPPED]`, recorded by StreamedTrainer.step); raises ValueError when neither says."""
     if not program.placement.speculative_clip:
         return [False] * len(timelines)
     if clipped is None:
