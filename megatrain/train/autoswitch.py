@@ -10,10 +10,15 @@ candidates on the run's first steps and train with the fastest measured. The ran
 Measuring (`measure` = K, `--auto-measure K`, default 3; and every candidate predicted within `band`, 10%, of the
 best, up to MAX_MEASURE: the simulator cannot tell those apart): the best predicted candidate runs first (the trainer
 was built with it); each candidate runs `UNTIMED_STEPS` step after its switch (new GPU buffers, a compile of the
-layer) and `TIMED_STEPS` timed steps; the median of its timed steps is its measured step time. Then the next
-candidate is the fastest predicted one not measured yet, until that many are measured; the run switches to the
-fastest measured and trains with it, and one line per candidate says its prediction, its measured time, the error
-and which was chosen.
+layer) and `TIMED_STEPS` timed steps. Then the next candidate is the fastest predicted one not measured yet, until
+that many are measured. A run-off follows when others measured within `RUNOFF_BAND` (5%) of the fastest: those
+(`MAX_RUNOFF` at most, the fastest measured) run again, in the reverse of the order they were first measured, so
+that a drift of the machine over the run's first minute does not favour the one measured first; a candidate's
+measured step time is the median of all its timed steps. Why: two timed steps are a noisy measure. On llama-4.5b
+4 x 4096 on an H200 (docs/runs/24-auto/h200-run2), the first pass alone chose `lean` in two of three processes, which
+trained at 0.91x and 0.95x of the best named schedule (`arrival-resident`), measured within 4.4% of `lean`. The run
+switches to the fastest measured and trains with it, and one line per candidate says its prediction, its measured
+time, the error and which was chosen.
 These are the run's own training steps, on its batches, counted, logged and checkpointed as any other: a schedule
 changes the speed, never the numbers computed (the candidates keep the run's numerics, `tune.auto_candidates`; a
 switch first applies the pending update, as a checkpoint does), so nothing is wasted but the slower steps.
@@ -72,7 +77,9 @@ DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 
 DEFAULT_BAND = 0.10
 MAX_MEASURE = 6
 UNTIMED_STEPS = 1  # after a switch: new GPU buffers, a compile of the layer, the first pending update
-TIMED_STEPS = 2  # timed steps per candidate: their median is its measured step time
+TIMED_STEPS = 2  # timed steps per candidate and pass (the first, and the run-off)
+RUNOFF_BAND = 0.05  # measured within this fraction of the fastest measured: run again (module docstring)
+MAX_RUNOFF = 3
 
 
 class BandError(ScheduleError):
@@ -114,6 +121,9 @@ class AutoChoice:
     times: dict[str, list[float]] = field(default_factory=dict)  # label -> timed step seconds
     clipped: list[bool] = field(default_factory=list)  # every step since the start: did its update clip
     limit: int = 0  # candidates to measure (K, or fewer when the run is short)
+    steps_left: int = 0  # steps the run has from `start`
+    runoff: list[Candidate] = field(default_factory=list)  # still to run again in the run-off, next first
+    in_runoff: bool = False
     steps_on_running: int = 0
     pending: Candidate | None = None
     previous: Candidate | None = None  # the one that ran before `running` (its Program is restored when a switch fails)
@@ -128,6 +138,7 @@ class AutoChoice:
         """Before the run's first step, on a trainer built with `knobs`: `steps_left` steps will run; logs what
         will be measured."""
         self.log = log
+        self.steps_left = steps_left
         self.pool = list(self.ranked)  # every host layout (module docstring)
         self.running = next(c for c in self.pool if c.label == self.label)
         per = UNTIMED_STEPS + TIMED_STEPS
@@ -147,7 +158,8 @@ class AutoChoice:
         why = (f", every one predicted within {100 * self.band:.0f}% of the best (at most {MAX_MEASURE})"
                if want > self.measure else "")
         log(f"auto: measuring the {self.limit} fastest predicted on the run's first steps "
-            f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each{why}), first {self.label}: predicted "
+            f"({UNTIMED_STEPS} untimed + {TIMED_STEPS} timed steps each{why}; then a run-off of those measured within "
+            f"{100 * RUNOFF_BAND:.0f}% of the fastest), first {self.label}: predicted "
             f"{self.running.step_s * 1e3:,.1f} ms/step")
 
     def before_step(self) -> Candidate | None:
@@ -163,20 +175,51 @@ class AutoChoice:
         self.steps_on_running += 1
         if self.steps_on_running <= UNTIMED_STEPS:
             return
-        times = self.times.setdefault(self.running.label, [])
-        times.append(result.time_s)
-        if len(times) < TIMED_STEPS:
+        self.times.setdefault(self.running.label, []).append(result.time_s)
+        if self.steps_on_running < UNTIMED_STEPS + TIMED_STEPS:
             return
         facts = StepFacts(clip_share=sum(self.clipped) / len(self.clipped))
         self.pool = reprice(self.pool, self.profile, facts)  # clipping priced at the measured share
-        if len(self.times) < self.limit:
+        if not self.in_runoff and len(self.times) < self.limit:
             nxt = next((c for c in self.pool if c.label not in self.times), None)
             if nxt is not None:
                 self.log(f"auto: measuring {nxt.label} ({len(self.times) + 1} of {self.limit}): predicted "
                          f"{nxt.step_s * 1e3:,.1f} ms/step")
                 self._run(nxt)
                 return
+        if not self.in_runoff:
+            self._start_runoff()
+        in_pool = {c.label for c in self.pool}
+        self.runoff = [c for c in self.runoff if c.label in in_pool]  # less any whose switch failed meanwhile
+        if self.runoff:
+            nxt = self.runoff.pop(0)
+            if nxt.label == self.running.label:  # no switch: its next steps are timed at once
+                self.steps_on_running = UNTIMED_STEPS
+            else:
+                self._run(nxt)
+            return
         self._finish(facts)
+
+    def _start_runoff(self) -> None:
+        """After the first pass: queue the run-off (module docstring) of the candidates measured within RUNOFF_BAND
+        of the fastest, as many as the run's steps allow, in the reverse of their first pass's order."""
+        self.in_runoff = True
+        best = min(self.measured_s(label) for label in self.times)
+        close = sorted((label for label in self.times if self.measured_s(label) <= best * (1 + RUNOFF_BAND)),
+                       key=self.measured_s)[:MAX_RUNOFF]
+        order = list(self.times)  # first-pass order (dicts keep insertion order)
+        close.sort(key=order.index, reverse=True)
+        per, spare = UNTIMED_STEPS + TIMED_STEPS, self.steps_left - len(self.clipped)
+        if close and close[0] == self.running.label:  # the one running needs no untimed step
+            spare += UNTIMED_STEPS
+        close = close[:max(spare, 0) // per]
+        if len(close) < 2:
+            return
+        by_label = {c.label: c for c in self.pool}
+        self.runoff = [by_label[label] for label in close]
+        self.log(f"auto: run-off: {len(close)} measured within {100 * RUNOFF_BAND:.0f}% of the fastest run again, "
+                 f"in the reverse of their first order ({TIMED_STEPS} timed steps each; a candidate's measured time "
+                 f"is the median of all its timed steps): {', '.join(close)}")
 
     def _run(self, candidate: Candidate) -> None:
         self.previous = self.running
@@ -199,7 +242,7 @@ class AutoChoice:
         self.log(f"auto: {candidate.label} could not start ({why}); {measured}{self.running.label} runs on")
 
     def measured_s(self, label: str) -> float:
-        """The measured step time of a candidate: the median of its timed steps."""
+        """The measured step time of a candidate: the median of its timed steps (both passes, after a run-off)."""
         return statistics.median(self.times[label])
 
     def _finish(self, facts: StepFacts) -> None:
@@ -213,8 +256,10 @@ class AutoChoice:
                  f"share ({share}); profile {self.profile.name}:")
         for label in sorted(measured, key=lambda label: by_label[label].step_s):
             pred, meas = by_label[label].step_s, self.measured_s(label)
+            steps = len(self.times[label])
             self.log(f"  {label}: predicted {pred * 1e3:,.1f} ms/step, measured {meas * 1e3:,.1f} ms/step "
-                     f"(error {pred / meas - 1:+.1%})" + ("  <- chosen" if label == self.chosen.label else ""))
+                     f"(error {pred / meas - 1:+.1%}" + (f", median of {steps} steps" if steps > TIMED_STEPS else "")
+                     + ")" + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked:
             if c.label in self.unstarted:
                 self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: "
