@@ -133,9 +133,10 @@ def adamw_update_bf16_state(param: torch.Tensor, grad: torch.Tensor, exp_avg: to
 
 
 # Elements per pass of `adamw_undo`. On the host, 1 Mi: its temporaries stay in cache instead of page-faulting a
-# tile-sized buffer. On a GPU, 16 Mi (a 64 MiB temporary): at 1 Mi the redo of a 177 M-parameter layer (170 chunks of
-# about ten element-wise kernels each) took 31.7 ms, 16.6 times its fused update (profile of an H200,
-# docs/accuracy.md); what 16 Mi gains is not measured yet (scripts/bench_undo.py measures it).
+# tile-sized buffer. On a GPU, 16 Mi (a 64 MiB temporary): the redo of a 177 M-parameter unit on an H200
+# (scripts/bench_undo.py, docs/runs/24-auto/h200-run2/bench_undo.txt, medians of 5) took 17.4 ms at 1 Mi (8.9 fused
+# updates of 1.96 ms: 170 chunks of about ten element-wise kernels each), 6.1 ms at 4 Mi, 6.2 ms at 16 Mi and
+# 6.0 ms at 64 Mi (3.1-3.2 updates): past 4 Mi the redo is bound by memory traffic, not launches.
 UNDO_CHUNK = 1 << 20
 UNDO_CHUNK_DEVICE = 1 << 24
 
