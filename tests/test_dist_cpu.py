@@ -4,7 +4,6 @@ test_exec_training.py), and a rank that fails or hangs stops the other within th
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from megatrain.parallel.world import World
 from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.compile.lower import lower
+from launchenv import child_env, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402
@@ -25,17 +25,11 @@ LOSS_TOL = 1e-6  # relative, per step
 MOVE_TOL = 1e-5  # ||p - p_ref|| / ||p_ref - p_0||
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, *args, world: int = 2, timeout: float = 240.0,
            worker: str = "dist_worker.py") -> list[subprocess.CompletedProcess]:
     """Start `world` ranks of tests/`worker` as torchrun would; wait for all (with a timeout)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(world))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / worker), "--out",
                                str(tmp_path / "out.pt"), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
@@ -142,7 +136,7 @@ def _train_cli(tmp_path, name: str, ranks: int, *args) -> tuple[list[float], str
               "--name", name, "--no-progress", "--lr", "1e-2", "--set", "run.checkpoint_every=0", "--set",
               "run.checkpoint_at_end=false", "--set", "run.eval_every=0", "--set", "schedule.compute_dtype=fp32",
               "--set", "schedule.weight_wire=fp32"]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     r = subprocess.run(cmd + common + list(args), env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -332,7 +326,7 @@ def _check_exports(tmp_path, ckpt):
     from megatrain.train.export import export_weights
     from megatrain.engine.trainer import StreamedTrainer
 
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "megatrain", "export", str(ckpt.parent.parent), str(tmp_path / "hf_cli")],
                        env=env, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,21 +20,9 @@ from megatrain.parallel.world import LaunchError, World, launch_shape
 from megatrain.train.config import ConfigError, load_config
 from megatrain.train.distributed import config_fields, config_for_rank, differing_keys
 from megatrain.train.fit import MemoryFitError, check_memory, node_ranks
+from launchenv import child_env, free_port
 
-ROOT = Path(__file__).parent.parent
 GiB = 2**30
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**torchrun) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                             "MASTER_ADDR", "MASTER_PORT")}
-    return dict(env, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **torchrun)
 
 
 def _train(out: Path, *args: str) -> list[str]:
@@ -46,8 +33,8 @@ def _train(out: Path, *args: str) -> list[str]:
 
 def _launch_two(out: Path, rank_args: list[list[str]], timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Two ranks of `megatrain train` as torchrun would start them; rank r gets `rank_args[r]` on top."""
-    common = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    procs = [subprocess.Popen(_train(out, *rank_args[r]), env=_env(**common, RANK=str(r), LOCAL_RANK=str(r)),
+    common = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [subprocess.Popen(_train(out, *rank_args[r]), env=child_env(**common, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     done = []
     try:
@@ -109,7 +96,7 @@ def test_the_compared_fields_are_every_key_but_the_rank_local_ones():
 def test_a_stale_world_size_without_torchrun_is_one_line_at_once(tmp_path):
     """Before: KeyError 'RANK' traceback. WORLD_SIZE alone (left in the shell) is refused before anything else."""
     out = tmp_path / "runs"
-    r = subprocess.run(_train(out), env=_env(WORLD_SIZE="2"), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(_train(out), env=child_env(WORLD_SIZE="2"), capture_output=True, text=True, timeout=120)
     line = _last_line(r)
     assert r.returncode == 2 and "WORLD_SIZE=2 is set but RANK" in line and "torchrun" in line, r.stderr[-2000:]
     assert "unset WORLD_SIZE" in line and not out.exists()
@@ -129,7 +116,7 @@ def test_a_rank_whose_peers_never_arrive_is_told_so_within_the_rendezvous_wait(t
     """Before: 300 s of silence (the run's wait timeout) and a traceback. With every torchrun variable stale and no
     peer, rank 0 gives up after the rendezvous wait (here run.wait_timeout_s=3) with one line."""
     out = tmp_path / "runs"
-    env = _env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    env = child_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     r = subprocess.run(_train(out, "--set", "run.wait_timeout_s=3"), env=env, capture_output=True, text=True,
                        timeout=90)
     line = _last_line(r)
@@ -141,8 +128,8 @@ def test_more_ranks_than_cores_is_one_line_before_the_rendezvous(tmp_path):
     """Before: an ExecError traceback after the process group was up. Every rank sees the same cores, so each
     refuses at once (no peer is needed)."""
     n = len(os.sched_getaffinity(0)) + 1
-    env = _env(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_port()))
+    env = child_env(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
     r = subprocess.run(_train(tmp_path / "runs"), env=env, capture_output=True, text=True, timeout=120)
     line = _last_line(r)
     assert r.returncode == 2 and f"{n} ranks on {n - 1} CPU core(s)" in line and "--nproc_per_node" in line, line

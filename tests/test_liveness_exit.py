@@ -4,19 +4,16 @@ exception", SIGABRT), which turned a rank's clean exit into a failed launch (CI 
 --collectives-only` under torchrun). `stop()` joins the thread, and an atexit hook stops it on every way out."""
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
 from megatrain.parallel import liveness
+from launchenv import child_env, free_port
 
-ROOT = Path(__file__).parent.parent
 RUNS = 6  # without the join, each run aborted about 7 times in 10 on the 2-core machine: 6 clean ones by chance ~1e-3
 
 # beats back to back (BEAT_S 0), so that the exit almost surely falls inside a store write; the script returns
@@ -37,23 +34,16 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_process_that_exits_while_its_heartbeat_writes_exits_cleanly():
     for _ in range(RUNS):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60,
                            check=False)
         assert r.returncode == 0 and r.stdout.strip() == "beats True", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
 def test_stop_returns_once_the_thread_has_ended(monkeypatch):
-    port = _port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,23 +28,10 @@ from megatrain.exec.backend import ExecError
 from megatrain.parallel.liveness import PeerLost
 from megatrain.parallel.world import World, rank_cores
 from megatrain.train.distributed import core_ranges, launch_line
+from launchenv import child_env, free_port
 
-ROOT = Path(__file__).parent.parent
 LOSS_TOL = 1e-6  # relative, per step: as tests/test_dist_cpu.py
 WAIT_S = 120  # the longest any launch may take here
-TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    return dict(env, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
 def _train_args(out: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -74,11 +60,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _start_nodes(train: list[str], run_id: str) -> list[subprocess.Popen]:
     """Two torchrun agents, one per "node", meeting at a local c10d rendezvous."""
-    endpoint = f"127.0.0.1:{_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
                               "2", "--node_rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                               "--rdzv-id", run_id, "--max-restarts", "0", *train],
-                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for node in (0, 1)]
 
 
@@ -91,7 +77,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float = WAIT_S) -> list[tu
 
 
 def _run_one(cmd: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, *cmd], env=_env(), capture_output=True, text=True, timeout=WAIT_S)
+    r = subprocess.run([sys.executable, *cmd], env=child_env(), capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     return r
 
@@ -141,7 +127,7 @@ def test_two_nodes_of_two_ranks_train_like_one_process_and_resume_on_one_node(tm
     # resume the 2-node checkpoint on one node of two ranks (grad_accum 2 keeps the global batch) up to step 5
     resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               *_train_args(runs, "mn", 5, "--set", "run.grad_accum=2", "--set", "run.resume=latest")]
-    r = subprocess.run(resume, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
+    r = subprocess.run(resume, env=child_env(), capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     assert "launch: 2 ranks on 1 node x 2" in r.stdout, r.stdout[-2000:]
     _close(_losses(runs / "mn"), ref, [1, 2, 3, 4, 5])
