@@ -86,6 +86,10 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
     - layer working set (`layer_working_set`): the larger of its moments, plus the inner inputs of a recompute
       block rebuilt by RECOMPUTE ((r - 1) per micro-batch) and the activation gradients of the other micro-batches;
     - head (`head_working_set`), plus the other micro-batches' hidden states.
+    Not counted apart: the temporary of speculative clipping's redo on a GPU-updated unit (`exec.optim.adamw_undo`,
+    one fp32 chunk of at most 16 Mi elements, 64 MiB; the fused update itself allocates none). The redo runs after
+    the backward, in memory the layer working set (larger at any shape that streams) has given back to the caching
+    allocator.
     The measured peak is the check (scripts/longseq_memory.py, docs/benchmarks.md).
     """
     spec, act, tokens_mb = p.model, p.wire_bytes("compute_dtype"), p.tokens_per_micro
