@@ -36,10 +36,10 @@ Candidates of every host layout are measured (weight and gradient wires, GPU-upd
 layout also takes the host store over in place (`StreamedTrainer.switch_schedule` -> `HostStore.relayout`: the
 master weights and AdamW moments, the only copy of the run's state, are kept; the landing space and streaming copy
 are rebuilt, the old freed first), which is refused before anything changes when the larger layout would not fit
-the host (`HostMemoryShort`: listed as not measured with its reason). Measured on an H200 while only the first
-layout's candidates were measured (docs/accuracy.md, "`--schedule auto` that measures"): auto trained at 0.88-0.92x
-of the best named schedule: 0.91x on llama-4.5b and 0.88x on llama3-8b, both times a schedule of another layout
-predicted within 5% of auto's pick; 0.92x on bench-3b, the band's case (DEFAULT_BAND).
+the host (`HostMemoryShort`: listed as not measured with its reason). Measured on an H200 (docs/accuracy.md): with
+only the first layout's candidates measured, auto trained at 0.88-0.92x of the best named schedule (a schedule of
+another layout, or one ranked just outside the K, was the fastest); with the band and every layout (takeovers of
+2-10.5 s), at 0.98x on bench-3b, 0.95x on llama-4.5b (before the run-off) and 1.04x on llama3-8b (with it).
 
 The compiled layer (`compile_layers`) is a candidate knob (`varies_compile`): it computes the same math with other
 rounding. It is varied unless the user set it (config or --set), and not on the CPU backend, where compiling the
