@@ -72,7 +72,7 @@ def measure(a) -> int:
 
     from megatrain.compile.knobs import resolve_knobs
     from megatrain.model.presets import get_model
-    from megatrain.profiling.calibrate import ProfileRequest, measure_profile
+    from megatrain.profiling.calibrate import ProfileRequest, measure_profile, slowest_phases
     from megatrain.profiling.rounds import measure_rounds
 
     spec = get_model(a.model)
@@ -103,7 +103,7 @@ def measure(a) -> int:
                               log=lambda line: None)
         cal.save(profile_path)
         say(f"profile: {profile_path} (measured now, --quick, layer eager + compiled, "
-            f"{time.perf_counter() - t0:.1f} s)")
+            f"{time.perf_counter() - t0:.1f} s; longest: {slowest_phases(cal.measurements)})")
         if a.device == "cuda":
             torch.cuda.empty_cache()
     if a.profile_only:

@@ -1,6 +1,8 @@
 """`--schedule auto` switches a running trainer between candidates it measures (tests/test_auto_measure.py): a switch
 keeps the host store and the numbers computed; without a profile of this machine it profiles quickly first."""
 
+import re
+
 import pytest
 import torch
 
@@ -46,6 +48,7 @@ def test_auto_without_a_profile_of_this_machine_profiles_quickly_first(tmp_path,
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "no profile of this machine" in out and "so it is profiled quickly first" in out
+    assert re.search(r"profiled this machine in [0-9.]+ s: \S+ \(longest: .+ [0-9.]+ s, .+ [0-9.]+ s", out)  # and where its time went
     from megatrain.profiling.store import cache_path  # the per-user cache (tests/conftest.py: a tmp dir)
 
     made = cache_path()

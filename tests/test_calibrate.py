@@ -11,6 +11,7 @@ from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS
 from megatrain.compile.lower import lower
 from megatrain.model.presets import PRESETS
 from megatrain.profiling import ProfileRequest, measure_profile, with_spans
+from megatrain.profiling.calibrate import slowest_phases
 from megatrain.profiling.copies import MiB, copy_sizes, fit_curve
 from megatrain.profiling.rates import fit_fixed_and_rate, thread_counts
 from megatrain.profiling.units import token_batches
@@ -85,6 +86,12 @@ def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
     for key in ("h2d", "d2h", "duplex", "compute_tables", "cpu_adam", "gpu_adam", "runtime", "host_memory",
                 "host_contention", "host_fit", "compute_under_update", "update_under_compute", "fresh_thread"):
         assert key in rec, key
+    # what each measurement cost, one per progress line, in the order they ran; the slowest named first
+    done = [line.split("] ", 1)[1].split(": ", 1)[0] for line in lines[1:] if line.lstrip().startswith("[")]
+    assert list(rec["phases_s"]) == done and all(v >= 0 for v in rec["phases_s"].values())
+    longest = max(rec["phases_s"], key=rec["phases_s"].get)
+    assert slowest_phases(rec).startswith(f"{longest} {rec['phases_s'][longest]:.1f} s")
+    assert slowest_phases({}) == ""  # a profile measured before phases were recorded
     sig = model_signature(DEBUG)
     got = {(t.unit, t.kind) for t in p.compute_tables}
     assert got == {("layer", "F"), ("layer", "R"), ("layer", "B"), ("embed", "F"), ("embed", "B"), ("head", "F")}

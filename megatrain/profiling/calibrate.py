@@ -29,6 +29,7 @@ slows a layer's compute and a layer's compute the update (see docs/calibration.m
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -247,9 +248,13 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                       f"{'/'.join(dtypes)}{', quick' if req.quick else ''})")
     if plan.total_s > LONG_PROFILE_S:  # say so before the hours start, not after
         log(long_profile_hint(plan, None if req.quick else build(replace(req, quick=True))))
+    m["phases_s"] = {}  # what each measurement cost (`slowest_phases`): where a slow profile's time went
     try:
         for label, _, fn in plan.items:
-            progress.done(label, fn() or "done")
+            t0 = time.perf_counter()
+            result = fn() or "done"
+            m["phases_s"][label] = round(time.perf_counter() - t0, 2)
+            progress.done(label, result)
     finally:
         for wk in w.values():
             wk.close()
@@ -259,6 +264,13 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
     profile = build_profile(m, spec, req, dtypes, threads, info)
     m["request"]["signature"] = profile.compute_tables[0].model if profile.compute_tables else None
     return Calibration(profile, m)
+
+
+def slowest_phases(measurements: dict, n: int = 3) -> str:
+    """The `n` measurements of a profile that took longest, with their seconds ("" for a profile measured before
+    `phases_s` was recorded)."""
+    phases = sorted(measurements.get("phases_s", {}).items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{label} {seconds:.1f} s" for label, seconds in phases)
 
 
 # ---- the measurement steps (each stores into m and returns a one-line result) ---------------------------------

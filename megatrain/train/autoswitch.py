@@ -60,7 +60,7 @@ from megatrain.engine.trainer import HostMemoryShort, StepResult
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.facts import StepFacts
 from megatrain.model.spec import ModelSpec
-from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve
+from megatrain.profiling.calibrate import ProfileRequest, measure_profile, profile_host_reserve, slowest_phases
 from megatrain.profiling.store import ProfileChoice, reprofile_command, resolve_profile, save_measured
 from megatrain.sim import estimate_line, load_profile
 from megatrain.sim.profile import HardwareProfile, model_signature
@@ -335,11 +335,12 @@ def machine_profile(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
                                          dtypes=[knobs.compute_dtype], quick=True, knobs=knobs),
                           log=lambda _line: None)
     path, _ = save_measured(cal, log=lambda line: log(f"--schedule auto: {line}"))
+    slowest = slowest_phases(cal.measurements)
     del cal
     if backend == "cuda":  # the profile's buffers are gone; give their cached blocks back before the run
         gc.collect()
         torch.cuda.empty_cache()
-    log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path}")
+    log(f"--schedule auto: profiled this machine in {time.perf_counter() - t0:.1f} s: {path} (longest: {slowest})")
     return ProfileChoice(str(path), "this machine's profile in the cache, measured just now", "cache")
 
 
