@@ -48,7 +48,8 @@ def test_auto_without_a_profile_of_this_machine_profiles_quickly_first(tmp_path,
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "no profile of this machine" in out and "so it is profiled quickly first" in out
-    assert re.search(r"profiled this machine in [0-9.]+ s: \S+ \(longest: .+ [0-9.]+ s, .+ [0-9.]+ s", out)  # and where its time went
+    # and where its time went
+    assert re.search(r"profiled this machine in [0-9.]+ s: \S+ \(longest: .+ [0-9.]+ s, .+ [0-9.]+ s", out)
     from megatrain.profiling.store import cache_path  # the per-user cache (tests/conftest.py: a tmp dir)
 
     made = cache_path()
