@@ -17,6 +17,12 @@ left out (one weight wire; the default device redo; copies not slowed beside the
 error with each. `report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older
 measurements under today's profiler).
 
+`copies DIR...` measures, in the recorded steps, how much slower a layer's compute tasks ran while copies were in
+flight than the quick profile's table for them (which is timed alone): per kind, the ratio against the fraction of
+the task a copy overlapped, fitted as ratio = a + (k - 1) x fraction (k: the profile's `compute_beside_copy`).
+`report --compute-beside-copy F=k,R=k,B=k` evaluates a directory with those factors in its quick profiles: taken
+from another machine's steps, an out-of-sample test of the rule; from the same machine's, in-sample.
+
 `report` predicts every measured row two ways and compares with the median over rounds:
   (a) "quick": from the fresh quick profiles of that machine (every shape's compute tables, no training run);
   (b) "transfer": from the quick profile calibrated (profiling/live.py) on the timed steps of ONE run of one
@@ -185,7 +191,7 @@ def report(a) -> int:
         print("--rebuild builds each shape's profile from profile-quick.measurements.json (the latest quick "
               "profile's); drop --quick-file, or drop --rebuild to read an earlier run's saved profile")
         return 2
-    result = evaluate(root, a.calibrate_on, a.quick_file, a.rebuild)
+    result = evaluate(root, a.calibrate_on, a.quick_file, a.rebuild, _factors(a.compute_beside_copy))
     print(result["text"])
     if a.write:
         Path(a.write).write_text(result["text"])
@@ -194,11 +200,12 @@ def report(a) -> int:
 
 
 def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.json",
-             rebuild: str | None = None) -> dict:
+             rebuild: str | None = None, beside_copy: dict[str, float] | None = None) -> dict:
     """The errors of every measured row of `root` (module docstring): {"text": the markdown table and summary,
     "errors": {"a"|"b"|"b_all"|"c": [fractions]}, "taus": [(shape, tau a, tau b)], "transfer": the profile of (b)}.
     `rebuild`: each shape's quick profile rebuilt from its measurements by today's profiler (`rebuild_profile`'s
-    variant) instead of the saved `quick_file`."""
+    variant) instead of the saved `quick_file`. `beside_copy`: the quick profiles' `compute_beside_copy` set to
+    it (`copies`)."""
     from megatrain.compile.record import program_of
     from megatrain.profiling.compare import error_by_group, kendall_tau_b, task_table
     from megatrain.profiling.live import calibrate_run
@@ -209,6 +216,8 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
     # (a) for a shape: the quick profile measured for that shape (its rates), with every shape's compute tables
     quick = {d.name: (rebuild_profile(d, _model_of(d), rebuild) if rebuild else load_profile(d / quick_file))
              for d in shapes}
+    if beside_copy is not None:
+        quick = {name: p.with_(compute_beside_copy=dict(beside_copy)) for name, p in quick.items()}
     tables = tuple({(t.key, t.seq): t for p in quick.values() for t in p.compute_tables}.values())
     machine = {name: replace(p, compute_tables=tables) for name, p in quick.items()}
     cal_shape, cal_config = calibrate_on.split(":", 1)
@@ -223,6 +232,8 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
         cal = calibrate_run(cal_program, machine[cal_shape], cal_steps, warmup=0)
     transfer = cal.profile
     how = f" (profiles rebuilt from the measurements by today's profiler: {rebuild})" if rebuild else ""
+    if beside_copy is not None:
+        how += f" (compute beside copies: {', '.join(f'{k} x{v:.3f}' for k, v in beside_copy.items())})"
     lines = [f"# Prediction errors: {root}{how}", "",
              f"(a) quick: for each shape, the fresh `--quick` profile measured for it on this machine, with the "
              f"compute tables of every shape ({', '.join(d.name for d in shapes)}); no training run. (b) transfer: "
@@ -362,6 +373,81 @@ def ablate(a) -> int:
     return 0
 
 
+def _factors(text: str | None) -> dict[str, float] | None:
+    """"F=1.05,R=1.05,B=1.08" -> {"F": 1.05, ...} (None for None)."""
+    if text is None:
+        return None
+    out = {}
+    for part in text.split(","):
+        kind, _, value = part.partition("=")
+        try:
+            out[kind.strip()] = float(value)
+        except ValueError:
+            raise SystemExit(f"--compute-beside-copy {text!r}: give KIND=FACTOR pairs, e.g. F=1.05,R=1.05,B=1.08")
+    return out
+
+
+def beside_copies(dirs: list[Path]) -> dict:
+    """Per compute kind, the recorded layer tasks' duration over their quick profile's table (timed alone), and the
+    fraction of each task that a copy (either direction) overlapped: {"tasks": DataFrame(kind, ratio, fraction),
+    "fit": {kind: (intercept, slope, n)}} with ratio = intercept + slope x fraction by least squares (ratios
+    outside 0.5-2, a task stalled by something else, left out)."""
+    import numpy as np
+    import pandas as pd
+
+    from megatrain.compile.record import program_of
+    from megatrain.sim import load_profile
+    from megatrain.sim.profile import model_signature
+
+    out = []
+    for root in dirs:
+        for d in sorted(x for x in root.iterdir() if (x / "rows.jsonl").is_file()):
+            rows, tl = _load_shape(d)
+            program = program_of(rows[0]["record"])
+            sig, dtype = model_signature(program.model), program.placement.compute_dtype
+            tables = {(t.kind, t.compiled, tok): dur for t in load_profile(d / "profile-quick.json").compute_tables
+                      if t.unit == "layer" and t.model == sig and t.dtype == dtype
+                      for tok, dur in zip(t.tokens, t.dur_s)}
+            for r in rows:
+                k = r["record"]["knobs"]
+                tokens = r["batch"] // k.get("micro_batches", 1) * r["seq"]
+                part = tl[(tl["config"] == r["config"]) & (tl["round"] == r["round"])]
+                for _, step in part.groupby("timed_step"):
+                    copies = step[step["stream"].isin(["h2d", "d2h"])][["start_s", "end_s"]].to_numpy()
+                    comp = step[(step["stream"] == "compute") & step["kind"].isin(["F", "R", "B"])
+                                & (step["layer"] >= 0)]
+                    for t in comp.itertuples():
+                        alone = tables.get((t.kind, bool(k.get("compile_layers")), tokens))
+                        dur = t.end_s - t.start_s
+                        if not alone or dur <= 0:
+                            continue
+                        over = np.clip(np.minimum(copies[:, 1], t.end_s) - np.maximum(copies[:, 0], t.start_s),
+                                       0, None).sum() if len(copies) else 0.0
+                        out.append((t.kind, dur / alone, min(over / dur, 1.0)))
+    tasks = pd.DataFrame(out, columns=["kind", "ratio", "fraction"])
+    fit = {}
+    for kind, g in tasks[(tasks["ratio"] > 0.5) & (tasks["ratio"] < 2)].groupby("kind"):
+        slope, intercept = np.polyfit(g["fraction"], g["ratio"], 1) if g["fraction"].nunique() > 1 else (0.0, 1.0)
+        fit[kind] = (float(intercept), float(slope), len(g))
+    return {"tasks": tasks, "fit": fit}
+
+
+def copies_cmd(a) -> int:
+    import pandas as pd
+
+    r = beside_copies([Path(d) for d in a.dirs])
+    t = r["tasks"]
+    t["overlapped"] = pd.cut(t["fraction"], [-1, 0.001, 0.5, 1.0], labels=["none", "up to half", "over half"])
+    print(f"layer compute tasks of {', '.join(a.dirs)}: duration in the steps / the quick profile's table (alone), "
+          "by the fraction a copy overlapped")
+    print(t.groupby(["kind", "overlapped"], observed=True)["ratio"].agg(["median", "count"]).round(3).to_string())
+    print("fit ratio = a + (k - 1) x fraction:")
+    for kind, (intercept, slope, n) in r["fit"].items():
+        print(f"  {kind}: a {intercept:.3f}, k {1 + slope:.3f} ({n} tasks)")
+    print("--compute-beside-copy " + ",".join(f"{kind}={1 + slope:.3f}" for kind, (_, slope, _n) in r["fit"].items()))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -390,12 +476,17 @@ def main(argv=None) -> int:
     r.add_argument("--rebuild", choices=VARIANTS, metavar="VARIANT",
                    help="rebuild each shape's quick profile from its measurements by today's profiler, as measured "
                         f"or with one part left out ({'; '.join(VARIANTS)})")
+    r.add_argument("--compute-beside-copy", metavar="F=k,R=k,B=k",
+                   help="set the quick profiles' compute_beside_copy (factors from `copies` on other runs)")
     r.add_argument("--write", help="write the markdown table here (and the transfer profile beside it)")
     r.set_defaults(func=report)
     b = sub.add_parser("ablate", help="one shape's (a) errors with parts of the profiler's method left out")
     b.add_argument("dir", help="a measured shape's directory (OUT/<shape>)")
     b.add_argument("--model", required=True, help="its preset or HF model directory, as given to measure")
     b.set_defaults(func=ablate)
+    c = sub.add_parser("copies", help="how much slower compute ran beside copies in the recorded steps, by kind")
+    c.add_argument("dirs", nargs="+", help="measured directories (each with <shape>/rows.jsonl)")
+    c.set_defaults(func=copies_cmd)
     a = p.parse_args(argv)
     return a.func(a)
 

@@ -32,12 +32,30 @@ def _abs(errors):
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("acc")
     for tgz in sorted(RECORDED.glob("acc-*.tgz")):
         with tarfile.open(tgz) as t:
             t.extractall(root, filter="data")
-    return _script().evaluate(root, "bench-3b:arrival", rebuild="as measured")
+    return root
+
+
+@pytest.fixture(scope="module")
+def recorded(recorded_root):
+    return _script().evaluate(recorded_root, "bench-3b:arrival", rebuild="as measured")
+
+
+def test_compute_ran_slower_beside_copies_in_the_recorded_h100_steps(recorded_root):
+    """`accuracy.py copies`: the layer tasks of the 63 recorded rows against their quick profile's tables. With no
+    copy beside them they match the tables (F median 1.004); with copies over most of them F is 1.060 and B 1.082
+    (medians), and the fit gives F 1.049, B 1.068: the profile's compute_beside_copy that the simulator applies."""
+    r = _script().beside_copies([recorded_root])
+    tasks = r["tasks"]
+    alone = tasks[(tasks["kind"] == "F") & (tasks["fraction"] == 0)]["ratio"]
+    assert len(alone) > 500 and abs(alone.median() - 1.0) < 0.02
+    (_, slope_f, n_f), (_, slope_b, n_b) = r["fit"]["F"], r["fit"]["B"]
+    assert n_f > 5000 and n_b > 5000
+    assert 1.03 < 1 + slope_f < 1.07 and 1.04 < 1 + slope_b < 1.10, (slope_f, slope_b)
 
 
 def test_recorded_h100_predictions_stay_within_their_errors(recorded):

@@ -92,6 +92,12 @@ def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
     longest = max(rec["phases_s"], key=rec["phases_s"].get)
     assert slowest_phases(rec).startswith(f"{longest} {rec['phases_s'][longest]:.1f} s")
     assert slowest_phases({}) == ""  # a profile measured before phases were recorded
+    # a layer's F and B beside copies in both directions: the simulator's compute_beside_copy (R takes F's)
+    beside = rec["compute_beside_copies"]
+    assert all(beside[k]["alone_s"] > 0 and beside[k]["beside_copies_s"] > 0 for k in ("F", "B"))
+    assert p.compute_beside_copy == {"F": max(1.0, beside["F"]["factor"]), "R": max(1.0, beside["F"]["factor"]),
+                                     "B": max(1.0, beside["B"]["factor"])}
+    assert "compute_beside_copy" in p.notes
     sig = model_signature(DEBUG)
     got = {(t.unit, t.kind) for t in p.compute_tables}
     assert got == {("layer", "F"), ("layer", "R"), ("layer", "B"), ("embed", "F"), ("embed", "B"), ("head", "F")}

@@ -229,3 +229,29 @@ def test_real_clipping_steps_do_not_inflate_the_update_rate(real_runs):
     # copies, with the cpu profile's host_memory_Bps, which calibration does not fit), while a deferred update runs
     # after the backward. The synthetic test above holds the exact claim (2%).
     assert 0.4 < a / b < 2.5, rate
+
+
+def test_compute_measured_beside_copies_is_fitted_back_to_its_time_alone():
+    """The machine slows compute while copies are in flight (`compute_beside_copy`, as the profile measured it).
+    The steps' task durations include that slowdown; the fitted tables hold the time alone (each task's duration
+    divided by the slowdown its copy overlap implies), so the simulator, which slows them again, is not counted
+    twice: the fitted layer F and B are the true machine's, and the in-sample fit holds."""
+    from megatrain.profiling.fit import copied
+    from megatrain.sim import CostModel
+
+    beside = {"F": 1.25, "R": 1.25, "B": 1.4}
+    truth, start = (dataclasses.replace(p, compute_beside_copy=beside) for p in truth_and_start())
+    # copies slow enough to run beside most of a layer's compute (the truth's GB/s copies end in a few us)
+    truth = dataclasses.replace(truth, h2d=CopyCurve.constant(2e7, 5e-6), d2h=CopyCurve.constant(3e7, 5e-6))
+    prog = program_of("overlap")
+    steps = measured_on(prog, truth, 0.0)
+    overlapped = copied(steps[0]).set_index("task")["copied"]
+    layer = [t for t in prog.tasks.values() if t.stream == "compute" and t.kind in ("F", "B") and t.unit >= 0]
+    assert max(overlapped[t.id] for t in layer) > 0.5  # copies do run beside the layers here
+    cal = calibrate_run(prog, start, steps, warmup=0)
+    assert abs(cal.error_after) <= SYNTHETIC_BOUND
+    fitted, true = CostModel(prog, cal.profile), CostModel(prog, truth)
+    for kind in ("F", "B"):
+        tasks = [t for t in layer if t.kind == kind]
+        mean = statistics.mean(fitted.compute_s(t) for t in tasks) / statistics.mean(true.compute_s(t) for t in tasks)
+        assert mean == pytest.approx(1.0, abs=0.01), kind

@@ -217,3 +217,41 @@ def test_copy_beside_update_is_checked_and_survives_json(tmp_path):
         host_profile(100.0, copy_beside_update={"both": 0.5})
     with pytest.raises(ValueError, match="copy_beside_update"):
         host_profile(100.0, copy_beside_update={"h2d": 1.5})
+
+
+def with_compute(prog, flops: float, waits: tuple[str, ...] = ()):
+    """`prog` (copy_program) with one layer forward F0 on the compute stream of `flops` (at 1e9 FLOP/s: flops/1e9 s
+    alone), started at once or after `waits`."""
+    from megatrain.ir.program import ProgramTask
+
+    f0 = ProgramTask("F0", "F", 0, 0, "compute", waits, "w0", 0, flops, 0, 0)
+    return dataclasses.replace(prog, tasks={**prog.tasks, "F0": f0}, streams={**prog.streams, "compute": ["F0"]},
+                               _index=None)
+
+
+def test_a_compute_task_runs_slower_only_while_a_copy_is_in_flight():
+    # compute_beside_copy (issue 24: a layer F 1.05x, B 1.04-1.11x beside copies in the recorded steps): F0 is
+    # 16 s of work alone; P0 (300 B at 30 B/s) is in flight for its first 10 s, at half speed (factor 2): 5 s of
+    # work done by t=10, the other 11 s alone -> ends at 21 s. The copy itself is not slowed.
+    slowed = dataclasses.replace(make_profile(h2d=30.0), compute_beside_copy={"F": 2.0, "R": 2.0, "B": 2.0})
+    prog = with_compute(copy_program(300, 0), 16e9)
+    assert CostModel(prog, slowed).compute_s(prog.tasks["F0"]) == pytest.approx(16.0)
+    assert ends(simulate(prog, slowed)) == pytest.approx({"P0": 10.0, "O0": 0.0, "F0": 21.0}, rel=1e-12)
+    # without the factor (profiles before it) or with no copy in flight, 16 s
+    assert ends(simulate(prog, make_profile(h2d=30.0)))["F0"] == pytest.approx(16.0)
+    after = with_compute(copy_program(300, 0), 16e9, waits=("P0",))  # starts when the copy has landed
+    assert ends(simulate(after, slowed))["F0"] == pytest.approx(10.0 + 16.0)
+    # a kind the profile gives no factor is not slowed
+    only_b = dataclasses.replace(make_profile(h2d=30.0), compute_beside_copy={"B": 2.0})
+    assert ends(simulate(prog, only_b))["F0"] == pytest.approx(16.0)
+
+
+def test_compute_beside_copy_is_checked_and_survives_json(tmp_path):
+    p = dataclasses.replace(make_profile(h2d=30.0), compute_beside_copy={"F": 1.05, "R": 1.05, "B": 1.08})
+    p.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").compute_beside_copy == {"F": 1.05, "R": 1.05, "B": 1.08}
+    assert "compute_beside_copy" not in make_profile().to_dict()  # older readers load a profile without it
+    with pytest.raises(ValueError, match="compute_beside_copy has unknown keys"):
+        dataclasses.replace(make_profile(), compute_beside_copy={"U": 1.1})
+    with pytest.raises(ValueError, match="compute_beside_copy"):
+        dataclasses.replace(make_profile(), compute_beside_copy={"F": 0.9})  # a copy never speeds compute up

@@ -146,6 +146,16 @@ def _efficiency(m: dict, spec: ModelSpec, tables: list[ComputeTable], dtype: str
     return eff
 
 
+def compute_beside_copy(m: dict) -> dict[str, float]:
+    """The profile's `compute_beside_copy` from the measurement of a layer's F and B beside copies (R, a forward,
+    takes F's factor; a factor below 1, the noise of two medians, is kept at 1): {} for measurements without it."""
+    r = m.get("compute_beside_copies")
+    if not r:
+        return {}
+    f = {k: max(1.0, float(r[k]["factor"])) for k in ("F", "B")}
+    return {"F": f["F"], "R": f["F"], "B": f["B"]}
+
+
 def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
                   info: dict) -> HardwareProfile:
     """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
@@ -190,6 +200,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     # point's own when there is one, profiling/calibrate.py), else the isolated loop's
     contention_records = [hc, op["contention_other"]] if wires is not None else [hc]
     beside = host.copy_beside_update(contention_records)
+    slowed = compute_beside_copy(m)
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
@@ -255,6 +266,12 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                                   else "the isolated update loop") + "): "
                                + ", ".join(f"{k} {v:.2f}" for k, v in beside.items())
                                + "; the host fit (host_memory_Bps) assumed the copies at these rates."),
+        **({"compute_beside_copy": "measured: a layer's F and B beside copies in both directions (looped, "
+                                   f"{m['compute_beside_copies']['copy_bytes'] / 2**20:.0f} MiB each) over alone: "
+                                   + ", ".join(f"{k} {v['alone_s'] * 1e3:.3f} -> {v['beside_copies_s'] * 1e3:.3f} ms"
+                                               for k, v in m["compute_beside_copies"].items() if k in ("F", "B"))
+                                   + "; R takes F's; a factor below 1 (noise) is kept at 1."}
+           if slowed else {}),
         "dma_factor_cpu_optimizer": f"legacy, not simulated (host_memory_Bps replaces it): h2d "
                                     f"{hc['h2d_alone_Bps'] / 1e9:.2f} GB/s alone, {hc['h2d_update_Bps'] / 1e9:.2f} "
                                     "GB/s while CPU updates run.",
@@ -290,6 +307,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                                                     - passes * CONVERT_BYTES_PER_PARAM))}),
         copy_host_bytes_per_byte=copy_draw,
         copy_beside_update=beside,
+        compute_beside_copy=slowed,
         task_overhead_s=overhead,
         machine={k: v for k, v in info.items() if k != "host"},
         description=f"Measured by `megatrain profile` on {where}, {info['date']}, for {spec.name} "

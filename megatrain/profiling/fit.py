@@ -8,7 +8,9 @@ share of the steps, `step_classes`):
 - `task_overhead_s` by stream: the mean gap before a task's start on that stream (as `megatrain profile` measures
   it on its real steps); `N` is the norm's whole ready-to-done time;
 - `compute_tables`: each compute task kind and unit class at the run's token counts (a table for this model's
-  signature, seq and dtype replaces the profile's; others are kept);
+  signature, seq and dtype replaces the profile's; others are kept), each task's measured duration taken back to
+  its time alone by the profile's `compute_beside_copy` and the fraction of it a copy overlapped (`copied`), since
+  the simulator slows it again wherever copies run beside it;
 - the rates of the flows the simulator shares (host CPU AdamW and conversion, GPU AdamW and its clipping redo, each
   copy direction's curve): scaled until the simulated ready-to-done times of their tasks add up to the measured
   ones. This is a fixed-point iteration through the simulator itself, so contention the simulator models (host
@@ -25,6 +27,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pandas as pd
 
 from megatrain.engine.trainer import CLIPPED
@@ -68,7 +71,23 @@ class StepClass:
     facts: StepFacts
     weight: float
     step_s: float
-    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s
+    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s, copied
+
+
+def copied(step: pd.DataFrame) -> pd.DataFrame:
+    """`step` with a column "copied": the fraction of each task's duration during which a copy (either direction)
+    was in flight, the union of the copy streams' busy intervals (what slows a compute task: `compute_beside_copy`)."""
+    busy: list[list[float]] = []
+    for lo, hi in sorted(step.loc[step["stream"].isin(COPY_STREAMS), ["start_s", "end_s"]].itertuples(index=False)):
+        if busy and lo <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], hi)
+        else:
+            busy.append([lo, hi])
+    spans = np.array(busy).reshape(-1, 2)  # (n, 2) disjoint, sorted
+    start, end = step["start_s"].to_numpy()[:, None], step["end_s"].to_numpy()[:, None]  # (tasks, 1)
+    over = np.clip(np.minimum(end, spans[:, 1]) - np.maximum(start, spans[:, 0]), 0.0, None).sum(axis=1)  # (tasks,)
+    dur = (end - start)[:, 0]
+    return step.assign(copied=np.where(dur > 0, over / np.where(dur > 0, dur, 1.0), 0.0))
 
 
 def step_classes(program: Program, steps: list[pd.DataFrame], flags: list[bool]) -> list[StepClass]:
@@ -85,8 +104,8 @@ def step_classes(program: Program, steps: list[pd.DataFrame], flags: list[bool])
         if not mine:
             continue
         cut = len(mine) // 3
-        rows = pd.concat([with_spans(s, program) for s in mine[cut:len(mine) - cut]], ignore_index=True)
-        med = rows.groupby("task")[["gap_s", "dur_s", "span_s"]].mean()
+        rows = pd.concat([copied(with_spans(s, program)) for s in mine[cut:len(mine) - cut]], ignore_index=True)
+        med = rows.groupby("task")[["gap_s", "dur_s", "span_s", "copied"]].mean()
         out.append(StepClass(StepFacts(clip_share=1.0 if clips else 0.0), len(mine) / len(steps),
                           statistics.median(step_time_s(s) for s in mine), med))
     return out
@@ -172,9 +191,9 @@ def _overheads(program: Program, classes: list[StepClass]) -> dict[str, float]:
 
 def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]) -> tuple[ComputeTable, ...]:
     """Compute tables of this model at the run's token counts: per task kind, unit class and tokens, the mean over
-    its tasks of their mean measured duration (`step_classes`), so that the tables' sum is the measured one (they
-    replace the profile's tables for the same key and seq; the layer's are of the compiled layer when the Program
-    compiles)."""
+    its tasks of their mean measured duration (`step_classes`) taken back to alone (module docstring), so that the
+    simulated sum is the measured one (they replace the profile's tables for the same key and seq; the layer's are
+    of the compiled layer when the Program compiles)."""
     sig, dtype = model_signature(program.model), program.placement.compute_dtype
     compiled = program.placement.layer_kernel == "compiled"
     tasks: dict[tuple[str, str], dict[int, list[str]]] = {}
@@ -185,8 +204,15 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
     new = []
     for (kind, uclass), by_tokens in sorted(tasks.items()):
         toks = sorted(by_tokens)
-        durs = tuple(max(0.0, sum(c.weight * float(c.med.loc[by_tokens[n], "dur_s"].mean()) for c in classes))
-                     for n in toks)
+        # back to alone: a task that spent fraction c of its measured d beside copies at 1/k of its speed did
+        # d (1 - c) + d c / k of work
+        lost = 1.0 - 1.0 / profile.compute_beside_copy.get(kind, 1.0)
+
+        def alone_s(c: StepClass, ids: list[str]) -> float:
+            m = c.med.loc[ids]
+            return float((m["dur_s"] * (1.0 - lost * m["copied"])).mean())
+
+        durs = tuple(max(0.0, sum(c.weight * alone_s(c, by_tokens[n]) for c in classes)) for n in toks)
         new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks), durs, dtype,
                                 compiled and uclass == "layer"))
     replaced = {(t.key, t.seq) for t in new}

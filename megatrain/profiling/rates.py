@@ -9,6 +9,7 @@ three tile sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -177,6 +178,21 @@ def measure_compute_under_update(compute: Worker, cpu: Worker, body, update, bud
     with Background(cpu, update):
         shared = median(compute.time_for(body, budget_s / 2, warmup=1))
     return {"alone_s": alone, "with_update_s": shared, "factor": shared / alone}
+
+
+def measure_compute_beside_copies(compute: Worker, bodies: dict, copiers: list[tuple[Worker, object]],
+                                  budget_s: float) -> dict:
+    """Each compute body alone and while copies run in a loop on their streams (`copiers`: (worker, copy) pairs,
+    both directions as a layer's prefetch and offload overlap its compute): {kind: {"alone_s", "beside_copies_s",
+    "factor"}}. The copies' DMA shares the device memory with the kernels (on the CPU backend, memcpy shares the
+    cores and host memory)."""
+    each = budget_s / (2 * len(bodies))
+    alone = {k: median(compute.time_for(body, each, warmup=1)) for k, body in bodies.items()}
+    with contextlib.ExitStack() as stack:
+        for worker, copy in copiers:
+            stack.enter_context(Background(worker, copy))
+        beside = {k: median(compute.time_for(body, each, warmup=1)) for k, body in bodies.items()}
+    return {k: {"alone_s": alone[k], "beside_copies_s": beside[k], "factor": beside[k] / alone[k]} for k in bodies}
 
 
 def measure_update_under_compute(cpu: Worker, update, compute: Worker, body, budget_s: float) -> dict:

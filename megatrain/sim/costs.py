@@ -142,6 +142,13 @@ class CostModel:
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
 
+    def beside_copy(self, task: ProgramTask) -> float:
+        """How many times longer a compute task takes while a copy is in flight: the profile's
+        `compute_beside_copy` for its kind (1.0 without one, and for every task not on the compute stream)."""
+        if task.stream != "compute":
+            return 1.0
+        return self.profile.compute_beside_copy.get(task.kind, 1.0)
+
     def is_copy(self, task: ProgramTask) -> bool:
         return task.stream in COPY_STREAMS
 

@@ -28,6 +28,12 @@ is its rate alone times the profile's `copy_beside_update` fraction for the mix 
 without it the copies are left at their rates, and the update was priced with less of the budget than the fit gave
 it (issue 24: the out-of-sample predictions of the (a) quick profiles, round 0, put copies beside an update 9-28%
 fast per task; docs/accuracy.md, "Copies beside the update").
+
+Compute beside copies: a GPU compute task draws no host memory, but the copies' DMA shares the device's memory
+with its kernels, and in the steps of 7 recorded shape x machine runs a layer F took 1.05x and a B 1.04-1.11x its
+measured time alone when copies ran over most of it (1.00x with none; docs/accuracy.md, "Compute beside copies").
+So a compute task is a flow too (`compute`): of its seconds alone, drawing nothing, progressing at
+1 / `compute_beside_copy[kind]` of its rate while any copy flow is in flight, and at its full rate otherwise.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import math
 
 import simpy
 
+from megatrain.ir.streams import COPY_STREAMS
 from megatrain.sim.profile import BESIDE
 
 
@@ -81,10 +88,11 @@ def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set
 
 
 class _Flow:
-    __slots__ = ("ceiling", "done", "draw", "rate", "remaining")
+    __slots__ = ("beside_copy", "ceiling", "done", "draw", "rate", "remaining")
 
-    def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event):
+    def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event, beside_copy: float = 1.0):
         self.remaining, self.ceiling, self.draw, self.rate, self.done = float(amount), ceiling, draw, 0.0, done
+        self.beside_copy = beside_copy  # its ceiling is divided by this while a copy is in flight
 
 
 class HostMemory:
@@ -94,7 +102,8 @@ class HostMemory:
                  beside_update: dict[str, float] | None = None):
         self.env, self.host_Bps, self.duplex_Bps, self.copy_draw = env, host_Bps, duplex_Bps, copy_draw
         self.beside_update = dict(beside_update or {})  # the profile's copy_beside_update (module docstring)
-        self.flows: dict[str, _Flow] = {}  # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time)
+        # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time), "compute" (a GPU compute task)
+        self.flows: dict[str, _Flow] = {}
         self._t = 0.0  # time up to which `remaining` is accounted
         self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
 
@@ -114,13 +123,17 @@ class HostMemory:
             return done
         return simpy.AllOf(self.env, [done, self._start("nvme", nvme_s, 1.0, 0.0)])
 
-    def _start(self, name: str, amount: float, ceiling: float, draw: float) -> simpy.Event:
+    def compute(self, seconds: float, beside_copy: float) -> simpy.Event:
+        """A compute task of `seconds` alone, `beside_copy` times slower while a copy is in flight."""
+        return self._start("compute", seconds, 1.0, 0.0, beside_copy)
+
+    def _start(self, name: str, amount: float, ceiling: float, draw: float, beside_copy: float = 1.0) -> simpy.Event:
         done = self.env.event()
         if amount <= 0 or math.isinf(ceiling):
             done.succeed()
             return done
         self._advance()
-        self.flows[name] = _Flow(amount, ceiling, draw, done)
+        self.flows[name] = _Flow(amount, ceiling, draw, done, beside_copy)
         self._replan()
         return done
 
@@ -135,10 +148,10 @@ class HostMemory:
         self._gen += 1
         if not self.flows:
             return
-        rates = share_rates({n: f.ceiling for n, f in self.flows.items()},
+        copying = [n for n in self.flows if n in COPY_STREAMS]
+        rates = share_rates({n: f.ceiling / (f.beside_copy if copying else 1.0) for n, f in self.flows.items()},
                             {n: f.draw for n, f in self.flows.items()},
-                            {n for n in self.flows if n not in ("cpu", "nvme")}, self.host_Bps, self.duplex_Bps,
-                            self.beside_update)
+                            set(copying), self.host_Bps, self.duplex_Bps, self.beside_update)
         for n, f in self.flows.items():
             f.rate = rates[n]
         dt, due = min((max(f.remaining, 0.0) / f.rate, n) for n, f in self.flows.items())

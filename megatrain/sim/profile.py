@@ -26,6 +26,11 @@ A profile holds
                          beside the update, "h2d_both" / "d2h_both" beside it and the other direction
                          (`megatrain profile` measures them at the runtime's operating point; empty: not slowed,
                          as profiles before issue 24 were simulated); sim/hostmem.py applies them
+    compute_beside_copy  how many times longer a compute task takes while a copy runs, by kind ("F", "R", "B"): the
+                         copies' DMA shares the device memory with the kernels (measured in the steps of 7 recorded
+                         shape x machine runs: a layer F 1.05x, B 1.04-1.11x with copies over most of the task;
+                         `megatrain profile` measures it; empty: not slowed, as profiles before it were simulated);
+                         sim/hostmem.py applies it
     dma_factor_cpu_optimizer, cpu_optimizer_slowdown  legacy (before host_memory_Bps): copy rates while a CPU
                          update runs, and how many times longer an update takes while 1 / 2 copy directions run;
                          read only to derive host_memory_Bps for profiles that lack it
@@ -69,6 +74,8 @@ from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exporte
 # copy_beside_update's keys, by (copy direction, whether the other direction runs too): a copy beside a CPU update
 # ("h2d", "d2h", "h2d_both", "d2h_both")
 BESIDE = {(d, both): f"{d}_both" if both else d for both in (False, True) for d in COPY_STREAMS}
+# compute_beside_copy's keys: the compute kinds a copy slows (a forward, its recompute, a backward)
+SLOWED_BY_COPIES = tuple(k.value for k in (TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD))
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
@@ -218,6 +225,7 @@ class HardwareProfile:
     cpu_convert_bytes_per_param: float = CONVERT_BYTES_PER_PARAM
     copy_host_bytes_per_byte: float = 1.0
     copy_beside_update: dict[str, float] = field(default_factory=dict)
+    compute_beside_copy: dict[str, float] = field(default_factory=dict)
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
     nvme_write_Bps: float = 5.0e9
@@ -237,6 +245,10 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name}: copy_beside_update has unknown keys "
                                f"{sorted(set(self.copy_beside_update) - set(BESIDE.values()))}; use "
                                f"{sorted(BESIDE.values())} (fractions of each copy direction's rate alone)")
+        if set(self.compute_beside_copy) - set(SLOWED_BY_COPIES):
+            raise ProfileError(f"profile {self.name}: compute_beside_copy has unknown keys "
+                               f"{sorted(set(self.compute_beside_copy) - set(SLOWED_BY_COPIES))}; use "
+                               f"{list(SLOWED_BY_COPIES)} (factors >= 1 on a compute task while a copy runs)")
         bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
         if bad:
             raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
@@ -278,6 +290,7 @@ class HardwareProfile:
         "matmul_flops_per_s": (check.RATE, False, None), "efficiency": (check.FRACTION, False, None),
         "cpu_adam_params_per_s": (check.RATE, True, None), "cpu_optimizer_slowdown": (check.SIZE, True, 1.0),
         "task_overhead_s": (check.TIME, False, None), "copy_beside_update": (check.FRACTION, False, None),
+        "compute_beside_copy": (check.SIZE, False, 1.0),
     }
 
     def _check_fields(self) -> None:
@@ -350,7 +363,7 @@ class HardwareProfile:
                 v = [asdict(t) for t in v]
             elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
-            elif f.name in ("collectives", "copy_beside_update") and not v:
+            elif f.name in ("collectives", "copy_beside_update", "compute_beside_copy") and not v:
                 continue  # profiles without them keep their JSON (and older readers can load it)
             d[f.name] = v
         return d
