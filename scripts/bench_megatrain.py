@@ -49,6 +49,16 @@ from megatrain.tune.auto import auto_budget
 from megatrain.tune.search import best_gpu_fraction
 
 
+BENCH_LR = 1e-5  # AdamW's learning rate in every benchmark run (the peers take it: scripts/peers/peerconf.py)
+
+
+def bench_batches(vocab: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """The benchmark's data: 4 batches of (batch, seq + 1) random ids, generator seed 0; step i trains on batch
+    i % 4 (the peers train on the same: scripts/peers/run_peer.py `batches`, tied by tests/test_peers_dryrun.py)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(4)]
+
+
 def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float:
     """300 s, or three simulated steps when a step is predicted to take longer than 100 s."""
     if not profile:
@@ -154,12 +164,11 @@ def main() -> None:
                 f"retain_grads={knobs.retain_grads},state_buffers={knobs.state_buffers}]")
     plan = plan_memory(spec, a.batch, a.seq, knobs)
     t0 = time.perf_counter()
-    optim = AdamWConfig(lr=1e-5)
+    optim = AdamWConfig(lr=BENCH_LR)
     timeout_s = a.timeout_s or _default_timeout_s(spec, a.batch, a.seq, knobs, a.profile)
     trainer = StreamedTrainer(spec, knobs, optim=optim, backend=a.device, timeout_s=timeout_s)
     init_s = time.perf_counter() - t0
-    gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, spec.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]
+    data = bench_batches(spec.vocab_size, a.batch, a.seq)
     times, losses, results = [], [], []
 
     def step(i):

@@ -190,3 +190,14 @@ def test_bench_builds_the_peer_commands(capsys, monkeypatch):
                                            "params_B": 3.0, "settings": "ZeRO-3; clip 1", "config": "c.json"}]})
     assert "| 14.5 |" in bench.table(s, "superoffload")
     assert bench.settings_lines(s) == ["- superoffload: ZeRO-3; clip 1 (c.json)"]
+
+
+def test_the_peers_train_on_the_benchmark_s_data_and_learning_rate(peerconf, run_peer):
+    """run_peer and peerconf restate scripts/bench_megatrain.py's data and AdamW learning rate (the DeepSpeed
+    launcher runs run_peer alone, without megatrain's scripts on its path): the same batches, the same lr."""
+    import torch
+
+    bench = _load("bench_megatrain", ROOT / "scripts" / "bench_megatrain.py")
+    assert peerconf.DEFAULT_LR == bench.BENCH_LR
+    ours, theirs = bench.bench_batches(256, 2, 16), run_peer.batches(256, 2, 16)
+    assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -99,7 +99,7 @@ def check(cfg: dict, where: str = "config") -> None:
             raise PeerConfigError(f"{where}: torch key(s) {', '.join(unknown)} are not among {sorted(TORCH_KEYS)}")
 
 
-DEFAULT_LR = 1e-5  # scripts/bench_megatrain.py's
+DEFAULT_LR = 1e-5  # scripts/bench_megatrain.py BENCH_LR (tests/test_peers_dryrun.py ties them)
 
 
 def adamw_params(lr: float = DEFAULT_LR) -> dict:

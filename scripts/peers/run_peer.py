@@ -125,7 +125,8 @@ def build_model(spec, seq: int, seed: int, checkpointing: bool):
 
 
 def batches(vocab: int, batch: int, seq: int) -> list:
-    """scripts/bench_megatrain.py's data: 4 batches of (batch, seq + 1) random ids, generator seed 0."""
+    """scripts/bench_megatrain.py `bench_batches`: 4 batches of (batch, seq + 1) random ids, generator seed 0 (restated:
+    DeepSpeed's launcher runs this file alone; tests/test_peers_dryrun.py ties the two)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
