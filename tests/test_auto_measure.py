@@ -168,6 +168,41 @@ def test_when_the_switch_to_the_fastest_measured_fails_the_one_running_is_return
                line.endswith(f"{order[2]} runs on") for line in lines)
 
 
+def test_a_run_off_candidate_that_cannot_start_again_is_not_chosen():
+    """The first pass measures 3 within 5% of one another; in the run-off the switch back to the fastest of them
+    runs out of GPU memory: it leaves the pool (its first-pass time is printed, it is not chosen), and the run-off
+    goes on with the others."""
+    import torch
+
+    auto = _choice(ScheduleKnobs(clip=0))
+    order = [c.label for c in auto.ranked[:3]]
+    seconds = {order[0]: 0.0100, order[1]: 0.0101, order[2]: 0.0102}
+
+    class Trainer:  # what measure_candidates and switch_trainer use of a StreamedTrainer
+        knobs, store, schedule_name, fail = auto.knobs, None, order[0], True
+
+        def program(self, batch, seq):
+            return self.schedule_name
+
+        def switch_schedule(self, knobs, batch, seq, name):
+            if name == order[0] and self.schedule_name != order[0] and len(auto.times) == 3 and self.fail:
+                self.fail = False  # the run-off's switch back to the first measured
+                raise torch.OutOfMemoryError("CUDA out of memory (made by the test)")
+            self.knobs, self.schedule_name = knobs, name
+            return name, None
+
+        def use_program(self, program):
+            self.schedule_name = program
+
+    trainer, lines = Trainer(), []
+    ran = measure_candidates(auto, trainer, lambda: _step(seconds[trainer.schedule_name]), lines.append)
+    assert any(line.startswith("auto: run-off: 3 measured") for line in lines)
+    assert order[0] in auto.unstarted and ran.label != order[0] and auto.chosen is ran
+    assert any(line.startswith(f"  {order[0]}: predicted") and "in the first pass, then could not start again"
+               in line for line in lines)
+    assert ran.label == order[1]  # the fastest of those that could run
+
+
 def test_clipping_is_priced_at_the_measured_share():
     """Exact clipping (base clip=1): arrival candidates clip speculatively. Before the run they are priced at 0
     clipping steps; once every measured step clipped, at 1 (the redo of every update)."""

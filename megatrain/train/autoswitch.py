@@ -249,7 +249,9 @@ class AutoChoice:
         """Choose the fastest measured; one line per candidate measured and per one whose switch failed."""
         self.done = True
         by_label = {c.label: c for c in self.pool}
-        measured = sorted(self.times, key=lambda label: (self.measured_s(label), label))
+        # a candidate whose switch failed in the run-off keeps its first-pass times but cannot be chosen
+        measured = sorted((label for label in self.times if label in by_label),
+                          key=lambda label: (self.measured_s(label), label))
         self.chosen = by_label[measured[0]]
         share = f"{100 * facts.clip_share:.0f}% of the {len(self.clipped)} steps clipped"
         self.log(f"auto: measured {len(measured)} candidate(s); predictions with clipping priced at the measured "
@@ -262,8 +264,9 @@ class AutoChoice:
                      + ")" + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked:
             if c.label in self.unstarted:
-                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, not measured: "
-                         f"{self.unstarted[c.label]}")
+                first = (f"measured {self.measured_s(c.label) * 1e3:,.1f} ms/step in the first pass, then could not "
+                         "start again (not chosen): " if c.label in self.times else "not measured: ")
+                self.log(f"  {c.label}: predicted {c.step_s * 1e3:,.1f} ms/step, {first}{self.unstarted[c.label]}")
         if self.chosen.label != self.running.label:
             self.log(f"auto: switching to {self.chosen.label}, the fastest measured")
         else:
