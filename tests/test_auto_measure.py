@@ -121,6 +121,26 @@ def test_no_run_off_when_one_candidate_is_clearly_fastest_or_the_run_is_too_shor
     assert not any(line.startswith("auto: run-off:") for line in lines)  # two contenders need 2 + 3 steps
 
 
+def test_a_short_run_off_keeps_the_fastest_measured():
+    """Three within 5%, room for two in the run-off (3 + 3 steps, neither is the one running): the two fastest
+    measured run again, the first measured (the fastest here, the one a drift favours) among them; the slowest, the
+    one running, is left out."""
+    auto = _choice(ScheduleKnobs(clip=0))
+    order = [c.label for c in auto.ranked[:3]]
+    seconds = {order[0]: 1.00, order[1]: 1.02, order[2]: 1.03}
+    lines = []
+    auto.start(5 * (UNTIMED_STEPS + TIMED_STEPS), lines.append)
+    running = auto.label
+    while not auto.done:
+        cand = auto.before_step()
+        running = cand.label if cand is not None else running
+        auto.after_step(_step(seconds[running]))
+    runoff = next(line for line in lines if line.startswith("auto: run-off:"))
+    assert runoff.endswith(f"{order[1]}, {order[0]}")  # reverse first order; order[2], the slowest, left out
+    assert len(auto.times[order[0]]) == len(auto.times[order[1]]) == 2 * TIMED_STEPS
+    assert len(auto.times[order[2]]) == TIMED_STEPS and auto.chosen.label == order[0]
+
+
 def test_every_candidate_the_simulator_cannot_tell_from_the_best_is_measured():
     """Beyond K, every candidate predicted within the band of the best is measured, up to MAX_MEASURE; one
     predicted further off is not (H200: the best named schedule, 6.5% behind auto's pick, was never measured)."""

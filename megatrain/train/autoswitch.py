@@ -204,18 +204,20 @@ class AutoChoice:
         """After the first pass: queue the run-off (module docstring) of the candidates measured within RUNOFF_BAND
         of the fastest, as many as the run's steps allow, in the reverse of their first pass's order."""
         self.in_runoff = True
-        best = min(self.measured_s(label) for label in self.times)
-        close = sorted((label for label in self.times if self.measured_s(label) <= best * (1 + RUNOFF_BAND)),
+        by_label = {c.label: c for c in self.pool}
+        best = min(self.measured_s(label) for label in self.times if label in by_label)
+        close = sorted((label for label in self.times
+                        if label in by_label and self.measured_s(label) <= best * (1 + RUNOFF_BAND)),
                        key=self.measured_s)[:MAX_RUNOFF]
-        order = list(self.times)  # first-pass order (dicts keep insertion order)
-        close.sort(key=order.index, reverse=True)
-        per, spare = UNTIMED_STEPS + TIMED_STEPS, self.steps_left - len(self.clipped)
-        if close and close[0] == self.running.label:  # the one running needs no untimed step
-            spare += UNTIMED_STEPS
-        close = close[:max(spare, 0) // per]
+        # as many of the fastest as the run's steps allow (the one running, which goes first, needs no untimed step)
+        spare = self.steps_left - len(self.clipped)
+        while close and len(close) * (UNTIMED_STEPS + TIMED_STEPS) - UNTIMED_STEPS * (self.running.label in close) \
+                > spare:
+            close.pop()  # the slowest measured leaves first
         if len(close) < 2:
             return
-        by_label = {c.label: c for c in self.pool}
+        order = list(self.times)  # first-pass order (dicts keep insertion order)
+        close.sort(key=order.index, reverse=True)
         self.runoff = [by_label[label] for label in close]
         self.log(f"auto: run-off: {len(close)} measured within {100 * RUNOFF_BAND:.0f}% of the fastest run again, "
                  f"in the reverse of their first order ({TIMED_STEPS} timed steps each; a candidate's measured time "
