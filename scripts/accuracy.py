@@ -377,25 +377,32 @@ def _factors(text: str | None) -> dict[str, float] | None:
     """"F=1.05,R=1.05,B=1.08" -> {"F": 1.05, ...} (None for None)."""
     if text is None:
         return None
+    from megatrain.sim.profile import SLOWED_BY_COPIES
+
     out = {}
     for part in text.split(","):
         kind, _, value = part.partition("=")
         try:
             out[kind.strip()] = float(value)
         except ValueError:
-            raise SystemExit(f"--compute-beside-copy {text!r}: give KIND=FACTOR pairs, e.g. F=1.05,R=1.05,B=1.08")
+            out = None
+        if out is None or kind.strip() not in SLOWED_BY_COPIES or out[kind.strip()] < 1.0:
+            raise SystemExit(f"--compute-beside-copy {text!r}: give KIND=FACTOR pairs, KIND one of "
+                             f"{', '.join(SLOWED_BY_COPIES)} and FACTOR >= 1, e.g. F=1.05,R=1.05,B=1.08")
     return out
 
 
 def beside_copies(dirs: list[Path]) -> dict:
     """Per compute kind, the recorded layer tasks' duration over their quick profile's table (timed alone), and the
-    fraction of each task that a copy (either direction) overlapped: {"tasks": DataFrame(kind, ratio, fraction),
+    fraction of each task during which a copy (either direction) was in flight (`fit.copied`, as the simulator
+    slows it): {"tasks": DataFrame(kind, ratio, fraction),
     "fit": {kind: (intercept, slope, n)}} with ratio = intercept + slope x fraction by least squares (ratios
     outside 0.5-2, a task stalled by something else, left out)."""
     import numpy as np
     import pandas as pd
 
     from megatrain.compile.record import program_of
+    from megatrain.profiling.fit import copied
     from megatrain.sim import load_profile
     from megatrain.sim.profile import model_signature
 
@@ -413,17 +420,14 @@ def beside_copies(dirs: list[Path]) -> dict:
                 tokens = r["batch"] // k.get("micro_batches", 1) * r["seq"]
                 part = tl[(tl["config"] == r["config"]) & (tl["round"] == r["round"])]
                 for _, step in part.groupby("timed_step"):
-                    copies = step[step["stream"].isin(["h2d", "d2h"])][["start_s", "end_s"]].to_numpy()
+                    step = copied(step)  # the simulator's measure: the union of the copy streams' busy time
                     comp = step[(step["stream"] == "compute") & step["kind"].isin(["F", "R", "B"])
                                 & (step["layer"] >= 0)]
                     for t in comp.itertuples():
                         alone = tables.get((t.kind, bool(k.get("compile_layers")), tokens))
                         dur = t.end_s - t.start_s
-                        if not alone or dur <= 0:
-                            continue
-                        over = np.clip(np.minimum(copies[:, 1], t.end_s) - np.maximum(copies[:, 0], t.start_s),
-                                       0, None).sum() if len(copies) else 0.0
-                        out.append((t.kind, dur / alone, min(over / dur, 1.0)))
+                        if alone and dur > 0:
+                            out.append((t.kind, dur / alone, t.copied))
     tasks = pd.DataFrame(out, columns=["kind", "ratio", "fraction"])
     fit = {}
     for kind, g in tasks[(tasks["ratio"] > 0.5) & (tasks["ratio"] < 2)].groupby("kind"):

@@ -129,7 +129,7 @@ def test_more_ranks_than_cores_is_one_line_before_the_rendezvous(tmp_path):
     refuses at once (no peer is needed)."""
     n = len(os.sched_getaffinity(0)) + 1
     env = child_env(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+                    MASTER_PORT=str(free_port()))
     r = subprocess.run(_train(tmp_path / "runs"), env=env, capture_output=True, text=True, timeout=120)
     line = _last_line(r)
     assert r.returncode == 2 and f"{n} ranks on {n - 1} CPU core(s)" in line and "--nproc_per_node" in line, line

@@ -71,7 +71,7 @@ class StepClass:
     facts: StepFacts
     weight: float
     step_s: float
-    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s, copied
+    med: pd.DataFrame  # index task; columns gap_s, dur_s, span_s, copied_s (seconds of dur_s beside a copy)
 
 
 def copied(step: pd.DataFrame) -> pd.DataFrame:
@@ -105,7 +105,8 @@ def step_classes(program: Program, steps: list[pd.DataFrame], flags: list[bool])
             continue
         cut = len(mine) // 3
         rows = pd.concat([copied(with_spans(s, program)) for s in mine[cut:len(mine) - cut]], ignore_index=True)
-        med = rows.groupby("task")[["gap_s", "dur_s", "span_s", "copied"]].mean()
+        rows["copied_s"] = rows["copied"] * rows["dur_s"]  # averaged as a product, not as two means multiplied
+        med = rows.groupby("task")[["gap_s", "dur_s", "span_s", "copied_s"]].mean()
         out.append(StepClass(StepFacts(clip_share=1.0 if clips else 0.0), len(mine) / len(steps),
                           statistics.median(step_time_s(s) for s in mine), med))
     return out
@@ -204,13 +205,13 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
     new = []
     for (kind, uclass), by_tokens in sorted(tasks.items()):
         toks = sorted(by_tokens)
-        # back to alone: a task that spent fraction c of its measured d beside copies at 1/k of its speed did
-        # d (1 - c) + d c / k of work
+        # back to alone: a task that spent s of its measured d beside copies at 1/k of its speed did d - s (1 - 1/k)
+        # of work
         lost = 1.0 - 1.0 / profile.compute_beside_copy.get(kind, 1.0)
 
         def alone_s(c: StepClass, ids: list[str]) -> float:
             m = c.med.loc[ids]
-            return float((m["dur_s"] * (1.0 - lost * m["copied"])).mean())
+            return float((m["dur_s"] - lost * m["copied_s"]).mean())
 
         durs = tuple(max(0.0, sum(c.weight * alone_s(c, by_tokens[n]) for c in classes)) for n in toks)
         new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks), durs, dtype,

@@ -2,14 +2,17 @@
 
 One simpy process per stream walks that stream's queue in Program order. A task starts when the previous task
 of its stream is done and every task in its `waits` is done; it then holds its stream for the duration the cost
-model gives, except host-side work, whose bytes flow through the fluid model of host memory (`hostmem.py`):
+model gives, except host-side work, whose bytes flow through the fluid model of host memory (`hostmem.py`), and
+compute slowed beside copies:
 
 - each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream); a copy alone moves
   at its curve's rate for its size, and the two directions share `duplex_Bps`;
 - a CPU optimizer update is a flow of its host bytes (AdamW + bf16 conversion passes), at most the rate its
   threads reach alone; copies and the update share `host_memory_Bps` max-min fairly;
 - whenever a flow starts or ends, the bytes still in flight are re-rated, so a copy that overlapped the other
-  direction (or an update) for only part of its life is slowed for only that part.
+  direction (or an update) for only part of its life is slowed for only that part;
+- a compute task (F, R, B) whose kind the profile's `compute_beside_copy` slows is a flow of its seconds alone,
+  drawing no host memory, at 1/k of its speed while a copy is in flight (the copies' DMA shares device memory).
 
 The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
 a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck

@@ -1,4 +1,5 @@
-"""Host memory as a shared resource: every host-side activity is a flow of bytes, re-rated whenever one starts or ends.
+"""Host memory as a shared resource: every host-side activity is a flow of bytes, re-rated whenever one starts or ends
+(and a compute task slowed beside copies is a flow of seconds that draws none: the last paragraph).
 
 The flows of a step are the copies (one per direction at a time: each direction is one in-order stream; H2D
 reads host memory, D2H writes it; offloaded checkpoints are copies too) and the CPU optimizer updates (AdamW reads
@@ -33,7 +34,9 @@ Compute beside copies: a GPU compute task draws no host memory, but the copies' 
 with its kernels, and in the steps of 7 recorded shape x machine runs a layer F took 1.05x and a B 1.04-1.11x its
 measured time alone when copies ran over most of it (1.00x with none; docs/accuracy.md, "Compute beside copies").
 So a compute task is a flow too (`compute`): of its seconds alone, drawing nothing, progressing at
-1 / `compute_beside_copy[kind]` of its rate while any copy flow is in flight, and at its full rate otherwise.
+1 / `compute_beside_copy[kind]` of its rate while any copy flow is in flight, and at its full rate otherwise. The
+profiler measures a layer's F and B beside copies in both directions; the one factor is applied whatever the copy
+mix (one direction or both) and to the embedding and head too, which were not measured apart.
 """
 from __future__ import annotations
 
