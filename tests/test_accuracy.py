@@ -48,7 +48,7 @@ def recorded(recorded_root):
 def test_compute_ran_slower_beside_copies_in_the_recorded_h100_steps(recorded_root):
     """`accuracy.py copies`: the layer tasks of the 63 recorded rows against their quick profile's tables. With no
     copy beside them they match the tables (F median 1.004); with copies over most of them F is 1.060 and B 1.082
-    (medians), and the fit gives F 1.049, B 1.068: the profile's compute_beside_copy that the simulator applies."""
+    (medians), and the fit gives F 1.049, B 1.069: the profile's compute_beside_copy that the simulator applies."""
     r = _script().beside_copies([recorded_root])
     tasks = r["tasks"]
     alone = tasks[(tasks["kind"] == "F") & (tasks["fraction"] == 0)]["ratio"]
