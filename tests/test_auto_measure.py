@@ -155,32 +155,39 @@ def test_every_candidate_the_simulator_cannot_tell_from_the_best_is_measured():
     assert len(narrow.times) == 2
 
 
+class _Trainer:
+    """What measure_candidates and switch_trainer use of a StreamedTrainer: `fails(name, trainer)` says whether the
+    switch to `name` runs out of GPU memory (asked once per switch)."""
+
+    store = None
+
+    def __init__(self, auto: AutoChoice, fails):
+        self.knobs, self.schedule_name, self.fails = auto.knobs, auto.label, fails
+
+    def program(self, batch, seq):
+        return self.schedule_name
+
+    def switch_schedule(self, knobs, batch, seq, name):
+        import torch
+
+        if self.fails(name, self):
+            raise torch.OutOfMemoryError("CUDA out of memory (made by the test)")
+        self.knobs, self.schedule_name = knobs, name
+        return name, None
+
+    def use_program(self, program):
+        self.schedule_name = program
+
+
 def test_when_the_switch_to_the_fastest_measured_fails_the_one_running_is_returned():
     """measure_candidates returns what the trainer runs: the fastest measured (the second) cannot start at the switch
     after measuring, so the third, the one that ran last, runs on and is returned (and `chosen`)."""
-    import torch
-
     auto = _choice(ScheduleKnobs(clip=0))
     order = [c.label for c in auto.ranked]
     seconds = {order[0]: 0.1, order[1]: 0.01, order[2]: 0.02}
 
-    class Trainer:  # what measure_candidates and switch_trainer use of a StreamedTrainer
-        knobs, store, schedule_name, switches = auto.knobs, None, order[0], 0
-
-        def program(self, batch, seq):
-            return self.schedule_name
-
-        def switch_schedule(self, knobs, batch, seq, name):
-            self.switches += 1
-            if self.switches == 3:  # after switching to the second and the third: back to the second
-                raise torch.OutOfMemoryError("CUDA out of memory (made by the test)")
-            self.knobs, self.schedule_name = knobs, name
-            return name, None
-
-        def use_program(self, program):
-            self.schedule_name = program
-
-    trainer, lines = Trainer(), []
+    switches = iter(range(1, 100))  # after switching to the second and the third: back to the second fails
+    trainer, lines = _Trainer(auto, lambda name, t: next(switches) == 3), []
     ran = measure_candidates(auto, trainer, lambda: _step(seconds[trainer.schedule_name]), lines.append)
     assert ran.label == order[2] == trainer.schedule_name and ran.knobs == trainer.knobs and auto.chosen is ran
     assert f"auto: switching to {order[1]}, the fastest measured" in lines
@@ -192,29 +199,19 @@ def test_a_run_off_candidate_that_cannot_start_again_is_not_chosen():
     """The first pass measures 3 within 5% of one another; in the run-off the switch back to the fastest of them
     runs out of GPU memory: it leaves the pool (its first-pass time is printed, it is not chosen), and the run-off
     goes on with the others."""
-    import torch
-
     auto = _choice(ScheduleKnobs(clip=0))
     order = [c.label for c in auto.ranked[:3]]
     seconds = {order[0]: 0.0100, order[1]: 0.0101, order[2]: 0.0102}
 
-    class Trainer:  # what measure_candidates and switch_trainer use of a StreamedTrainer
-        knobs, store, schedule_name, fail = auto.knobs, None, order[0], True
+    failed = []
 
-        def program(self, batch, seq):
-            return self.schedule_name
+    def fails(name, trainer) -> bool:  # the run-off's switch back to the first measured, once
+        if name == order[0] and trainer.schedule_name != order[0] and len(auto.times) == 3 and not failed:
+            failed.append(name)
+            return True
+        return False
 
-        def switch_schedule(self, knobs, batch, seq, name):
-            if name == order[0] and self.schedule_name != order[0] and len(auto.times) == 3 and self.fail:
-                self.fail = False  # the run-off's switch back to the first measured
-                raise torch.OutOfMemoryError("CUDA out of memory (made by the test)")
-            self.knobs, self.schedule_name = knobs, name
-            return name, None
-
-        def use_program(self, program):
-            self.schedule_name = program
-
-    trainer, lines = Trainer(), []
+    trainer, lines = _Trainer(auto, fails), []
     ran = measure_candidates(auto, trainer, lambda: _step(seconds[trainer.schedule_name]), lines.append)
     assert any(line.startswith("auto: run-off: 3 measured") for line in lines)
     assert order[0] in auto.unstarted and ran.label != order[0] and auto.chosen is ran
