@@ -238,21 +238,6 @@ class HardwareProfile:
 
     def __post_init__(self):
         self._check_fields()
-        if set(self.cpu_optimizer_slowdown) - {1, 2}:
-            raise ProfileError(f"profile {self.name}: cpu_optimizer_slowdown maps the number of busy copy directions "
-                               f"(1 or 2) to a factor >= 1, got {self.cpu_optimizer_slowdown}")
-        if set(self.copy_beside_update) - set(BESIDE.values()):
-            raise ProfileError(f"profile {self.name}: copy_beside_update has unknown keys "
-                               f"{sorted(set(self.copy_beside_update) - set(BESIDE.values()))}; use "
-                               f"{sorted(BESIDE.values())} (fractions of each copy direction's rate alone)")
-        if set(self.compute_beside_copy) - set(SLOWED_BY_COPIES):
-            raise ProfileError(f"profile {self.name}: compute_beside_copy has unknown keys "
-                               f"{sorted(set(self.compute_beside_copy) - set(SLOWED_BY_COPIES))}; use "
-                               f"{list(SLOWED_BY_COPIES)} (factors >= 1 on a compute task while a copy runs)")
-        bad = set(self.task_overhead_s) - set(STREAM_NAMES) - set(TASK_KINDS)
-        if bad:
-            raise ProfileError(f"profile {self.name}: task_overhead_s has unknown keys {sorted(bad)}; use stream "
-                               f"names {STREAM_NAMES} or task kinds {TASK_KINDS}")
         if not self.cpu_adam_params_per_s:
             raise ProfileError(f"profile {self.name}: cpu_adam_params_per_s needs positive rates by thread count")
         if (self.inter_host_Bps, self.inter_host_latency_s) == (INTER_HOST_BPS, INTER_HOST_LATENCY_S) \
@@ -292,6 +277,13 @@ class HardwareProfile:
         "task_overhead_s": (check.TIME, False, None), "copy_beside_update": (check.FRACTION, False, None),
         "compute_beside_copy": (check.SIZE, False, 1.0),
     }
+    # field -> (the keys it may have, what they are): any other key is refused by name
+    _KEYS = {
+        "cpu_optimizer_slowdown": ((1, 2), "the number of busy copy directions, to a factor >= 1"),
+        "copy_beside_update": (tuple(BESIDE.values()), "fractions of each copy direction's rate alone"),
+        "compute_beside_copy": (SLOWED_BY_COPIES, "factors >= 1 on a compute task while a copy runs"),
+        "task_overhead_s": (STREAM_NAMES + TASK_KINDS, "stream names or task kinds"),
+    }
 
     def _check_fields(self) -> None:
         """Type and range of every field, each refused by name (ProfileError) before anything reads it."""
@@ -306,6 +298,11 @@ class HardwareProfile:
         for name, (bound, int_keys, at_least) in self._MAPPINGS.items():
             value = check.numbers(f"{where}: {name}", getattr(self, name), bound, int_keys=int_keys, at_least=at_least)
             object.__setattr__(self, name, value)
+        for name, (allowed, what) in self._KEYS.items():
+            unknown = set(getattr(self, name)) - set(allowed)
+            if unknown:
+                raise ProfileError(f"{where}: {name} has unknown keys {sorted(unknown, key=str)}; use "
+                                   f"{list(allowed)} ({what})")
         for name in ("h2d", "d2h"):
             if not isinstance(getattr(self, name), CopyCurve):
                 raise ProfileError(f"{where}: {name} must be a copy curve (sizes_bytes, Bps, latency_s)")
