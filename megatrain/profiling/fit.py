@@ -27,7 +27,6 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import numpy as np
 import pandas as pd
 
 from megatrain.engine.trainer import CLIPPED
@@ -36,7 +35,7 @@ from megatrain.ir.program import Program
 from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.profiling.compare import step_time_s
-from megatrain.profiling.overhead import with_spans
+from megatrain.profiling.overhead import copy_intervals, copy_overlap_s, with_spans
 from megatrain.sim import CopyCurve, ComputeTable, HardwareProfile, model_signature, simulate
 from megatrain.sim.profile import COMPUTE_KINDS, unit_class
 
@@ -76,18 +75,13 @@ class StepClass:
 
 def copied(step: pd.DataFrame) -> pd.DataFrame:
     """`step` with a column "copied": the fraction of each task's duration during which a copy (either direction)
-    was in flight, the union of the copy streams' busy intervals (what slows a compute task: `compute_beside_copy`)."""
-    busy: list[list[float]] = []
-    for lo, hi in sorted(step.loc[step["stream"].isin(COPY_STREAMS), ["start_s", "end_s"]].itertuples(index=False)):
-        if busy and lo <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], hi)
-        else:
-            busy.append([lo, hi])
-    spans = np.array(busy).reshape(-1, 2)  # (n, 2) disjoint, sorted
-    start, end = step["start_s"].to_numpy()[:, None], step["end_s"].to_numpy()[:, None]  # (tasks, 1)
-    over = np.clip(np.minimum(end, spans[:, 1]) - np.maximum(start, spans[:, 0]), 0.0, None).sum(axis=1)  # (tasks,)
-    dur = (end - start)[:, 0]
-    return step.assign(copied=np.where(dur > 0, over / np.where(dur > 0, dur, 1.0), 0.0))
+    was in flight (`overhead.copy_overlap_s`: what slows a compute task, `compute_beside_copy`)."""
+    copies = copy_intervals(step)
+    fractions = []
+    for start, end in zip(step["start_s"], step["end_s"]):
+        one, both = copy_overlap_s(start, end, copies)
+        fractions.append((one + both) / (end - start) if end > start else 0.0)
+    return step.assign(copied=fractions)
 
 
 def step_classes(program: Program, steps: list[pd.DataFrame], flags: list[bool]) -> list[StepClass]:

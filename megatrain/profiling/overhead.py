@@ -19,6 +19,7 @@ import pandas as pd
 from megatrain.exec.backend import Backend
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.ir.program import Program
+from megatrain.ir.streams import COPY_STREAMS
 from megatrain.model.spec import ModelSpec
 from megatrain.data.batches import synthetic_batches
 from megatrain.engine.trainer import StreamedTrainer
@@ -108,6 +109,19 @@ def _intervals(step: pd.DataFrame, stream: str) -> list[tuple[float, float]]:
     return sorted(zip(rows["start_s"], rows["end_s"]))
 
 
+def copy_intervals(step: pd.DataFrame) -> tuple[list[tuple[float, float]], ...]:
+    """Each copy stream's busy intervals in a step (COPY_STREAMS order), for `copy_overlap_s`."""
+    return tuple(_intervals(step, s) for s in COPY_STREAMS)
+
+
+def copy_overlap_s(start: float, end: float, copies: tuple[list[tuple[float, float]], ...]) -> tuple[float, float]:
+    """Seconds of [start, end) during which one copy direction moved bytes, and during which both did (`copies`:
+    `copy_intervals`, one in-order stream per direction)."""
+    on_h2d, on_d2h = (_overlap((start, end), spans) for spans in copies)
+    both = sum(hi - lo for piece in on_h2d for lo, hi in _overlap(piece, on_d2h))
+    return sum(hi - lo for lo, hi in on_h2d) + sum(hi - lo for lo, hi in on_d2h) - 2 * both, both
+
+
 def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The parts of interval `a` covered by `spans` (disjoint: one in-order stream's tasks)."""
     out = []
@@ -124,14 +138,12 @@ def cpu_update_samples(timelines: list[pd.DataFrame], program: Program) -> list[
     the contention it ran under, that `assemble` turns into the profile's CPU update rate."""
     samples = []
     for step in timelines:
-        h2d, d2h = _intervals(step, "h2d"), _intervals(step, "d2h")
+        copies = copy_intervals(step)
         for task, start, end in zip(step["task"], step["start_s"], step["end_s"]):
             t = program.tasks.get(task)
             if t is None or t.kind != "U" or t.stream != "cpu" or end <= start:
                 continue
-            on_h2d, on_d2h = _overlap((start, end), h2d), _overlap((start, end), d2h)
-            both = sum(hi - lo for piece in on_h2d for lo, hi in _overlap(piece, on_d2h))
-            one = sum(hi - lo for lo, hi in on_h2d) + sum(hi - lo for lo, hi in on_d2h) - 2 * both
+            one, both = copy_overlap_s(start, end, copies)
             dur = end - start
             samples.append({"task": task, "params": t.params, "dur_s": dur, "t0_s": max(dur - one - both, 0.0),
                             "t1_s": one, "t2_s": both})
