@@ -404,7 +404,7 @@ def beside_copies(dirs: list[Path]) -> dict:
     from megatrain.compile.record import program_of
     from megatrain.profiling.fit import copied
     from megatrain.sim import load_profile
-    from megatrain.sim.profile import model_signature
+    from megatrain.sim.profile import SLOWED_BY_COPIES, model_signature
 
     out = []
     for root in dirs:
@@ -421,7 +421,7 @@ def beside_copies(dirs: list[Path]) -> dict:
                 part = tl[(tl["config"] == r["config"]) & (tl["round"] == r["round"])]
                 for _, step in part.groupby("timed_step"):
                     step = copied(step)  # the simulator's measure: the union of the copy streams' busy time
-                    comp = step[(step["stream"] == "compute") & step["kind"].isin(["F", "R", "B"])
+                    comp = step[(step["stream"] == "compute") & step["kind"].isin(SLOWED_BY_COPIES)
                                 & (step["layer"] >= 0)]
                     for t in comp.itertuples():
                         alone = tables.get((t.kind, bool(k.get("compile_layers")), tokens))

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from megatrain.exec.backend import get_backend
-from megatrain.ir.streams import ONE_GPU_STREAMS
+from megatrain.ir.streams import COPY_STREAMS, ONE_GPU_STREAMS
 from megatrain.model.layout import unit_layout
 from megatrain.compile.knobs import ScheduleKnobs, knobs_for
 from megatrain.sim.profile import HardwareProfile
@@ -385,7 +385,7 @@ def _compute_beside_copies(m, spec, req, backend, w, bufs, budget):
     slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
     bodies = w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)
     nbytes = min(bufs["buffers"][0].host.numel(), 64 * copies.MiB)  # a layer's copies are of this order
-    copiers = [(w[d], bufs["buffers"][i].copier(d, nbytes)) for i, d in enumerate(("h2d", "d2h"))]
+    copiers = [(w[d], bufs["buffers"][i].copier(d, nbytes)) for i, d in enumerate(COPY_STREAMS)]
     r = rates.measure_compute_beside_copies(w["compute"], {k: bodies[k] for k in ("F", "B")}, copiers, budget)
     m["compute_beside_copies"] = {**r, "copy_bytes": nbytes}
     return ", ".join(f"layer {k} {v['alone_s'] * 1e3:.3f} -> {v['beside_copies_s'] * 1e3:.3f} ms (x{v['factor']:.2f})"

@@ -114,9 +114,9 @@ class _Engine:
                 if u.delay_s:
                     yield env.timeout(u.delay_s)
                 yield self.host.update(u.nbytes, u.alone_s, u.nvme_s)
-            elif cost.beside_copy(t) > 1.0:  # slower while a copy is in flight (hostmem.py)
+            elif (slowed := cost.beside_copy(t)) > 1.0:  # slower while a copy is in flight (hostmem.py)
                 yield env.timeout(cost.profile.overhead(t.stream, t.kind))
-                yield self.host.compute(cost.compute_s(t), cost.beside_copy(t))
+                yield self.host.compute(cost.compute_s(t), slowed)
             else:
                 yield env.timeout(cost.duration_s(t))
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,
