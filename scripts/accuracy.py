@@ -381,14 +381,15 @@ def _factors(text: str | None) -> dict[str, float] | None:
 
     out = {}
     for part in text.split(","):
-        kind, _, value = part.partition("=")
+        kind, _, value = (x.strip() for x in part.partition("="))
         try:
-            out[kind.strip()] = float(value)
+            factor = float(value)
         except ValueError:
-            out = None
-        if out is None or kind.strip() not in SLOWED_BY_COPIES or out[kind.strip()] < 1.0:
+            factor = 0.0  # refused below
+        if kind not in SLOWED_BY_COPIES or factor < 1.0:
             raise SystemExit(f"--compute-beside-copy {text!r}: give KIND=FACTOR pairs, KIND one of "
                              f"{', '.join(SLOWED_BY_COPIES)} and FACTOR >= 1, e.g. F=1.05,R=1.05,B=1.08")
+        out[kind] = factor
     return out
 
 
