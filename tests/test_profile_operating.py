@@ -178,3 +178,20 @@ def test_the_fallback_efficiency_is_fitted_on_the_variant_the_run_asks_for():
     assert _efficiency(m, DEBUG, eager + compiled, "fp32")["layer"] == _efficiency(m, DEBUG, eager, "fp32")["layer"]
     # several sequence lengths: the longest one's tables (a fit was skipped altogether before)
     assert _efficiency(m, DEBUG, eager + tables(False, 1e-3, seq=8), "fp32")["layer"] != 1.0
+
+
+def test_the_cut_measured_keeps_the_layer_and_drops_a_large_vocabulary():
+    """Only a decoder layer is measured: a 128 K vocabulary's embedding and head (llama3-8b) would have been most
+    of the cut's store and of the measurement's time, so the cut has CUT_VOCAB tokens, and the same layer."""
+    from dataclasses import replace
+
+    from megatrain.model.layout import unit_layout
+    from megatrain.profiling.operating import CUT_VOCAB
+
+    spec = replace(DEBUG, vocab_size=4 * CUT_VOCAB)
+    cut = RuntimeCut(spec, 2, 16, WIRES["bf16 weights, fp32 grads"], get_backend("cpu"))
+    assert cut.cut.vocab_size == CUT_VOCAB and cut.cut.hidden_size == spec.hidden_size
+    assert cut.params == unit_layout(spec, cut.unit).numel  # the measured layer is the model's own
+    assert cut.store.master(cut.unit).numel() == cut.params
+    small = RuntimeCut(DEBUG, 2, 16, WIRES["bf16 weights, fp32 grads"], get_backend("cpu"))
+    assert small.cut.vocab_size == DEBUG.vocab_size  # a small vocabulary is kept as it is
