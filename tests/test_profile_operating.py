@@ -18,6 +18,7 @@ from megatrain.profiling.assemble import operating_cpu_rate
 from megatrain.profiling.bench import Worker
 from megatrain.profiling.copies import with_point
 from megatrain.profiling.operating import RuntimeCut, conversion_passes, measure_operating_point
+from megatrain.profiling import units as units_module
 from megatrain.profiling.units import layer_variants, measure_unit, run_batches
 from megatrain.sim import load_profile
 from megatrain.sim.profile import CopyCurve
@@ -107,6 +108,23 @@ def test_layer_tables_at_the_runs_micro_batch_and_eager_beside_compiled():
         w.close()
     assert {t.tokens for t in tables} == {(16, 32, 64)} and all(not t.compiled for t in tables)
     assert all(d > 0 for t in tables for d in t.dur_s) and len(raw) == 9
+
+
+def test_a_quick_profile_compiles_the_layer_at_the_runs_micro_batch_only(monkeypatch):
+    """torch.compile builds kernels per shape (dynamic=False): a quick profile measures the compiled layer at the
+    one token count the run's tasks have, and the eager layer at every size."""
+    measured = []
+
+    def variant(spec, uclass, knobs, seq, batches, backend, worker, budget_s):
+        measured.append((knobs.compile_layers, list(batches)))
+        return [], []
+    monkeypatch.setattr(units_module, "_measure_variant", variant)
+    knobs = knobs_for("overlap", compile_layers=True, micro_batches=2)
+    measure_unit(DEBUG, "layer", knobs, 16, [1, 8], None, None, 0.05, quick=True)
+    assert measured == [(False, [1, 4, 8]), (True, [4])]
+    measured.clear()
+    measure_unit(DEBUG, "layer", knobs, 16, [1, 8], None, None, 0.05)
+    assert measured == [(False, [1, 4, 8]), (True, [1, 4, 8])]
 
 
 @pytest.fixture(scope="module")

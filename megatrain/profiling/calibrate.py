@@ -205,7 +205,7 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                         what = f"{shape.name} " if req.also_models else ""
                         plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
                                  lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
-                                     m, shape, uc, knobs, seq, bs, backend, w["compute"], budget))
+                                     m, shape, uc, knobs, seq, bs, backend, w["compute"], budget, quick))
         for dt in ("bf16", "fp32"):
             plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
         plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
@@ -297,8 +297,8 @@ def _duplex(m, bufs, w, nbytes, quick):
             f"{r['duplex_Bps'] / 1e9:.2f} GB/s")
 
 
-def _unit(m, spec, uclass, knobs, seq, bs, backend, worker, budget):
-    tables, raw = units.measure_unit(spec, uclass, knobs, seq, bs, backend, worker, budget)
+def _unit(m, spec, uclass, knobs, seq, bs, backend, worker, budget, quick):
+    tables, raw = units.measure_unit(spec, uclass, knobs, seq, bs, backend, worker, budget, quick)
     m.setdefault("compute_tables", []).extend(asdict(t) for t in tables)
     m.setdefault("compute_raw", []).extend(raw)
     return ", ".join(f"{t.kind} {t.dur_s[-1] * 1e3:.3f} ms" for t in tables) + f" at {tables[0].tokens[-1]} tokens"
