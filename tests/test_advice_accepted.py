@@ -13,7 +13,7 @@ import pytest
 from megatrain.cli import main
 from megatrain.compile.advice import fit_report, plan_memory
 from megatrain.model.presets import PRESETS
-from megatrain.plan.memory import GiB
+from megatrain.units import GiB
 from megatrain.train.config import ConfigError, load_config
 from megatrain.train.fit import MemoryFitError, check_memory
 

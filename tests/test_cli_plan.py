@@ -49,7 +49,8 @@ def test_plan_rows_add_up_to_the_peak_with_every_buffer_kind(name, capsys):
     (bench-3b at 8 x 2048, every named schedule; resident units, state and kept-gradient buffers included)."""
     import re
 
-    from megatrain.plan.memory import GiB, gpu_rows
+    from megatrain.plan.memory import gpu_rows
+    from megatrain.units import GiB
     from megatrain.compile.resolve import resolve
 
     spec = PRESETS["bench-3b"]

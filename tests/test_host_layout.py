@@ -19,7 +19,8 @@ from megatrain.exec.store import HostStore
 from megatrain.compile.builders import build_schedule
 from megatrain.ir.dag import ScheduleError
 from megatrain.compile.knobs import knobs_for, resolve_knobs
-from megatrain.plan.memory import NOT_STORE, GiB, format_plan
+from megatrain.plan.memory import NOT_STORE, format_plan
+from megatrain.units import GiB
 from megatrain.compile.advice import fit_report, plan_memory
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve_host_layout

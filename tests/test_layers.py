@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatrain"
 
 # floor of each top-level part of the package, bottom first
 FLOORS: dict[str, int] = {
-    "settings": 0, "tomlfile": 0,          # the --set grammar and TOML reading: no megatrain imports
+    "settings": 0, "tomlfile": 0, "units": 0,  # the --set grammar, TOML reading, byte units: no megatrain imports
     "model": 1,                            # families: shapes, layouts, HF names, FLOPs, init
     "ir": 2,                               # the contract: tasks, DAG, placement, Program, Timeline columns
     "plan": 3, "analysis": 3, "data": 3,   # memory planner; summaries and plots; tokenizers and batches

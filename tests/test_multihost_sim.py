@@ -17,7 +17,7 @@ from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import knobs_for
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import Parallelism
-from megatrain.plan.memory import GiB
+from megatrain.units import GiB
 from megatrain.compile.advice import plan_memory
 from megatrain.compile.lower import lower
 from megatrain.model.presets import PRESETS

@@ -196,13 +196,13 @@ def test_node_0_gone_with_the_store_is_a_lost_peer_saying_how_to_resume():
     which run_training does not catch (a traceback). Now it is PeerLost with the resume advice; a failure with the
     store answering and no rank gone stays a plain ExecError."""
     note = " (the launch's store at h:1 does not answer either: the node hosting it, node 0, is gone)"
-    world = World(rank=2, size=4, local_size=2, node=1, nodes=2, watch=_Watch(note))
+    world = World(rank=2, size=4, local_size=2, watch=_Watch(note))
     e = world.peer_error("summing the loss", RuntimeError("Connection closed by peer"))
     assert isinstance(e, PeerLost), e
     assert str(e).startswith("rank 2 on node 1 failed while summing the loss: Connection closed by peer (the launch's "
                              "store at h:1 does not answer"), e
     assert str(e).endswith("resume from the last checkpoint (run.resume=latest) once every node is up"), e
-    plain = World(rank=2, size=4, local_size=2, node=1, nodes=2, watch=_Watch("")).peer_error("x", RuntimeError())
+    plain = World(rank=2, size=4, local_size=2, watch=_Watch("")).peer_error("x", RuntimeError())
     assert type(plain) is ExecError and str(plain) == "rank 2 failed while x: RuntimeError", plain
 
 
@@ -216,5 +216,5 @@ def test_local_ranks_get_disjoint_cores_covering_the_node():
             assert sum(len(s) for s in shares) == len(cores)  # disjoint
     assert rank_cores(0, 3, list(range(8))) == [0, 1, 2] and rank_cores(2, 3, list(range(8))) == [6, 7]
     assert core_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    line = launch_line(World(rank=0, size=4, local_size=2, nodes=2), [(0, [0]), (0, [1]), (1, [0]), (1, [1])])
+    line = launch_line(World(rank=0, size=4, local_size=2), [(0, [0]), (0, [1]), (1, [0]), (1, [1])])
     assert "node 0: rank 0 0, rank 1 1; node 1: rank 2 0, rank 3 1" in line, line

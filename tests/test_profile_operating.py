@@ -18,6 +18,7 @@ from megatrain.profiling.assemble import operating_cpu_rate
 from megatrain.profiling.bench import Worker
 from megatrain.profiling.copies import with_point
 from megatrain.profiling.operating import RuntimeCut, conversion_passes, measure_operating_point
+from megatrain.profiling import units as units_module
 from megatrain.profiling.units import layer_variants, measure_unit, run_batches
 from megatrain.sim import load_profile
 from megatrain.sim.profile import CopyCurve
@@ -109,6 +110,23 @@ def test_layer_tables_at_the_runs_micro_batch_and_eager_beside_compiled():
     assert all(d > 0 for t in tables for d in t.dur_s) and len(raw) == 9
 
 
+def test_a_quick_profile_compiles_the_layer_at_the_runs_micro_batch_only(monkeypatch):
+    """torch.compile builds kernels per shape (dynamic=False): a quick profile measures the compiled layer at the
+    one token count the run's tasks have, and the eager layer at every size."""
+    measured = []
+
+    def variant(spec, uclass, knobs, seq, batches, backend, worker, budget_s):
+        measured.append((knobs.compile_layers, list(batches)))
+        return [], []
+    monkeypatch.setattr(units_module, "_measure_variant", variant)
+    knobs = knobs_for("overlap", compile_layers=True, micro_batches=2)
+    measure_unit(DEBUG, "layer", knobs, 16, [1, 8], None, None, 0.05, quick=True)
+    assert measured == [(False, [1, 4, 8]), (True, [4])]
+    measured.clear()
+    measure_unit(DEBUG, "layer", knobs, 16, [1, 8], None, None, 0.05)
+    assert measured == [(False, [1, 4, 8]), (True, [1, 4, 8])]
+
+
 @pytest.fixture(scope="module")
 def calibration():
     req = ProfileRequest(DEBUG, batch=2, seqs=[16], device="cpu", dtypes=["fp32"], quick=True,
@@ -178,3 +196,20 @@ def test_the_fallback_efficiency_is_fitted_on_the_variant_the_run_asks_for():
     assert _efficiency(m, DEBUG, eager + compiled, "fp32")["layer"] == _efficiency(m, DEBUG, eager, "fp32")["layer"]
     # several sequence lengths: the longest one's tables (a fit was skipped altogether before)
     assert _efficiency(m, DEBUG, eager + tables(False, 1e-3, seq=8), "fp32")["layer"] != 1.0
+
+
+def test_the_cut_measured_keeps_the_layer_and_drops_a_large_vocabulary():
+    """Only a decoder layer is measured: a 128 K vocabulary's embedding and head (llama3-8b) would have been most
+    of the cut's store and of the measurement's time, so the cut has CUT_VOCAB tokens, and the same layer."""
+    from dataclasses import replace
+
+    from megatrain.model.layout import unit_layout
+    from megatrain.profiling.operating import CUT_VOCAB
+
+    spec = replace(DEBUG, vocab_size=4 * CUT_VOCAB)
+    cut = RuntimeCut(spec, 2, 16, WIRES["bf16 weights, fp32 grads"], get_backend("cpu"))
+    assert cut.cut.vocab_size == CUT_VOCAB and cut.cut.hidden_size == spec.hidden_size
+    assert cut.params == unit_layout(spec, cut.unit).numel  # the measured layer is the model's own
+    assert cut.store.master(cut.unit).numel() == cut.params
+    small = RuntimeCut(DEBUG, 2, 16, WIRES["bf16 weights, fp32 grads"], get_backend("cpu"))
+    assert small.cut.vocab_size == DEBUG.vocab_size  # a small vocabulary is kept as it is

@@ -88,6 +88,15 @@ def test_init_is_per_unit_seeded_and_matches_hf_statistics():
     rev = {u: torch.empty_like(t) for u, t in full.items()}
     init_into(spec, rev.__getitem__, seed=3, std=0.02, units=[HEAD, 3, 2, 1, 0, EMBED])
     assert all(torch.equal(rev[u], full[u]) for u in full)
+    before = torch.get_num_threads()  # units are drawn in parallel threads, as many as torch's: 1 draws in order
+    try:
+        drawn = {}
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            drawn[threads] = init_tiles(spec, seed=3, std=0.02)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(drawn[1][u], full[u]) and torch.equal(drawn[4][u], full[u]) for u in full)
     cut = init_tiles(spec.with_layers(2), seed=3, std=0.02)
     assert all(torch.equal(cut[u], full[u]) for u in (EMBED, 0, 1, HEAD))
     assert not torch.equal(init_tiles(spec, seed=4)[0], full[0]) and unit_seed(3, 0) != unit_seed(3, 1)

@@ -25,6 +25,7 @@ import pandas as pd
 from megatrain.ir.program import Program
 from megatrain.ir.streams import COPY_STREAMS, HOST_STREAMS, STREAMS
 from megatrain.ir.tasks import WAIT_CAUSES, TaskKind
+from megatrain.units import GiB
 
 # Derived from TaskKind, keyed by the letter a Timeline carries.
 CAUSE_OF_KIND = {k.value: k.cause for k in TaskKind}
@@ -62,7 +63,7 @@ class StepSummary:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "model_tflops": self.model_tflops,
                 "gpu_idle_pct": 100 * self.gpu_idle_frac, **{f"wait_{c}_s": v for c, v in self.wait_s.items()},
                 "h2d_busy_pct": 100 * self.h2d_busy_frac, "d2h_busy_pct": 100 * self.d2h_busy_frac,
-                "gpu_peak_gib": self.gpu_peak_bytes / 2**30}
+                "gpu_peak_gib": self.gpu_peak_bytes / GiB}
 
     def report(self) -> str:
         waits = ", ".join(f"{c} {v * 1e3:.1f} ms" for c, v in self.wait_s.items() if v > 0) or "none"
@@ -77,7 +78,7 @@ class StepSummary:
             f"  PCIe h2d busy {100 * self.h2d_busy_frac:.1f}% ({self.h2d_GBps:.1f} GB/s avg), d2h busy "
             f"{100 * self.d2h_busy_frac:.1f}% ({self.d2h_GBps:.1f} GB/s avg); CPU busy {100 * self.cpu_busy_frac:.1f}%",
             f"  critical path ({len(path)} tasks; {on_path}): {shown}",
-            f"  GPU peak (plan) {self.gpu_peak_bytes / 2**30:.2f} GiB",
+            f"  GPU peak (plan) {self.gpu_peak_bytes / GiB:.2f} GiB",
         ])
 
 

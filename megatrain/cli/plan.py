@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megatrain.cli.common import add_run_arguments, positive_float, positive_int
+from megatrain.units import GiB
 import textwrap
 
 
@@ -13,13 +14,13 @@ def machine_memory(host_gib: float | None = None, gpu_gib: float | None = None) 
     from megatrain.plan.machine import gpu_memory, host_memory
 
     if host_gib:
-        host = int(host_gib * 2**30)
+        host = int(host_gib * GiB)
     else:
         mem = host_memory()
         host = mem.usable_bytes
         if mem.bound_by != "available":
-            print(f"host memory: {host / 2**30:.1f} GiB usable, bound by {mem.describe()}")
-    gpu = int(gpu_gib * 2**30) if gpu_gib else (gpu_memory() or (None, None))[1]
+            print(f"host memory: {host / GiB:.1f} GiB usable, bound by {mem.describe()}")
+    gpu = int(gpu_gib * GiB) if gpu_gib else (gpu_memory() or (None, None))[1]
     return host, gpu
 
 
@@ -51,7 +52,7 @@ def register(sub) -> None:
 def run(args) -> int:
     # imported when the command runs: building the parser (`megatrain --help`) loads no torch, pandas or simpy
     from megatrain.compile.knobs import resolve_knobs
-    from megatrain.plan.memory import GiB, format_plan
+    from megatrain.plan.memory import format_plan
     from megatrain.compile.advice import fit_report, plan_memory
     from megatrain.model.presets import get_model
 
@@ -79,7 +80,7 @@ def _run_world(args, spec, name, knobs) -> int:
     import megatrain.parallel  # noqa: F401  (registers the collective strategies' slicing rules)
     from megatrain.compile.strategies import rank_host_plan
     from megatrain.ir.dag import ScheduleError
-    from megatrain.plan.memory import GiB, plan_gpu_memory
+    from megatrain.plan.memory import plan_gpu_memory
     from megatrain.compile.resolve import resolve
     from megatrain.cli import UserError
     from megatrain.cli.simulate import parallelism_of

@@ -62,7 +62,8 @@ def register(sub) -> None:
                    help="schedule whose wire dtypes, loss chunk and real steps the profile measures")
     p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="override a schedule knob")
     p.add_argument("--cpu-threads", type=positive_int, help="AdamW threads of the runtime (default: the trainer's choice)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes, token counts and repetitions")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes, token counts and repetitions (the compiled layer at the run's micro-batch only)")
     p.add_argument("--name", help="profile name (default: from the device)")
     p.add_argument("--out", help="profile JSON to write (default: this machine's profile in the per-user cache, "
                                  "$MEGATRAIN_CACHE or ~/.cache/megatrain/profiles/<machine key>.json, which every "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from megatrain.cli import UserError
 from megatrain.cli.common import add_run_arguments, positive_float
+from megatrain.units import GiB
 
 
 def register(sub) -> None:
@@ -156,7 +157,7 @@ def row_of(v: Variant, result) -> dict:
             "tokens/s": s.tokens_per_s * s.step_s / mean if mean > 0 else s.tokens_per_s,
             "TFLOP/s": s.model_tflops, "GPU idle %": 100 * s.gpu_idle_frac, "wait weights s": s.wait_s["weights"],
             "wait optimizer s": s.wait_s["optimizer"], "wait gradients s": s.wait_s["gradients"],
-            "GPU peak GiB": s.gpu_peak_bytes / 2**30, **bound_fields(result)}
+            "GPU peak GiB": s.gpu_peak_bytes / GiB, **bound_fields(result)}
 
 
 def bound_fields(result) -> dict:
@@ -223,7 +224,7 @@ def _choose(args, spec, profile, out: Path) -> Path:
     except (BudgetError, ScheduleError) as e:
         raise UserError(str(e)) from None
     table = pick.table.head(5).assign(step_ms=lambda d: (1e3 * d.step_s).round(1)).drop(columns="step_s")
-    print(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB GPU budget, profile {pick.profile}): "
+    print(f"--schedule auto ({budget.gpu_bytes / GiB:.1f} GiB GPU budget, profile {pick.profile}): "
           f"{len(pick.table)} schedules fit; the fastest five:")
     print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
     path = write_schedule_file(out / "auto_schedule.toml", pick.knobs)

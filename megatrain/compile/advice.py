@@ -10,7 +10,8 @@ from megatrain.compile.resolve import resolve
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import EXECUTED_STATE_TIERS
 from megatrain.model.spec import ModelSpec
-from megatrain.plan.memory import GiB, MemoryPlan, plan_placement
+from megatrain.plan.memory import MemoryPlan, plan_placement
+from megatrain.units import GiB
 
 
 def plan_memory(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs, backend: str = "cuda") -> MemoryPlan:

@@ -38,6 +38,7 @@ from megatrain.compile.resolve import resolve_host_layout
 from megatrain.model.spec import ModelSpec
 from megatrain.plan.machine import host_memory
 from megatrain.plan.memory import plan_host_memory
+from megatrain.units import GiB
 
 
 CLIPPED = "clipped"  # timeline.attrs key: whether the step's global norm exceeded the max (`step`)
@@ -205,9 +206,9 @@ class StreamedTrainer:
             return
         limit = host_memory()
         if more > limit.usable_bytes:
-            raise HostMemoryShort(f"schedule {name} needs {more / 2**30:.2f} GiB more host memory for its layout "
+            raise HostMemoryShort(f"schedule {name} needs {more / GiB:.2f} GiB more host memory for its layout "
                                   f"than the running one frees, and {limit.describe()} leaves "
-                                  f"{limit.usable_bytes / 2**30:.2f} GiB")
+                                  f"{limit.usable_bytes / GiB:.2f} GiB")
 
     # ---- training ------------------------------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepResult:

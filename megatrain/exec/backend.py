@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from megatrain.ir.streams import DEVICE_STREAMS, HOST_STREAMS
+from megatrain.units import GiB
 
 
 class ExecError(RuntimeError):
@@ -225,7 +226,7 @@ class CudaBackend(Backend):
         ptr, nbytes = region.data_ptr(), region.numel() * region.element_size()
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)  # 1: cudaHostRegisterPortable
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (cudaError {int(err)}); the "
+            raise RuntimeError(f"cudaHostRegister of {nbytes / GiB:.2f} GiB failed (cudaError {int(err)}); the "
                                "limit on locked memory (ulimit -l) or host memory may be too small")
         self._registered.append(ptr)
 

@@ -35,6 +35,7 @@ from megatrain.ir.placement import EXECUTED_STATE_TIERS, HostLayout, host_compon
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.exec.backend import PAGE, Backend, CpuBackend
 from megatrain.model.layout import UnitLayout, unit_layout
+from megatrain.units import GiB
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -359,6 +360,6 @@ class HostStore:
 
     def __repr__(self) -> str:
         total = self.store_bytes()
-        return (f"HostStore({self.spec.name}, {len(self.units)} units, {total / 2**30:.3f} GiB, "
-                f"pinned {self.pinned_bytes() / 2**30:.3f} GiB)")
+        return (f"HostStore({self.spec.name}, {len(self.units)} units, {total / GiB:.3f} GiB, "
+                f"pinned {self.pinned_bytes() / GiB:.3f} GiB)")
 

@@ -72,6 +72,7 @@ from megatrain.io.rng import (  # re-exported: a checkpoint's trainer state hold
     rng_state,
     set_rng_state,
 )
+from megatrain.units import GiB
 
 _TMP_PREFIX = ".tmp-"
 
@@ -230,8 +231,8 @@ class CheckpointManager:
         free = shutil.disk_usage(self.directory).free
         if needed > free:
             raise CheckpointError(
-                f"checkpoint step {step} needs {needed / 2**30:.2f} GiB but {self.directory} has only "
-                f"{free / 2**30:.2f} GiB free; nothing was written and the earlier checkpoints are intact. Free "
+                f"checkpoint step {step} needs {needed / GiB:.2f} GiB but {self.directory} has only "
+                f"{free / GiB:.2f} GiB free; nothing was written and the earlier checkpoints are intact. Free "
                 "space, lower run.keep_last, or point run.out_dir at a larger disk"
             )
         what = "writing"

@@ -37,6 +37,7 @@ from megatrain.io.export_target import PROVENANCE_FILE, check_export_target
 from megatrain.model.layout import UnitLayout, unit_layout
 from megatrain.model.spec import EMBED, HEAD, ModelSpec, load_hf_config
 from megatrain.io import safetensors_io as stio
+from megatrain.units import GiB
 from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -340,7 +341,7 @@ def _converted(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def export_hf(path: str | Path, spec: ModelSpec, tiles: Tiles, dtype: torch.dtype = torch.bfloat16,
-              max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+              max_shard_bytes: int = 5 * GiB, overwrite: bool = False,
               copy_tokenizer_from: str | Path | None = None, *, source: str | Path | None = None,
               tokenizer: str | Path | None = None, config_defaults: Mapping | None = None,
               provenance: Mapping | None = None) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import hashlib
+from megatrain.units import MiB
 
 DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -161,7 +162,7 @@ def read_into(path: str | Path, info: TensorInfo, out: torch.Tensor) -> torch.Te
     return out
 
 
-def file_sha256(path: str | Path, chunk_bytes: int = 16 * 2**20) -> str:
+def file_sha256(path: str | Path, chunk_bytes: int = 16 * MiB) -> str:
     """SHA-256 of a file, read in chunks (constant memory)."""
 
     h = hashlib.sha256()

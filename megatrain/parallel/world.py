@@ -29,13 +29,25 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
-    local_size: int = 1
+    local_size: int | None = None  # ranks per node (torchrun's LOCAL_WORLD_SIZE); None: all `size` on one node
     device_group: object = None  # collectives on device tensors (nccl on CUDA, gloo on the CPU backend)
     host_group: object = None  # gloo: host objects between steps
-    node: int = 0  # this rank's node (torchrun's GROUP_RANK); ranks node*local_size .. +local_size-1 are on it
-    nodes: int = 1  # nodes of the launch (torchrun --nnodes), each with local_size ranks
     cores: tuple[int, ...] = ()  # the CPU cores this rank is bound to (empty: not bound)
     watch: object = None  # the liveness watch of the ranks (Heartbeat), which names a peer that died
+
+    def __post_init__(self) -> None:
+        if self.local_size is None:
+            self.local_size = self.size
+
+    @property
+    def node(self) -> int:
+        """This rank's node (torchrun's GROUP_RANK): ranks node*local_size .. +local_size-1 are on it."""
+        return self.node_of(self.rank)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the launch (torchrun --nnodes), each with local_size ranks."""
+        return self.size // self.local_size
 
     @property
     def distributed(self) -> bool:
@@ -68,7 +80,7 @@ class World:
         shape = launch_shape()
         if shape is None:
             return cls()
-        size, rank, local_rank, local_size, node, nodes = shape
+        size, rank, local_rank, local_size = shape[:4]  # its node and nodes follow from these (World.node)
         if hasattr(os, "sched_getaffinity"):  # every rank sees the same cores: all refuse, none waits for the others
             rank_cores(local_rank, local_size, sorted(os.sched_getaffinity(0)))
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -86,7 +98,7 @@ class World:
             host = dist.new_group(backend="gloo", timeout=timeout)
             store = None
         cores = tuple(pin_cores(local_rank, local_size)) if bind_cores_enabled() else ()
-        world = cls(rank, size, local_rank, local_size, dist.group.WORLD, host, node, nodes, cores)
+        world = cls(rank, size, local_rank, local_size, dist.group.WORLD, host, cores)
         world.watch = Heartbeat.start(rank, size) if store is not None else None
         return world
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from megatrain.units import GiB
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup filesystems are mounted (tests point it elsewhere)
 PROC_CGROUP = Path("/proc/self/cgroup")  # which cgroup this process is in
-GiB = 2**30
 
 
 @dataclass(frozen=True)

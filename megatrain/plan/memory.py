@@ -29,8 +29,8 @@ from megatrain.model.spec import ModelSpec
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.program import GpuMemoryPlan
 from megatrain.ir.placement import BufferKind, OfPlacement, Placement, host_component_names
+from megatrain.units import GiB
 
-GiB = 2**30
 
 # Components that are the host store itself (the rest of the host plan is outside it).
 NOT_STORE = ("offloaded checkpoints", "runtime overhead")

@@ -10,6 +10,7 @@ from megatrain.sim.profile import CONVERT_BYTES_PER_PARAM, ComputeTable, CopyCur
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling import copies, host, units
 from megatrain.profiling.bench import median
+from megatrain.units import MiB
 
 if TYPE_CHECKING:
     from megatrain.profiling.calibrate import ProfileRequest
@@ -98,7 +99,7 @@ def _duplex_note(m: dict, op: dict | None) -> str:
     return (f"measured at the runtime's operating point: a layer's PREFETCH copy ({op['weight_bytes']:,} B from the "
             f"store's pinned streaming tile) timed while its OFFLOAD copy ({op['grad_bytes']:,} B into the pinned "
             f"landing tile) runs in a loop, and the other way round; the sum of the two rates (the sweep's "
-            f"{sweep['bytes'] / 2**20:.0f} MiB buffers gave {sweep['duplex_Bps'] / 1e9:.1f} GB/s).")
+            f"{sweep['bytes'] / MiB:.0f} MiB buffers gave {sweep['duplex_Bps'] / 1e9:.1f} GB/s).")
 
 
 def _cpu_rate_note(adam: dict, threads: int, op: dict | None, runtime_rate: float | None, isolated: float | None,
@@ -267,7 +268,7 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
                                + ", ".join(f"{k} {v:.2f}" for k, v in beside.items())
                                + "; the host fit (host_memory_Bps) assumed the copies at these rates."),
         **({"compute_beside_copy": "measured: a layer's F and B beside copies in both directions (looped, "
-                                   f"{m['compute_beside_copies']['copy_bytes'] / 2**20:.0f} MiB each) over alone: "
+                                   f"{m['compute_beside_copies']['copy_bytes'] / MiB:.0f} MiB each) over alone: "
                                    + ", ".join(f"{k} {v['alone_s'] * 1e3:.3f} -> {v['beside_copies_s'] * 1e3:.3f} ms"
                                                for k, v in m["compute_beside_copies"].items() if k in ("F", "B"))
                                    + "; R takes F's; a factor below 1 (noise) is kept at 1."}

@@ -47,6 +47,7 @@ from megatrain.profiling.assemble import build_profile
 from megatrain.profiling.bench import Progress, Worker, _fmt_s, median
 from megatrain.profiling.machine import this_machine
 from megatrain.profiling.overhead import cpu_update_samples, measure_runtime_gaps
+from megatrain.units import MiB, GiB
 
 STREAMS = ONE_GPU_STREAMS  # a profile is measured on one GPU: no comm stream (ir/streams.py)
 LONG_PROFILE_S = 600.0  # an estimate above this suggests --quick
@@ -113,8 +114,8 @@ def _max_copy_bytes(spec: ModelSpec, on_gpu: bool, quick: bool) -> int:
     """The largest copy measured: 4x a layer's fp32 bytes rounded up to a power of two, within [4 MiB, 1 GiB]
     (64 MiB on the CPU backend, where copies are memcpy); smaller with `quick`."""
     layer_n = unit_layout(spec, 0).numel
-    n = max(4 * copies.MiB, min((1 * copies.GiB) if on_gpu else 64 * copies.MiB, 1 << (4 * layer_n - 1).bit_length()))
-    return min(n, (256 if on_gpu else 16) * copies.MiB) if quick else n
+    n = max(4 * MiB, min((1 * GiB) if on_gpu else 64 * MiB, 1 << (4 * layer_n - 1).bit_length()))
+    return min(n, (256 if on_gpu else 16) * MiB) if quick else n
 
 
 def profile_host_reserve(spec: ModelSpec, device: str, quick: bool) -> int:
@@ -187,10 +188,10 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
         plan.add("copy buffers", 0.5 + 3 * max_copy / 2e9, lambda: _alloc(bufs, backend, max_copy))
         sizes = copies.copy_sizes(max_copy, quick)
         for d in ("h2d", "d2h"):
-            plan.add(f"{d} copies, {len(sizes)} sizes up to {max_copy / copies.MiB:.0f} MiB",
+            plan.add(f"{d} copies, {len(sizes)} sizes up to {max_copy / MiB:.0f} MiB",
                      0.2 + sum(copies._reps_for(n, quick) * (n / 5e9 + 2e-5) for n in sizes),
                      lambda d=d: _copy_curve(m, bufs, w, d, sizes, quick))
-        dup = min(max_copy, 256 * copies.MiB)
+        dup = min(max_copy, 256 * MiB)
         plan.add("both directions at once", 0.5 + 12 * dup / 5e9, lambda: _duplex(m, bufs, w, dup, quick))
         for shape in [spec, *req.also_models]:
             for dt in dtypes:
@@ -204,7 +205,7 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                         what = f"{shape.name} " if req.also_models else ""
                         plan.add(f"{what}{uc} compute, {dt}, seq {seq}, tokens {[b * seq for b in bs]}", est,
                                  lambda uc=uc, knobs=knobs, seq=seq, bs=bs, shape=shape: _unit(
-                                     m, shape, uc, knobs, seq, bs, backend, w["compute"], budget))
+                                     m, shape, uc, knobs, seq, bs, backend, w["compute"], budget, quick))
         for dt in ("bf16", "fp32"):
             plan.add(f"matmul {dt}", budget / 2 + 0.1, lambda dt=dt: _matmul(m, w, backend, dt, on_gpu, budget / 2))
         plan.add("device memory bandwidth", budget / 2 + 0.1, lambda: _memory(m, w, backend, max_copy, budget / 2))
@@ -218,7 +219,7 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                  lambda: _refresh(m, w, layer_n, threads, budget / 2))
         plan.add("AdamW on device tiles", budget / 2 + 0.2, lambda: _gpu_adam(m, w, backend, layer_n, budget / 2))
         host_bytes = _host_stream_bytes(on_gpu, quick)
-        plan.add(f"host memory bandwidth ({host_bytes // copies.MiB} MiB streaming copy, {threads} threads)",
+        plan.add(f"host memory bandwidth ({host_bytes // MiB} MiB streaming copy, {threads} threads)",
                  budget / 2 + 0.1 + 3 * host_bytes / 5e9, lambda: _host_memory(m, w, threads, host_bytes, budget / 2))
         unit_bytes = 6 * layer_n  # a layer's weights in (bf16) and gradients out (fp32), about
         plan.add("the runtime's copies (a layer's PREFETCH / OFFLOAD) alone, both at once, beside its CPU update "
@@ -278,7 +279,7 @@ def slowest_phases(measurements: dict, n: int = 3) -> str:
 # ---- the measurement steps (each stores into m and returns a one-line result) ---------------------------------
 def _alloc(bufs, backend, nbytes):
     bufs["buffers"] = [copies.CopyBuffers.allocate(backend, nbytes) for _ in range(2)]
-    return f"2 x {nbytes / copies.MiB:.0f} MiB pinned host + device"
+    return f"2 x {nbytes / MiB:.0f} MiB pinned host + device"
 
 
 def _copy_curve(m, bufs, w, direction, sizes, quick):
@@ -286,7 +287,7 @@ def _copy_curve(m, bufs, w, direction, sizes, quick):
     m[direction] = {"sizes_bytes": r["sizes_bytes"], "time_s": r["time_s"], "latency_s": r["curve"].latency_s,
                     "Bps": list(r["curve"].Bps)}
     c = r["curve"]
-    return f"latency {c.latency_s * 1e6:.1f} us, {c.Bps[-1] / 1e9:.2f} GB/s at {sizes[-1] / copies.MiB:.0f} MiB"
+    return f"latency {c.latency_s * 1e6:.1f} us, {c.Bps[-1] / 1e9:.2f} GB/s at {sizes[-1] / MiB:.0f} MiB"
 
 
 def _duplex(m, bufs, w, nbytes, quick):
@@ -296,8 +297,8 @@ def _duplex(m, bufs, w, nbytes, quick):
             f"{r['duplex_Bps'] / 1e9:.2f} GB/s")
 
 
-def _unit(m, spec, uclass, knobs, seq, bs, backend, worker, budget):
-    tables, raw = units.measure_unit(spec, uclass, knobs, seq, bs, backend, worker, budget)
+def _unit(m, spec, uclass, knobs, seq, bs, backend, worker, budget, quick):
+    tables, raw = units.measure_unit(spec, uclass, knobs, seq, bs, backend, worker, budget, quick)
     m.setdefault("compute_tables", []).extend(asdict(t) for t in tables)
     m.setdefault("compute_raw", []).extend(raw)
     return ", ".join(f"{t.kind} {t.dur_s[-1] * 1e3:.3f} ms" for t in tables) + f" at {tables[0].tokens[-1]} tokens"
@@ -341,7 +342,7 @@ def _update_fn(n, stream_copy):
 def _host_stream_bytes(on_gpu: bool, quick: bool) -> int:
     """The streaming copy that measures host memory bandwidth: well beyond the last-level cache (256 MiB on a GPU
     host, 64 MiB on the CPU backend; half with `quick`)."""
-    return (256 if on_gpu else 64) * copies.MiB // (2 if quick else 1)
+    return (256 if on_gpu else 64) * MiB // (2 if quick else 1)
 
 
 def _host_memory(m, w, threads, nbytes, budget):
@@ -356,8 +357,8 @@ def _operating_point(m, spec, req, backend, w, threads, budget, quick):
     m["host_contention"] = r["contention"]  # the host fit's input (profiling/assemble.py)
     c, k = r["copies"], r["contention"]
     g = 1e9
-    return (f"h2d {r['weight_bytes'] / copies.MiB:.1f} MiB {c['h2d_alone_Bps'] / g:.1f} GB/s, d2h "
-            f"{r['grad_bytes'] / copies.MiB:.1f} MiB {c['d2h_alone_Bps'] / g:.1f}, both at once "
+    return (f"h2d {r['weight_bytes'] / MiB:.1f} MiB {c['h2d_alone_Bps'] / g:.1f} GB/s, d2h "
+            f"{r['grad_bytes'] / MiB:.1f} MiB {c['d2h_alone_Bps'] / g:.1f}, both at once "
             f"{c['duplex_Bps'] / g:.1f}; update {k['update_alone_s'] * 1e3:.2f} ms alone, "
             f"{k['update_both_s'] * 1e3:.2f} beside both; "
             f"redo x{r['redo_over_update']:.2f}")
@@ -384,12 +385,12 @@ def _compute_beside_copies(m, spec, req, backend, w, bufs, budget):
     """A layer's F and B alone and beside copies in both directions (the profile's compute_beside_copy)."""
     slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
     bodies = w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)
-    nbytes = min(bufs["buffers"][0].host.numel(), 64 * copies.MiB)  # a layer's copies are of this order
+    nbytes = min(bufs["buffers"][0].host.numel(), 64 * MiB)  # a layer's copies are of this order
     copiers = [(w[d], bufs["buffers"][i].copier(d, nbytes)) for i, d in enumerate(COPY_STREAMS)]
     r = rates.measure_compute_beside_copies(w["compute"], {k: bodies[k] for k in ("F", "B")}, copiers, budget)
     m["compute_beside_copies"] = {**r, "copy_bytes": nbytes}
     return ", ".join(f"layer {k} {v['alone_s'] * 1e3:.3f} -> {v['beside_copies_s'] * 1e3:.3f} ms (x{v['factor']:.2f})"
-                     for k, v in r.items()) + f" beside {nbytes / copies.MiB:.0f} MiB copies"
+                     for k, v in r.items()) + f" beside {nbytes / MiB:.0f} MiB copies"
 
 
 def _update_under_compute(m, spec, req, backend, w, n, stream_copy, budget):

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from megatrain.ir.tasks import Collective
 from megatrain.sim.profile import HardwareProfile
 from megatrain.parallel.world import World
+from megatrain.units import KiB, MiB, format_bytes
 import os
 
-KiB, MiB = 2**10, 2**20
 KINDS = {c.value: c.label for c in Collective}  # the operations measured, by letter (ir/tasks.py `Collective`)
 GPU_SIZES = [MiB * 4**i for i in range(6)]  # 1 MiB .. 1 GiB: a bench-3b layer is 198 MB bf16 / 396 MB fp32
 CPU_SIZES = [64 * KiB * 4**i for i in range(4)]  # 64 KiB .. 4 MiB: gloo on CI
@@ -92,8 +92,9 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
                               "probe_bytes": probe_bytes, "probe_s": probe, "algbw_Bps": algbw,
                               "busbw_Bps": [a * bus_factor(kind, n) for a in algbw]}
         if log:
-            log(f"{name} ({dtypes[kind]}): " + ", ".join(
-                f"{_mb(s)} {t * 1e3:.3f} ms" for s, t in zip(msgs, times)) + f"; latency probe {probe * 1e6:.1f} us")
+            log(f"{name} ({dtypes[kind]}): "
+                + ", ".join(f"{format_bytes(s, 'g')} {t * 1e3:.3f} ms" for s, t in zip(msgs, times))
+                + f"; latency probe {probe * 1e6:.1f} us")
     del buf
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a full profile measures the rest of this GPU next
@@ -183,7 +184,8 @@ def note(rec: dict) -> str:
         + f" GB/s, latency probe {k['probe_s'] * 1e6:.1f} us" for kind, k in rec["kinds"].items())
     sizes = next(iter(rec["kinds"].values()))["message_bytes"]
     return (f"measured (profiling/collectives.py): {rec['world']} ranks, {rec['backend']}, on {rec['device']}, "
-            f"messages {_mb(sizes[0])} .. {_mb(sizes[-1])} (x4), in place as the runtime issues them, mean of "
+            f"messages {format_bytes(sizes[0], 'g')} .. {format_bytes(sizes[-1], 'g')} (x4), in place as the runtime "
+            "issues them, mean of "
             f"{rec['iters']} calls after {rec['warmup']} warm-up, max over the ranks, fastest of {ROUNDS} rounds; "
             f"{kinds} (nccl-tests' busbw at the sizes; the table's rates are net of the latency and keyed by bus "
             "bytes)"
@@ -196,11 +198,8 @@ def report(rec: dict) -> str:
              f"  {'kind':<15} {'dtype':<5} {'message':>10} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for kind, k in rec["kinds"].items():
         for s, t, a, b in zip(k["message_bytes"], k["time_s"], k["algbw_Bps"], k["busbw_Bps"]):
-            lines.append(f"  {KINDS[kind]:<15} {k['dtype']:<5} {_mb(s):>10} {t * 1e3:>9.3f} {a / 1e9:>11.2f} "
-                         f"{b / 1e9:>11.2f}")
+            lines.append(f"  {KINDS[kind]:<15} {k['dtype']:<5} {format_bytes(s, 'g'):>10} {t * 1e3:>9.3f} "
+                         f"{a / 1e9:>11.2f} {b / 1e9:>11.2f}")
         lines.append(f"  {KINDS[kind]:<15} {k['dtype']:<5} {'latency':>10} {k['probe_s'] * 1e3:>9.4f}")
     return "\n".join(lines)
 
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes / KiB:.0f} KiB"

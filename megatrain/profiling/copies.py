@@ -21,8 +21,8 @@ import torch
 from megatrain.exec.backend import Backend
 from megatrain.sim.profile import CopyCurve
 from megatrain.profiling.bench import Background, Worker, median
+from megatrain.units import KiB, MiB
 
-KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def copy_sizes(max_bytes: int, quick: bool) -> list[int]:

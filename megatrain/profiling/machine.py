@@ -12,6 +12,7 @@ import platform
 import re
 from importlib import metadata
 from pathlib import Path
+from megatrain.units import GiB
 
 COMPARED = ("cpu", "cores", "memory_gib", "gpu", "gpu_count", "torch")  # what makes two machines "the same"
 _NVIDIA = Path("/proc/driver/nvidia/gpus")
@@ -45,7 +46,7 @@ def this_machine(device: str | None = None) -> dict:
     """CPU model, cores in this process's affinity set, total memory, GPU name and count, torch version, date."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     except (ValueError, OSError, AttributeError):
         mem = 0.0
     try:

@@ -5,13 +5,7 @@ from __future__ import annotations
 from megatrain.profiling.assemble import not_simulated
 from megatrain.profiling.calibrate import Calibration
 from megatrain.profiling.machine import describe
-
-
-def _size(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:g} {unit}"
-    return f"{n} B"
+from megatrain.units import format_bytes
 
 
 def calibration_report(cal: Calibration) -> str:
@@ -23,11 +17,12 @@ def calibration_report(cal: Calibration) -> str:
              f"  {'size':>10} {'h2d us':>10} {'h2d GB/s':>9} {'d2h us':>10} {'d2h GB/s':>9}"]
     h, d = m["h2d"], m["d2h"]
     for i, n in enumerate(h["sizes_bytes"]):
-        lines.append(f"  {_size(n):>10} {h['time_s'][i] * 1e6:>10.1f} {h['Bps'][i] / 1e9:>9.2f} "
+        lines.append(f"  {format_bytes(n, 'g'):>10} {h['time_s'][i] * 1e6:>10.1f} {h['Bps'][i] / 1e9:>9.2f} "
                      f"{d['time_s'][i] * 1e6:>10.1f} {d['Bps'][i] / 1e9:>9.2f}")
     dup = m["duplex"]
     lines += [f"  latency h2d {p.h2d.latency_s * 1e6:.1f} us, d2h {p.d2h.latency_s * 1e6:.1f} us; both at once "
-              f"({_size(dup['bytes'])}): h2d {dup['h2d_shared_Bps'] / 1e9:.2f} + d2h {dup['d2h_shared_Bps'] / 1e9:.2f}"
+              f"({format_bytes(dup['bytes'], 'g')}): h2d {dup['h2d_shared_Bps'] / 1e9:.2f} + d2h "
+              f"{dup['d2h_shared_Bps'] / 1e9:.2f}"
               f" = {p.duplex_Bps / 1e9:.2f} GB/s; h2d while a CPU update runs x{p.dma_factor_cpu_optimizer:.2f}",
               "", "compute tables (ms per task by tokens per task):"]
     shape = None

@@ -51,6 +51,7 @@ from megatrain.ir.program import Program
 from megatrain.model.spec import ModelSpec
 from megatrain.profiling.compare import step_time_s
 from megatrain.sim import HardwareProfile, load_profile, simulate
+from megatrain.units import GiB
 
 
 @dataclass
@@ -101,7 +102,7 @@ class MeasuredRow:
                "median_span_s": round(statistics.median(step_time_s(t) for t in self.timelines), 5)
                if self.timelines else None,
                "gpu_idle_pct": round(100 * summary.gpu_idle_frac, 2), "clip_share": self.clip_share,
-               "switch_s": round(self.switch_s, 2), "peak_gpu_GiB": round(self.peak_gpu_bytes / 2**30, 3),
+               "switch_s": round(self.switch_s, 2), "peak_gpu_GiB": round(self.peak_gpu_bytes / GiB, 3),
                "loss_last": round(self.losses[-1], 4)}
         for label, pred in self.predicted_step_s.items():
             out[f"predicted_step_s[{label}]"] = round(pred, 5)

@@ -66,6 +66,7 @@ from megatrain.sim import estimate_line, load_profile
 from megatrain.sim.profile import HardwareProfile, model_signature
 from megatrain.train.fit import check_fits
 from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
+from megatrain.units import GiB
 
 DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
 # Beyond K, every candidate predicted within this fraction of the best is measured too, up to MAX_MEASURE: the
@@ -296,7 +297,7 @@ def choose_before_run(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs
     loaded = load_profile(profile)
     pick = choose_auto(spec, batch, seq, base, loaded, budget, vary_compile=vary_compile, facts=assumed)
     compiled = ", the compiled layer tried both ways" if vary_compile else ""
-    log(f"--schedule auto ({budget.gpu_bytes / 2**30:.1f} GiB budget, profile {pick.profile}, clipping priced at "
+    log(f"--schedule auto ({budget.gpu_bytes / GiB:.1f} GiB budget, profile {pick.profile}, clipping priced at "
         f"{100 * assumed.clip_share:.0f}% of steps{compiled}): fastest predicted of {len(pick.table)} that fit:")
     for row in pick.table.head(max(3, measure)).itertuples():
         log(f"  {row.schedule}: {row.step_s * 1e3:,.1f} ms/step predicted, {row.gpu_peak_gib:.2f} GiB")

@@ -30,7 +30,7 @@ from megatrain.compile.resolve import check_model_shards, check_run_for_ranks
 from megatrain.ir.dag import ScheduleError
 from megatrain.train.config import ConfigError, RunConfig
 from megatrain.parallel.world import BIND_ENV, LaunchError, World
-from megatrain.plan.memory import GiB
+from megatrain.units import format_bytes
 
 # Keys of the RunConfig a rank may hold on its own: they change what it shows, not what it trains. Every other key
 # must be equal on every rank (the rank itself, its device and its scratch directory come from the environment,
@@ -110,13 +110,11 @@ def node_store_line(world: World, store_bytes: int, planned_bytes: int) -> str |
     per_node: dict[int, int] = {}
     for node, nbytes in world.gather((world.node, store_bytes)):
         per_node[node] = per_node.get(node, 0) + nbytes
-    return ("host store per node: " + ", ".join(f"node {n} {_size(b)}" for n, b in sorted(per_node.items()))
-            + f" ({world.local_size} ranks each, planned {_size(world.local_size * planned_bytes)}; bytes by node: "
+    planned = format_bytes(world.local_size * planned_bytes)
+    return ("host store per node: " + ", ".join(f"node {n} {format_bytes(b)}" for n, b in sorted(per_node.items()))
+            + f" ({world.local_size} ranks each, planned {planned}; bytes by node: "
             + ", ".join(f"{n}={b}" for n, b in sorted(per_node.items())) + ")")
 
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def config_fields(cfg: RunConfig) -> dict[str, str]:

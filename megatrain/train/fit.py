@@ -17,7 +17,8 @@ from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import Parallelism
 from megatrain.parallel.world import launch_shape
 from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
-from megatrain.plan.memory import GiB, MemoryPlan, plan_gpu_memory
+from megatrain.plan.memory import MemoryPlan, plan_gpu_memory
+from megatrain.units import GiB
 from megatrain.compile.advice import (alternative_plans, fit_report, gpu_alternatives, host_alternatives, plan_memory,
                                       refuse_planned_only)
 from megatrain.model.spec import ModelSpec

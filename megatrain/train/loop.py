@@ -45,7 +45,7 @@ import torch
 
 from megatrain.data.filetokens import DataChangedError
 from megatrain.parallel.world import World
-from megatrain.plan.memory import GiB
+from megatrain.units import GiB
 from megatrain.train.autoswitch import auto_before_step, schedule_overrides
 from megatrain.io.checkpoint import CheckpointManager, check_writable
 from megatrain.io.errors import CheckpointError

@@ -40,7 +40,6 @@ import torch
 METRIC_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "skipped", "skipped_units", "tokens", "step_s", "tokens_per_s",
                "model_tflops", "gpu_idle_pct", "host_rss_gib", "gpu_mem_gib", "elapsed_s")
 
-GiB = 2**30
 
 __all__ = ["METRIC_KEYS", "MetricsLogger", "format_step_line", "read_metrics",
            "gpu_peak_bytes", "reset_gpu_peak", "open_tensorboard"]

@@ -46,6 +46,7 @@ from megatrain.plan.machine import gpu_memory, host_memory, process_rss_bytes
 from megatrain.sim.engine import SimResult, simulate
 from megatrain.sim.profile import HardwareProfile, load_profile
 from megatrain.tune.search import TuneResult
+from megatrain.units import GiB
 
 GPU_HEADROOM = 0.9  # share of the GPU's free memory a plan may take (CUDA context, allocator fragmentation)
 CPU_DEVICE_SHARE = 0.5  # on the CPU backend: share of the usable host memory for the device working set
@@ -71,7 +72,7 @@ def auto_budget(backend: str, gpu_gib: float | None = None, *, with_host: bool =
     executes); BudgetError on "cuda" when no GPU can be measured and no `gpu_gib` is given."""
     host = host_memory(held_bytes=process_rss_bytes()).usable_bytes if (with_host or backend == "cpu") else None
     if gpu_gib is not None:
-        gpu, source = int(gpu_gib * 2**30), "given"
+        gpu, source = int(gpu_gib * GiB), "given"
     elif backend == "cpu":
         gpu, source = int(host * CPU_DEVICE_SHARE), "CPU backend"
     else:
@@ -192,9 +193,9 @@ def rank_candidates(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
             continue
         out.append(Candidate(label, knobs, res, peak))
     if not out:
-        host = f" and {host_bytes / 2**30:.1f} GiB of host memory" if host_bytes is not None else ""
+        host = f" and {host_bytes / GiB:.1f} GiB of host memory" if host_bytes is not None else ""
         same = " with the same host layout" if layout is not None else ""
-        raise ScheduleError(f"no schedule{same} keeps these numerics and fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB"
+        raise ScheduleError(f"no schedule{same} keeps these numerics and fits a GPU peak of {gpu_bytes / GiB:.2f} GiB"
                             f"{host}; see `megatrain plan` for what takes the memory, or raise the budget")
     return sorted(out, key=lambda c: (c.step_s, c.label))
 
@@ -214,4 +215,4 @@ def candidate_table(ranked: list[Candidate]) -> pd.DataFrame:
     tokens_per_s, gpu_idle_pct, gpu_peak_gib."""
     return pd.DataFrame([dict(schedule=c.label, step_s=c.step_s, tokens_per_s=c.result.summary.tokens_per_s
                               * c.result.step_s / c.step_s, gpu_idle_pct=100 * c.result.summary.gpu_idle_frac,
-                              gpu_peak_gib=c.gpu_peak_bytes / 2**30) for c in ranked])
+                              gpu_peak_gib=c.gpu_peak_bytes / GiB) for c in ranked])

@@ -7,7 +7,7 @@ threads' updates, and the PCIe bytes of the GPU's share (16 B/param in and 14 B/
 the simulator and returns the fastest variant that fits the GPU memory given:
 
     from megatrain.tune.search import best_gpu_fraction
-    best = best_gpu_fraction(spec, 8, 2048, knobs_for("overlap-split"), "h200", gpu_bytes=16 * 2**30)
+    best = best_gpu_fraction(spec, 8, 2048, knobs_for("overlap-split"), "h200", gpu_bytes=16 * GiB)
     best.knobs.gpu_optimizer_fraction, best.result.summary.tokens_per_s
     best.table      # one row per candidate
 
@@ -30,6 +30,7 @@ from megatrain.compile.resolve import FRACTION_RULES, OPTIMIZER_PRESETS
 from megatrain.sim.engine import SimResult, simulate
 from megatrain.sim.profile import HardwareProfile, load_profile
 from megatrain.model.spec import ModelSpec
+from megatrain.units import GiB
 
 
 @dataclass
@@ -97,9 +98,9 @@ def best_gpu_fraction(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnob
             results[len(rows)] = (cand, res)
             rows.append(dict(gpu_layers=n, gpu_optimizer_fraction=cand.gpu_optimizer_fraction, state_buffers=sb,
                              retain_grads=r, step_s=res.step_s, tokens_per_s=res.summary.tokens_per_s,
-                             gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / 2**30))
+                             gpu_idle_pct=100 * res.summary.gpu_idle_frac, gpu_peak_gib=peak / GiB))
     if not rows:
-        raise ScheduleError(f"no variant of {knobs.optimizer!r} fits a GPU peak of {gpu_bytes / 2**30:.2f} GiB; "
+        raise ScheduleError(f"no variant of {knobs.optimizer!r} fits a GPU peak of {gpu_bytes / GiB:.2f} GiB; "
                             "see `megatrain plan` for what takes the memory")
     table = pd.DataFrame(rows)
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["step_s"], rows[i]["gpu_layers"]))
