@@ -83,6 +83,9 @@ def test_the_fastest_measured_wins_over_the_prediction():
     assert len(table) == 3 and all("predicted " in line and "error " in line for line in table)
     assert sum("<- chosen" in line for line in table) == 1 and sum("median of 4 steps" in line for line in table) == 2
     assert any(f"{first}: predicted" in line and "error -90.0%" in line for line in table)
+    # each measured step in ms, in the order run (the host's noise is read off them)
+    slow = " ".join(f"{10 * predicted[first] * 1e3:,.0f}" for _ in range(TIMED_STEPS))
+    assert any(f"{first}: predicted" in line and line.endswith(f"; steps {slow})") for line in table)
     assert lines[-1] in (f"auto: switching to {auto.chosen.label}, the fastest measured",
                          f"auto: {auto.chosen.label}, the fastest measured, runs on")
 

@@ -261,10 +261,13 @@ class AutoChoice:
                  f"share ({share}); profile {self.profile.name}:")
         for label in sorted(measured, key=lambda label: by_label[label].step_s):
             pred, meas = by_label[label].step_s, self.measured_s(label)
-            steps = len(self.times[label])
+            times = self.times[label]
+            # every timed step, in the order run: how far apart one candidate's steps are is the host's noise
+            steps = " ".join(f"{t * 1e3:,.0f}" for t in times)
+            median_of = f"median of {len(times)} steps: " if len(times) > TIMED_STEPS else "steps "
             self.log(f"  {label}: predicted {pred * 1e3:,.1f} ms/step, measured {meas * 1e3:,.1f} ms/step "
-                     f"(error {pred / meas - 1:+.1%}" + (f", median of {steps} steps" if steps > TIMED_STEPS else "")
-                     + ")" + ("  <- chosen" if label == self.chosen.label else ""))
+                     f"(error {pred / meas - 1:+.1%}; {median_of}{steps})"
+                     + ("  <- chosen" if label == self.chosen.label else ""))
         for c in self.ranked:
             if c.label in self.unstarted:
                 first = (f"measured {self.measured_s(c.label) * 1e3:,.1f} ms/step in the first pass, then could not "
