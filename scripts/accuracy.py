@@ -315,7 +315,8 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
 # ---- ablate ------------------------------------------------------------------------------------------------------
 # The parts of the profiler's method `ablate` leaves out one at a time (and `report --rebuild` can): each rebuilds a
 # shape's quick profile from its measurements with today's code, that part undone.
-VARIANTS = ("as measured", "one weight wire", "redo = 2 updates", "copies not slowed by the update")
+VARIANTS = ("as measured", "one weight wire", "redo = 2 updates", "copies not slowed by the update",
+            "in-step CPU rate")
 
 
 def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
@@ -343,7 +344,8 @@ def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
     if variant == "redo = 2 updates":
         for k in ("redo_updates", "redo_s"):
             m["gpu_adam"].pop(k, None)
-    p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
+    p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"],
+                      cpu_rate_from="in-step" if variant == "in-step CPU rate" else "operating point")
     if variant == "copies not slowed by the update":  # as the simulator ran before issue 24's third round
         p = p.with_(copy_beside_update={}, notes={k: v for k, v in p.notes.items() if k != "copy_beside_update"})
     saved = d / "profile-quick.json"

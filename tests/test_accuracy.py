@@ -142,3 +142,7 @@ def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "rebuilt from the measurements by today's profiler: as measured" in rebuilt["text"]
     plain = acc.evaluate(tmp_path, "debug:arrival", rebuild="copies not slowed by the update")
     assert len(plain["errors"]["a"]) == 2 and "| debug | lean |" in plain["text"]
+    # the CPU update rate from the profiler's real steps instead of the operating point: said so in its note
+    measured = acc.rebuild_profile(tmp_path / "debug", "debug").notes["cpu_adam_params_per_s"]
+    in_step = acc.rebuild_profile(tmp_path / "debug", "debug", "in-step CPU rate").notes["cpu_adam_params_per_s"]
+    assert "scaled to the host updates of the real steps" in in_step and in_step != measured

@@ -79,6 +79,9 @@ def test_the_update_measured_is_the_runtimes_own_task_body(monkeypatch):
                 "d2h_update_Bps", "h2d_both_Bps", "d2h_both_Bps"):
         assert 0 < k[key] < math.inf, key
     assert (k["copy_bytes"], k["copy_out_bytes"]) == (rec["weight_bytes"], rec["grad_bytes"])
+    for mix in ("alone", "h2d", "d2h", "both"):  # each mix's least disturbed round, and every round recorded
+        rounds = k[f"update_{mix}_rounds_s"]
+        assert len(rounds) == k["rounds"] and k[f"update_{mix}_s"] == min(rounds)
     assert k["threads"] == rec["threads"] == 1 and k["params"] == rec["params"] and k["source"] == "operating point"
     assert rec["redo_s"] > 0 and rec["redo_over_update"] > 0
 

@@ -157,9 +157,16 @@ def compute_beside_copy(m: dict) -> dict[str, float]:
     return {"F": f["F"], "R": f["F"], "B": f["B"]}
 
 
+CPU_RATE_SOURCES = ("operating point", "in-step")  # where build_profile takes the CPU update rate from
+
+
 def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
-                  info: dict) -> HardwareProfile:
-    """The HardwareProfile from the measurements (see the module docstring for which measurement fills what)."""
+                  info: dict, cpu_rate_from: str = "operating point") -> HardwareProfile:
+    """The HardwareProfile from the measurements (see the module docstring for which measurement fills what).
+    `cpu_rate_from`: "operating point" (the runtime's update timed alone, the default) or "in-step" (the updates of
+    the profiler's real steps, `in_step_cpu_rate`): scripts/accuracy.py compares the two on recorded runs."""
+    if cpu_rate_from not in CPU_RATE_SOURCES:
+        raise ValueError(f"cpu_rate_from must be one of {CPU_RATE_SOURCES}, got {cpu_rate_from!r}")
     tables = [ComputeTable(**{k: t[k] for k in ("model", "kind", "unit", "seq", "tokens", "dur_s", "dtype")},
                            compiled=t.get("compiled", False)) for t in m["compute_tables"]]
     h2d = CopyCurve(tuple(m["h2d"]["sizes_bytes"]), tuple(m["h2d"]["Bps"]), m["h2d"]["latency_s"])
@@ -205,7 +212,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     in_step = in_step_cpu_rate(m, slowdown, convert_rate)
     isolated = cpu_rates.get(threads)
-    runtime_rate = operating_cpu_rate(op, adam["fixed_s"], convert_rate) if op is not None else None
+    runtime_rate = (operating_cpu_rate(op, adam["fixed_s"], convert_rate)
+                    if op is not None and cpu_rate_from == "operating point" else None)
     # The runtime's own update at its threads and tiles when measured (the in-step estimate, which divides by the
     # legacy slowdown factors rather than the host memory model the simulator runs, stays in the notes); else the
     # in-step estimate. The curve over thread counts keeps its shape.

@@ -87,6 +87,9 @@ def measure_contention(cpu: Worker, update, threads: int, h2d: Worker, d2h: Work
                     samples[mix].append(median(cpu.time(update, per_round, 0)))
         for mix, times in samples.items():
             out[f"update_{mix}_s"] = min(times)
+            # every round's time too: whether the least disturbed round or a typical one matches the runtime's
+            # steps is not settled (docs/accuracy.md, "A sixth H200 start"); recorded so a later run can tell
+            out[f"update_{mix}_rounds_s"] = list(times)
         out["h2d_alone_Bps"], out["d2h_alone_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
         with Background(cpu, update):
             out["h2d_update_Bps"], out["d2h_update_Bps"] = copy_Bps(h2d, copy_in), copy_Bps(d2h, copy_out)
