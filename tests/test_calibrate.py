@@ -95,6 +95,7 @@ def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
     # a layer's F and B beside copies in both directions: the simulator's compute_beside_copy (R takes F's)
     beside = rec["compute_beside_copies"]
     assert all(beside[k]["alone_s"] > 0 and beside[k]["beside_copies_s"] > 0 for k in ("F", "B"))
+    assert all(beside[k]["calls"] >= 12 for k in ("F", "B"))  # 3 rounds of alone and beside, at least 2 calls each
     assert p.compute_beside_copy == {"F": max(1.0, beside["F"]["factor"]), "R": max(1.0, beside["F"]["factor"]),
                                      "B": max(1.0, beside["B"]["factor"])}
     assert "compute_beside_copy" in p.notes

@@ -226,8 +226,8 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                  "(Updates.update) and the update beside them; its clipping redo",
                  budget + 0.5 + 60 * unit_bytes / 5e9 + 4 * layer_n * 4e-9 + 60 * adam_1 / threads,
                  lambda: _operating_point(m, spec, req, backend, w, threads, budget, quick))
-        plan.add("layer forward and backward beside copies in both directions", budget + 0.3,
-                 lambda: _compute_beside_copies(m, spec, req, backend, w, bufs, budget))
+        plan.add("layer forward and backward beside copies in both directions", 4 * budget + 0.5,
+                 lambda: _compute_beside_copies(m, spec, req, backend, w, bufs, 4 * budget))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
@@ -385,7 +385,7 @@ def _compute_beside_copies(m, spec, req, backend, w, bufs, budget):
     """A layer's F and B alone and beside copies in both directions (the profile's compute_beside_copy)."""
     slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
     bodies = w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)
-    nbytes = min(bufs["buffers"][0].host.numel(), 64 * MiB)  # a layer's copies are of this order
+    nbytes = bufs["buffers"][0].host.numel()  # 256 MiB on a GPU (quick): a layer's copies are of this order
     copiers = [(w[d], bufs["buffers"][i].copier(d, nbytes)) for i, d in enumerate(COPY_STREAMS)]
     r = rates.measure_compute_beside_copies(w["compute"], {k: bodies[k] for k in ("F", "B")}, copiers, budget)
     m["compute_beside_copies"] = {**r, "copy_bytes": nbytes}
