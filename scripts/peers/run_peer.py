@@ -112,13 +112,16 @@ def hf_config(spec, seq: int):
     return cfg
 
 
-def build_model(spec, seq: int, seed: int, checkpointing: bool):
-    """The HF causal LM of `spec`, fp32, on the host, random init from `seed`."""
+def build_model(spec, seq: int, seed: int, checkpointing: bool, device: str = "cpu"):
+    """The HF causal LM of `spec`, fp32, on `device`, random init from `seed`. A peer that trains on the GPU builds
+    it there: HF's init draws every matrix with one CPU thread, ~38 s of bench-3b's 42 s start-up on the H200
+    host (docs/runs/25-peers/probe-h200), a second or two on the GPU (other values from the same seed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(spec, seq), dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config(spec, seq), dtype=torch.float32)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -321,7 +324,9 @@ def run_steps(a, cfg, ds_cfg, spec, device: str, **extra) -> dict:
     if ds_cfg:
         step, params, note = setup_deepspeed(cfg, ds_cfg, spec, a)
     else:
-        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"])
+        # all on the GPU: built there; FSDP2 with CPU offload shards a model built on the host
+        where = "cpu" if "offload" in cfg["torch"] else device
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"], where)
         init_note = peercurve.megatrain_init(model, spec, a.seed) if a.init == "megatrain" else ""
         step, params, note = setup_torch(cfg, model, device, a.clip, a.lr)
         note = "; ".join(n for n in (init_note, note) if n)
