@@ -187,11 +187,12 @@ def measure_compute_beside_copies(compute: Worker, bodies: dict, copiers: list[t
     "factor"}}, each the median of every call timed. The copies' DMA shares the device memory with the kernels (on
     the CPU backend, memcpy shares the cores and host memory).
 
-    Alone and beside take turns over `rounds`: the effect is a few percent (1.04-1.06 in the steps of 9 recorded
-    runs, docs/accuracy.md), the size of the device's and the host's drift over a measurement, which one pass of
-    alone-then-beside would fold into it. Every call counts (not `Worker.time_for`'s least disturbed round): the
-    rounds beside copies that the copies disturbed least are the ones that would be kept, and the profiler measured
-    1.00-1.05 where the steps showed 1.04-1.06 (H200, 2026-11-27)."""
+    Alone and beside take turns over `rounds`: the effect is a few percent (fits of 1.03-1.07 to the steps of the
+    recorded runs, docs/accuracy.md), the size of the device's and the host's drift over a measurement, which one
+    pass of alone-then-beside would fold into it. Every call counts (not `Worker.time_for`'s least disturbed
+    round): beside copies, the round the copies disturbed least would be the one kept. With that rule the profiler
+    measured 1.00-1.05 where the same start's steps fitted 1.03-1.04 (H200, 2026-11-27); this one is not yet
+    measured on a GPU."""
     reps = {k: max(2, int(budget_s / (2 * len(bodies) * rounds) / max(compute.time(body, 1, 1)[0], 1e-7)))
             for k, body in bodies.items()}
     alone: dict = {k: [] for k in bodies}
