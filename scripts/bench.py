@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatrain.profiling.compare import kendall_tau_b as kendall_tau
+from megatrain.units import GiB
 
 PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
 AUTHORS = "authors"
@@ -230,7 +231,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             vals = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
             s[key] = statistics.median(vals) if vals else None
         if s["host_B_per_param"] is None and s["host_rss_GiB"] is not None:  # megatrain and the older peers
-            per = [r["host_rss_GiB"] * 2**30 / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
+            per = [r["host_rss_GiB"] * GiB / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
             s["host_B_per_param"] = statistics.median(per) if per else None
         s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
         s["settings"] = next((f"{r['settings']} ({r['config']})" for r in ok if "settings" in r), None)

@@ -47,6 +47,7 @@ from megatrain.train.autoswitch import (DEFAULT_BAND, DEFAULT_MEASURE, MAX_MEASU
                                        measure_candidates, varies_compile)
 from megatrain.tune.auto import auto_budget
 from megatrain.tune.search import best_gpu_fraction
+from megatrain.units import GiB
 
 
 BENCH_LR = 1e-5  # AdamW's learning rate in every benchmark run (the peers take it: scripts/peers/peerconf.py)
@@ -204,13 +205,13 @@ def main() -> None:
         "batch": a.batch, "seq": a.seq, "median_step_s": round(med, 4), "tokens_per_s": round(tokens / med, 1),
         "model_TFLOPs": round(spec.model_flops_per_token() * tokens / med / 1e12, 1),
         "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
-        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
-        "planned_gpu_GiB": round(plan.gpu.peak_bytes / 2**30, 2),
-        "host_rss_GiB": round(psutil.Process().memory_info().rss / 2**30, 2),
-        "planned_host_GiB": round(plan.host.total_bytes / 2**30, 2),
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2) if cuda else 0.0,
+        "planned_gpu_GiB": round(plan.gpu.peak_bytes / GiB, 2),
+        "host_rss_GiB": round(psutil.Process().memory_info().rss / GiB, 2),
+        "planned_host_GiB": round(plan.host.total_bytes / GiB, 2),
         "host_rss_over_plan": round(psutil.Process().memory_info().rss / plan.host.total_bytes, 4),
         "planned_host_B_per_param": round(plan.host.bytes_per_param, 2),
-        "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / 2**30, 2),
+        "store_GiB": round(sum(trainer.host_bytes_by_component().values()) / GiB, 2),
         "init_s": round(init_s, 1),
     }
     if measured:

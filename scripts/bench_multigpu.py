@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatrain.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT") or ROOT / "bench_multigpu")
@@ -240,7 +241,7 @@ def table(a) -> None:
         print(f"{model:<10} {sched:<22} {g:>4} {len(rs):>4} {statistics.median(tps):>12,.0f} "
               f"({min(tps):,.0f}-{max(tps):,.0f}) {'' if ratio is None else f'{ratio:.2f}':>8} "
               f"{'' if ratio is None else f'{ratio / g:.2f}':>6} "
-              f"{max(r['pss_sum_bytes'] for r in rs) / 2**30:>11.1f} {r0['planned_host_bytes'] / 2**30:>9.1f} "
+              f"{max(r['pss_sum_bytes'] for r in rs) / GiB:>11.1f} {r0['planned_host_bytes'] / GiB:>9.1f} "
               f"{step:>7.3f} {'' if pred is None else f'{pred:.3f}':>7} {fitted_text:>24} "
               f"{'' if early is None else f'{early:.3f} ({100 * (early / step - 1):+.0f}%)':>13}")
 

@@ -28,6 +28,7 @@ from megatrain.model.presets import get_model
 from megatrain.train import evaluate as ev
 from megatrain.data.batches import Data, TokenStream, Windows
 from megatrain.engine.trainer import StreamedTrainer
+from megatrain.units import MiB, GiB
 
 
 def fetch_seconds(trainer) -> float:
@@ -73,11 +74,11 @@ def main() -> None:
         loss = ev.evaluate(trainer, data, a.eval_batches, a.batch)
         _sync(trainer)
         times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+        peaks.append(torch.cuda.max_memory_allocated() / GiB if cuda else 0.0)
         fetch.append(fetch_seconds(trainer))
     lo, hi = ev.rank_share(rows, world.rank, world.size)
     mine = (world.rank, hi - lo, statistics.median(times), statistics.median(fetch), max(peaks),
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MiB)
     table = [None] * world.size
     if world.distributed:
         torch.distributed.all_gather_object(table, mine, group=world.host_group)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megatrain.exec.optim import AdamWConfig, adamw_update
+from megatrain.units import MiB
 
 WAIT_S = 120.0  # the longest any process waits for the others (barrier, results)
 
@@ -32,7 +33,7 @@ WAIT_S = 120.0  # the longest any process waits for the others (barrier, results
 def copier(gpu: int, device: str, mib: int, seconds: float, duplex: bool, barrier, results) -> None:
     """Copy a pinned host buffer to GPU `gpu` (and back at the same time, with `duplex`) for `seconds`; report the
     H2D GB/s."""
-    n = mib * 2**20
+    n = mib * MiB
     if device == "cuda":
         torch.cuda.set_device(gpu)
         src, dst = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device="cuda")

@@ -36,8 +36,8 @@ from megatrain.plan.memory import head_working_set, layer_working_set, plan_plac
 from megatrain.compile.resolve import resolve
 from megatrain.model.presets import get_model
 from megatrain.model.spec import HEAD
+from megatrain.units import MiB, GiB
 
-GiB, MiB = 2**30, 2**20
 
 
 class LiveBytes(TorchDispatchMode):

@@ -47,6 +47,7 @@ import time
 
 import peercurve  # the sibling modules: python puts this script's folder first on sys.path
 import peerconf
+from megatrain.units import GiB
 
 DRY_MODEL, DRY_BATCH, DRY_SEQ, DRY_STEPS = "debug", 2, 16, 2
 
@@ -292,8 +293,8 @@ def result(a, cfg, spec, params: int, times, losses, device: str, **extra) -> di
         "tokens_per_s": round(tokens / step_s, 1) if times else None,
         "model_TFLOPs": round(spec.model_flops_per_token() * tokens / step_s / 1e12, 1) if times else None,
         "loss_first": round(losses[0], 4) if losses else None, "loss_last": round(losses[-1], 4) if losses else None,
-        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else 0.0,
-        "host_rss_GiB": round(rss / 2**30, 2), "host_pss_GiB": None if pss is None else round(pss / 2**30, 2),
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2) if device == "cuda" else 0.0,
+        "host_rss_GiB": round(rss / GiB, 2), "host_pss_GiB": None if pss is None else round(pss / GiB, 2),
         "host_B_per_param": round((pss if pss is not None else rss) / params, 2),
         "exact_adamw": cfg["exact_adamw"], "config": os.path.relpath(cfg["_file"]),
         "settings": peerconf.settings_summary(cfg, a.clip), "step_times_s": [round(t, 4) for t in times],
