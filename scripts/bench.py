@@ -226,13 +226,14 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         s = {"runs": len(runs), "ok": len(ok), "errors": [r["error"] for r in runs if "error" in r],
              "tps": [r["tokens_per_s"] for r in ok]}
         for key in ("model_TFLOPs", "peak_gpu_GiB", "host_rss_GiB", "host_B_per_param", "gpu_idle_pct",
-                    "predicted_tokens_per_s",
+                    "predicted_tokens_per_s", "bound_tokens_per_s",
                     "calibrated_tokens_per_s", "transfer_tokens_per_s"):
             vals = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
             s[key] = statistics.median(vals) if vals else None
         if s["host_B_per_param"] is None and s["host_rss_GiB"] is not None:  # megatrain and the older peers
             per = [r["host_rss_GiB"] * GiB / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
             s["host_B_per_param"] = statistics.median(per) if per else None
+        s["bound_binds"] = next((r["bound_binds"] for r in ok if "bound_binds" in r), None)
         s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
         s["settings"] = next((f"{r['settings']} ({r['config']})" for r in ok if "settings" in r), None)
         out[label] = s
@@ -243,11 +244,20 @@ def _pred(p: float | None, meas: float | None) -> str:
     return "-" if p is None or not meas else f"{p:,.0f} ({p / meas - 1:+.1%})"
 
 
+def _bound(s: dict, meas: float | None) -> str:
+    """megatrain rows: the physical bound in tokens/s (what binds) and the measured median's share of it."""
+    b = s.get("bound_tokens_per_s")
+    if b is None or not meas:
+        return "-"
+    return f"{b:,.0f} ({s['bound_binds']}): {meas / b:.0%}"
+
+
 def table(summary: dict[str, dict], reference: str | None) -> str:
     ref = summary.get(reference or "", {})
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
     cols = ["config", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
-            "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %", "predicted, profile",
+            "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %",
+            "physical bound tok/s (binds): efficiency", "predicted, profile",
             "IN-SAMPLE: live-calibrated on its own steps", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():
@@ -257,7 +267,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
         cells = [label + (f" (ran as {s['schedule']})" if s["schedule"] and s["schedule"].startswith("auto") else ""),
                  f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
                  f"{med / ref_tps:.2f}" if med and ref_tps else "-", num("model_TFLOPs"), num("peak_gpu_GiB"),
-                 num("host_rss_GiB"), num("host_B_per_param"), num("gpu_idle_pct"),
+                 num("host_rss_GiB"), num("host_B_per_param"), num("gpu_idle_pct"), _bound(s, med),
                  _pred(s["predicted_tokens_per_s"], med),
                  _pred(s["calibrated_tokens_per_s"], med), _pred(s["transfer_tokens_per_s"], med)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -82,6 +82,11 @@ def predictions(program, a, timelines, tokens: int) -> dict:
     pred = simulate(program, load_profile(a.profile))
     out = {"predicted_step_s": round(pred.step_s, 4), "predicted_tokens_per_s": round(tokens / pred.step_s, 1),
            "predicted_gpu_idle_pct": round(100 * pred.summary.gpu_idle_frac, 1)}
+    # the physical bound of this step on the profile's machine (sim/bound.py): what binds, and the tokens/s no
+    # schedule of this Program can beat there; scripts/bench.py sets the measured median against it
+    bound = pred.bound
+    out.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in bound.to_dict().items()},
+               bound_tokens_per_s=round(tokens / bound.bound_s, 1) if bound.bound_s > 0 else None)
     if program.placement.speculative_clip:  # and a step that clips
         out["predicted_clipping_step_s"] = round(simulate(program, pred.profile, StepFacts(clip_share=1.0)).step_s, 4)
     cal = calibrate_run(program, pred.profile, timelines, warmup=0)

@@ -58,11 +58,15 @@ def test_medians_ratios_and_kendall_tau(bench):
                              "schedule": "a"} for t in (200.0, 180.0, 220.0)],
             "megatrain b": [{"tokens_per_s": 50.0, "predicted_tokens_per_s": 40.0, "schedule": "b"},
                             {"error": "exit 1: boom"}],
-            "megatrain c": [{"tokens_per_s": 120.0, "predicted_tokens_per_s": 160.0, "schedule": "c"}] * 3}
+            "megatrain c": [{"tokens_per_s": 120.0, "predicted_tokens_per_s": 160.0, "schedule": "c",
+                             "bound_tokens_per_s": b, "bound_binds": "h2d"} for b in (400.0, 480.0, 500.0)]}
     s = bench.summarize(runs)
     text = bench.table(s, "resident")
     row = next(line for line in text.splitlines() if line.startswith("| megatrain a "))
     assert "| 3/3 | 200 (180-220) | 2.00 |" in row and "150 (-25.0%)" in row and "205 (+2.5%)" in row
+    assert "| - | 150 (-25.0%)" in row  # no bound recorded: none shown
+    row_c = next(line for line in text.splitlines() if line.startswith("| megatrain c "))
+    assert "| 480 (h2d): 25% |" in row_c  # the median bound, what binds, and the measured median's share of it
     assert "| 1/2 | 50 |" in text and "1 failed: exit 1: boom" in text
     # Kendall's tau-b against its matrix form in numpy, ties included
     xs, ys = [150.0, 40.0, 160.0, 40.0], [200.0, 50.0, 120.0, 60.0]
@@ -86,7 +90,12 @@ def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, ca
     row = next(line for line in out.splitlines() if line.startswith("| megatrain serial |"))
     assert "| 1/1 |" in row and ("(-" in row or "(+" in row)  # measured, and predicted beside it with its error
     assert "| megatrain serial:buffers=0 | 0/1 |" in out and "1 failed: exit 1" in out
-    assert (tmp_path / "results.jsonl").is_file() and len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    ok = __import__("json").loads(lines[0])
+    # the physical bound of the step that ran (sim/bound.py): no schedule beats it, the simulated one included
+    assert ok["bound_binds"] in ("compute", "host memory", "h2d", "d2h")
+    assert ok["bound_tokens_per_s"] >= ok["predicted_tokens_per_s"] > 0
 
 
 def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):

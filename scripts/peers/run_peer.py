@@ -325,10 +325,16 @@ def run_steps(a, cfg, ds_cfg, spec, device: str, **extra) -> dict:
     if ds_cfg:
         step, params, note = setup_deepspeed(cfg, ds_cfg, spec, a)
     else:
-        # all on the GPU: built there; FSDP2 with CPU offload shards a model built on the host
-        where = "cpu" if "offload" in cfg["torch"] else device
-        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"], where)
+        # built on the GPU (build_model: HF's init on the host is most of a process's start-up); FSDP2 with CPU
+        # offload then takes the whole model to the host before sharding it, so both torch peers start from the
+        # same values and the offloaded one never holds it on the GPU while it trains
+        model = build_model(spec, a.seq, a.seed, cfg["activation_checkpointing"], device)
         init_note = peercurve.megatrain_init(model, spec, a.seed) if a.init == "megatrain" else ""
+        if "offload" in cfg["torch"] and device != "cpu":
+            import torch
+
+            model.to("cpu")
+            torch.cuda.empty_cache()
         step, params, note = setup_torch(cfg, model, device, a.clip, a.lr)
         note = "; ".join(n for n in (init_note, note) if n)
     init_s = time.perf_counter() - t0

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 25's tables on the H200, one call of the GPU machine (carry [".bench"]); call it again with the same
+# arguments until it prints "table complete": the results file lives in /tmp of the warm machine (seeded from the
+# repository's copy when the machine is fresh) and every call copies it, the table and the logs to $OUT.
+#   bash docs/runs/25-peers/table.sh NAME "BENCH ARGS" [BUDGET_S]
+# e.g. NAME=bench3b-8x2048, BENCH ARGS="--model bench-3b --batch 8 --seq 2048 --configs ..."
+set -uo pipefail
+name=$1; args=$2; budget=${3:-520}
+mkdir -p "$OUT" /tmp/25-logs
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
+export PYTHONPATH=.:/tmp/site
+repo=docs/runs/25-peers/$name.jsonl; res=/tmp/25-$name.jsonl
+[ -f "$res" ] || { [ -f "$repo" ] && cp "$repo" "$res"; } || true
+[ -f /tmp/25-machine.txt ] || { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nproc; free -g | head -2; uptime; python3 -c "import torch, deepspeed; print('torch', torch.__version__,
+  'deepspeed', deepspeed.__version__)"; command -v numactl || echo "no numactl"; } > /tmp/25-machine.txt 2>&1
+cp /tmp/25-machine.txt "$OUT/machine.txt"
+# shellcheck disable=SC2086
+timeout $((budget + 60)) python3 scripts/bench.py --rounds 3 --steps 4 --budget-s "$budget" \
+  --log-dir /tmp/25-logs --reference all-on-gpu $args --results "$res" 2>&1 | tee "$OUT/$name-$(date +%H%M%S).txt"
+rc=${PIPESTATUS[0]}
+[ "$rc" = 0 ] && echo "table complete" | tee -a "$OUT/$name-done.txt"
+cp "$res" "$OUT/$name.jsonl"
+tar -C /tmp -czf "$OUT/$name-logs.tgz" 25-logs
+exit 0
