@@ -235,7 +235,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             s["host_B_per_param"] = statistics.median(per) if per else None
         s["bound_binds"] = next((r["bound_binds"] for r in ok if "bound_binds" in r), None)
         s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
-        s["settings"] = next((f"{r['settings']} ({r['config']})" for r in ok if "settings" in r), None)
+        s["settings"] = next((f"{r['settings']} ({r.get('config_file', r['config'])})" for r in ok if "settings" in r),
+                             None)
         out[label] = s
     return out
 
@@ -379,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(path, "a") as f:
                 # res carries the run's program record (scripts/bench_megatrain.py); calibrated_file: its profile
                 extra = {"calibrated_file": Path(c.calibrated).name} if c.calibrated else {}
-                f.write(json.dumps({"round": r, "config": c.label, **res, **extra}) + "\n")
+                # a peer's RESULT names its config file `config`: kept as `config_file`, the label stays the key
+                rec = {k: v for k, v in res.items() if k != "config"}
+                if "config" in res:
+                    extra["config_file"] = res["config"]
+                f.write(json.dumps({"round": r, "config": c.label, **rec, **extra}) + "\n")
     if unfinished:
         print(f"{unfinished} run(s) left for the time budget: run the same command again to continue")
     summary = summarize(results)
