@@ -143,3 +143,31 @@ def test_calibration_transfer_predicts_every_config_with_every_run_s_profile(ben
         predicted = float(cell.split("(")[0].replace(",", ""))
         assert abs(predicted / recorded[label] - 1) < 0.002, (label, predicted, recorded[label])
     assert "largest error on configs it was not fitted to" in out
+
+
+def test_a_peer_s_config_file_does_not_replace_the_row_s_label(bench, tmp_path, capsys, monkeypatch):
+    """A peer's RESULT names its config file `config`; the results file must keep the row's label under that key (it
+    is what a later call resumes by), the file under `config_file`. Before, the file's path won and a second call ran
+    every peer's rounds again (issue 25's first H200 table)."""
+    import json
+
+    calls = []
+
+    def fake_run(cfg, timeout_s, log_path):
+        calls.append(cfg.label)
+        return {"config": "scripts/peers/configs/all-on-gpu.json", "tokens_per_s": 100.0 + len(calls),
+                "settings": "s", "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    path = tmp_path / "r.jsonl"
+    args = ["--model", "debug", "--device", "cpu", "--rounds", "2", "--configs", "all-on-gpu", "--results", str(path)]
+    assert bench.main(args) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    file = "scripts/peers/configs/all-on-gpu.json"
+    assert [(r["round"], r["config"], r["config_file"]) for r in rows] == [(1, "all-on-gpu", file),
+                                                                          (2, "all-on-gpu", file)]
+    capsys.readouterr()
+    assert bench.main(args) == 0 and calls == ["all-on-gpu", "all-on-gpu"]  # the second call runs nothing
+    out = capsys.readouterr().out
+    assert "2 run(s) already in" in out and "| all-on-gpu | 2/2 | 102 (101-102) |" in out
+    assert "- all-on-gpu: s (scripts/peers/configs/all-on-gpu.json)" in out  # the settings line names the file
