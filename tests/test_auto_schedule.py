@@ -10,9 +10,9 @@ from megatrain.compile.advice import plan_memory
 from megatrain.compile.resolve import OPTIMIZER_PRESETS
 from megatrain.model.presets import PRESETS
 from megatrain.tune.auto import choose_schedule
+from megatrain.units import GiB
 
 SPEC = PRESETS["bench-3b"]
-GiB = 2**30
 
 
 def test_auto_keeps_exact_clipping_and_picks_the_fastest_that_fits():
@@ -75,3 +75,19 @@ def test_auto_for_several_gpus_leaves_out_what_data_parallelism_refuses():
     best = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=0), "h200-measured", 16 * GiB, world=2)
     k = best.knobs  # data parallel updates on the host only: no resident units, no GPU-updated layers
     assert not (k.resident_embeddings or k.resident_layers) and OPTIMIZER_PRESETS[k.optimizer][1] == "none"
+
+
+def test_auto_keeps_more_than_half_the_layers_resident_when_the_gpu_has_room():
+    """bench-3b with every step clipping (speculative updates redone on the host) and a budget for the whole model:
+    the fastest predicted candidate keeps more than the old grid's most (L // 2 layers) resident; at 16 GiB none of
+    those fits and the pick stays within the budget."""
+    from megatrain.ir.facts import StepFacts
+
+    spec = PRESETS["bench-3b"]
+    roomy = choose_schedule(spec, 8, 2048, ScheduleKnobs(clip=1.0), "h200-measured", 60 * GiB,
+                            facts=StepFacts(clip_share=1.0))
+    assert roomy.knobs.resident_layers > spec.num_layers // 2
+    assert plan_memory(spec, 8, 2048, roomy.knobs).gpu.peak_bytes <= 60 * GiB
+    tight = choose_schedule(spec, 8, 2048, ScheduleKnobs(clip=1.0), "h200-measured", 16 * GiB,
+                            facts=StepFacts(clip_share=1.0))
+    assert tight.knobs.resident_layers <= 4 and plan_memory(spec, 8, 2048, tight.knobs).gpu.peak_bytes <= 16 * GiB

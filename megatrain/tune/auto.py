@@ -142,7 +142,10 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs, vary_compile: bool = F
             knobs = replace(named, **keep, buffers=buffers)
             variants = {f"{name}[buffers={buffers}": knobs}
             if timing == "arrival" and not spec.tie_word_embeddings:
-                for r in sorted({0, 2, 4, 8, L // 2} & set(range(L + 1))):
+                # a few small counts, then quarters up to every layer: a GPU with memory to spare keeps most of a
+                # small model resident (bench-3b on an H200 host whose CPU update is slow: 0.88x all-on-GPU at 4
+                # layers, 1.2x at 12, predicted: docs/runs/25-peers/h200-table1/predict_next.md)
+                for r in sorted({0, 2, 4, 8, L // 4, L // 2, 3 * L // 4, L} & set(range(L + 1))):
                     variants[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}"] = replace(
                         knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
             for label, k in variants.items():
