@@ -12,13 +12,13 @@ from megatrain.cli import main
 from megatrain.compile.knobs import NUMERICS_KNOBS, ScheduleKnobs
 from megatrain.engine.trainer import StreamedTrainer
 from megatrain.model.presets import PRESETS
-from megatrain.sim import load_profile
+from megatrain.sim import load_profile, simulate
 from megatrain.train.autoswitch import (MAX_MEASURE, RUNOFF_BAND, TIMED_STEPS, UNTIMED_STEPS, AutoChoice,
                                        measure_candidates, varies_compile)
-from megatrain.tune.auto import AutoBudget, auto_candidates, choose_auto
+from megatrain.tune.auto import AutoBudget, auto_candidates, choose_auto, host_hedge
+from megatrain.units import GiB
 
 SPEC = PRESETS["debug"]
-GiB = 2**30
 
 
 def _train(tmp_path) -> list[str]:
@@ -346,3 +346,44 @@ def test_a_candidate_whose_switch_runs_out_of_gpu_memory_is_skipped_and_the_run_
     assert main([*_train(tmp_path), "--steps", "12", "--name", "plain"]) == 0
     auto, plain = _losses(tmp_path / "runs" / "auto"), _losses(tmp_path / "runs" / "plain")
     assert len(auto) == 12 and auto == pytest.approx(plain, rel=1e-6, abs=1e-7)
+
+
+def test_the_last_measured_slot_goes_to_the_host_hedge(monkeypatch):
+    """A hedge outside the K best predicted is measured in the last of the K slots (the K-1 best first, in predicted
+    order), and one line says why; a hedge the K best include changes nothing."""
+    far = None
+
+    def hedge(pool, profile, band):
+        return far
+
+    monkeypatch.setattr("megatrain.train.autoswitch.host_hedge", hedge)
+    auto = _choice(ScheduleKnobs(clip=0), measure=3)
+    far = auto.ranked[-1]
+    predicted = {c.label: c.step_s for c in auto.ranked}
+    ran = _drive(auto, lambda label: predicted[label])
+    per = UNTIMED_STEPS + TIMED_STEPS
+    assert [ran[0], ran[per], ran[2 * per]] == [auto.ranked[0].label, auto.ranked[1].label, far.label]
+    assert sum(line.startswith(f"auto: the last of the 3 measured is {far.label}") for line in auto.log_lines) == 1
+    inside = _choice(ScheduleKnobs(clip=0), measure=3)
+    far = inside.ranked[1]
+    ran = _drive(inside, lambda label: predicted[label])
+    assert [ran[0], ran[per], ran[2 * per]] == [c.label for c in inside.ranked[:3]]
+    assert not any(line.startswith("auto: the last of") for line in inside.log_lines)
+
+
+def test_the_host_hedge_is_the_close_candidate_least_bound_to_the_host():
+    """bench-3b 8 x 2048 without clipping, 48 GiB, the shipped H200 profile: the six best predicted keep 7-14 layers
+    resident; the hedge, predicted within 10% of the best, keeps more and is the fastest of them all should the host's
+    CPU update run at half the profile's rate."""
+    spec = PRESETS["bench-3b"]
+    profile = load_profile("h200-measured")
+    pick = choose_auto(spec, 8, 2048, ScheduleKnobs(clip=0.0), profile, AutoBudget(48 * GiB, None, "given"),
+                       vary_compile=True)
+    hedge = host_hedge(pick.ranked, profile, 0.10)
+    top = pick.ranked[:MAX_MEASURE - 1]
+    assert hedge not in top and hedge.step_s <= 1.10 * pick.ranked[0].step_s
+    assert hedge.knobs.resident_layers > max(c.knobs.resident_layers for c in top)
+    slow = replace(profile, cpu_adam_params_per_s={t: r / 2 for t, r in profile.cpu_adam_params_per_s.items()})
+    hedge_slow = simulate(hedge.result.program, slow).mean_step_s
+    assert all(hedge_slow < simulate(c.result.program, slow).mean_step_s for c in top)
+    assert host_hedge(pick.ranked[:1], profile, 0.10) is None  # one candidate: nothing to hedge

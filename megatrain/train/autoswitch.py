@@ -25,6 +25,13 @@ switch first applies the pending update, as a checkpoint does), so nothing is wa
 K = 0 trains with the best predicted candidate, measuring nothing. A run with fewer steps than K candidates need
 measures as many as its steps allow.
 
+The last measured slot goes to the host hedge (`tune.auto.host_hedge`) when the K best predicted do not include it:
+of the candidates predicted within the band, the fastest should this host's CPU update run at half the profile's
+rate. Candidates that tie on the profile differ most in how much of the update they leave to the host, and that
+rate is what moves between machine starts: on the H200 start of issue 25's first table, with a 48 GiB budget, the six
+best predicted on the shipped profile are predicted (by that start's fitted profile) at 14,334-19,720 tokens/s and
+the hedge at 23,429 (docs/runs/25-peers/h200-table1/auto_hedge.md).
+
 Clipping is priced by the share of clipping steps (`StepFacts.clip_share`; speculative clipping redoes a clipping
 step's updates): before the run at `assumed` (0, a run that never clips, unless the caller gives a share), and once
 steps have run at the share measured on every step so far (`StepResult.clipped`): each candidate with
@@ -65,7 +72,7 @@ from megatrain.profiling.store import ProfileChoice, reprofile_command, resolve_
 from megatrain.sim import estimate_line, load_profile
 from megatrain.sim.profile import HardwareProfile, model_signature
 from megatrain.train.fit import check_fits
-from megatrain.tune.auto import Candidate, auto_budget, choose_auto, reprice
+from megatrain.tune.auto import HEDGE_CPU_RATE, Candidate, auto_budget, choose_auto, host_hedge, reprice
 from megatrain.units import GiB
 
 DEFAULT_MEASURE = 3  # candidates `--schedule auto` measures (--auto-measure K; 0: none, the best predicted runs)
@@ -129,6 +136,7 @@ class AutoChoice:
     pending: Candidate | None = None
     previous: Candidate | None = None  # the one that ran before `running` (its Program is restored when a switch fails)
     unstarted: dict[str, str] = field(default_factory=dict)  # label -> why its switch failed (never measured)
+    hedge: str = ""  # the host hedge's label (`tune.host_hedge`): measured in the last slot if not before
     chosen: Candidate | None = None
     done: bool = False
 
@@ -156,6 +164,12 @@ class AutoChoice:
         if self.limit == 0:
             self.done = True
             return
+        hedge = host_hedge(self.pool, self.profile, self.band) if self.limit >= 2 else None
+        if hedge is not None and hedge.label not in [c.label for c in self.pool[:self.limit]]:
+            self.hedge = hedge.label
+            log(f"auto: the last of the {self.limit} measured is {hedge.label} (predicted "
+                f"{hedge.step_s * 1e3:,.1f} ms/step): of those predicted within {100 * self.band:.0f}% of the best, "
+                f"the fastest should this host's CPU update run at {HEDGE_CPU_RATE:.0%} of the profile's rate")
         why = (f", every one predicted within {100 * self.band:.0f}% of the best (at most {MAX_MEASURE})"
                if want > self.measure else "")
         log(f"auto: measuring the {self.limit} fastest predicted on the run's first steps "
@@ -182,7 +196,7 @@ class AutoChoice:
         facts = StepFacts(clip_share=sum(self.clipped) / len(self.clipped))
         self.pool = reprice(self.pool, self.profile, facts)  # clipping priced at the measured share
         if not self.in_runoff and len(self.times) < self.limit:
-            nxt = next((c for c in self.pool if c.label not in self.times), None)
+            nxt = self._next_to_measure()
             if nxt is not None:
                 self.log(f"auto: measuring {nxt.label} ({len(self.times) + 1} of {self.limit}): predicted "
                          f"{nxt.step_s * 1e3:,.1f} ms/step")
@@ -200,6 +214,16 @@ class AutoChoice:
                 self._run(nxt)
             return
         self._finish(facts)
+
+    def _next_to_measure(self) -> Candidate | None:
+        """The fastest predicted not measured yet; the last slot goes to the host hedge when it is still unmeasured
+        (and still in the pool: its switch may have failed)."""
+        left = [c for c in self.pool if c.label not in self.times]
+        if self.hedge and len(self.times) == self.limit - 1:
+            hedge = next((c for c in left if c.label == self.hedge), None)
+            if hedge is not None:
+                return hedge
+        return left[0] if left else None
 
     def _start_runoff(self) -> None:
         """After the first pass: queue the run-off (module docstring) of the candidates measured within RUNOFF_BAND

@@ -24,6 +24,10 @@ placements resident units in a few sizes; each is planned, refused when it excee
 computes the same math with other rounding, so `train --schedule auto` varies it unless the user set
 `compile_layers` (train/autoswitch.py `varies_compile`); every other knob of `NUMERICS_KNOBS` is never varied.
 
+`host_hedge` names the candidate to measure beside the best predicted ones: of those the simulator cannot tell apart,
+the fastest should the host's CPU update run at half the profile's rate (the figure that differs most between
+machine starts).
+
 Clipping is priced with `facts` (ir/facts.py `StepFacts`): with speculative clipping (arrival placements) a step
 that clips undoes and redoes its updates, so a candidate is ranked by `SimResult.mean_step_s` at the assumed share
 of clipping steps (0 unless given); `reprice` ranks candidates again at a share measured on the run's steps.
@@ -49,6 +53,10 @@ from megatrain.tune.search import TuneResult
 from megatrain.units import GiB
 
 GPU_HEADROOM = 0.9  # share of the GPU's free memory a plan may take (CUDA context, allocator fragmentation)
+# The profile's CPU AdamW rate is the figure least likely to hold on the machine a run gets: fitted to the steps of
+# one H200 start it was half the shipped profile's (2.9 against 5.8 G parameters/s, docs/peers.md), and a run's
+# update drifts 15-43% within a process (docs/accuracy.md). `host_hedge` prices candidates at this share of it.
+HEDGE_CPU_RATE = 0.5
 CPU_DEVICE_SHARE = 0.5  # on the CPU backend: share of the usable host memory for the device working set
 BUDGET_FLAG = "--gpu-budget-gib"
 
@@ -211,6 +219,23 @@ def reprice(candidates: list[Candidate], profile: HardwareProfile | str, facts: 
     out = [replace(c, result=simulate(c.result.program, profile, facts))
            if c.result.program.placement.speculative_clip and c.result.facts != facts else c for c in candidates]
     return sorted(out, key=lambda c: (c.step_s, c.label))
+
+
+def host_hedge(candidates: list[Candidate], profile: HardwareProfile | str, band: float) -> Candidate | None:
+    """Of `candidates` predicted within `band` of the fastest (those the simulator cannot tell apart), the one
+    predicted fastest should this host's CPU AdamW run at `HEDGE_CPU_RATE` of the profile's rate; None when fewer
+    than two are that close. `train --schedule auto` measures it too (train/autoswitch.py): candidates that tie on
+    the profile differ most in how much of the update they leave to the host. Each keeps its own clipping facts."""
+    if not candidates:
+        return None
+    profile = load_profile(profile)
+    best = min(c.step_s for c in candidates)
+    close = [c for c in candidates if c.step_s <= best * (1 + band)]
+    if len(close) < 2:
+        return None
+    slow = replace(profile, cpu_adam_params_per_s={t: r * HEDGE_CPU_RATE
+                                                   for t, r in profile.cpu_adam_params_per_s.items()})
+    return min(close, key=lambda c: (simulate(c.result.program, slow, c.result.facts).mean_step_s, c.step_s, c.label))
 
 
 def candidate_table(ranked: list[Candidate]) -> pd.DataFrame:
