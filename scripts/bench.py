@@ -30,8 +30,9 @@ wheels/):
 
 Long benchmarks over several calls (one call of the GPU machine runs 10 minutes at most): `--results FILE` keeps
 every run's RESULT in FILE (JSON lines) and skips the (round, config) pairs already there; `--budget-s S` starts no
-process that would likely end after S seconds (the longest run so far is the guess) and exits with status 3, "run
-the same command again". The table is made from every run in FILE.
+process that would likely end after S seconds (the guess: the config's longest earlier run, else the longest run
+of this call) and exits with status 3, "run the same command again"; a run that does not fit holds back the later
+rounds, so the runs stay in round order across calls. The table is made from every run in FILE.
 """
 from __future__ import annotations
 
@@ -205,6 +206,14 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
 
 
+def expected_s(runs: list[dict], longest: float) -> float:
+    """How long the next run of a config is likely to take, for `--budget-s`: its longest earlier run (this call's
+    or the results file's; a config's first process can be longer, e.g. DeepSpeed building its CPU Adam), else the
+    longest run of this call (a config not run yet), else 1 s."""
+    walls = [r["wall_s"] for r in runs if isinstance(r.get("wall_s"), (int, float))]
+    return max(walls) if walls else max(longest, 1.0)
+
+
 def rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:
     """(round, config) in the order they run: every config once per round, rounds one after the other."""
     return [(r, c) for r in range(1, rounds + 1) for c in configs]
@@ -360,12 +369,16 @@ def main(argv: list[str] | None = None) -> int:
                 done.add((rec["round"], rec["config"]))
                 results[rec["config"]].append(rec)
         print(f"{len(done)} run(s) already in {a.results}")
-    t0, longest, unfinished = time.perf_counter(), 0.0, 0
+    t0, longest, unfinished, held_round = time.perf_counter(), 0.0, 0, None
     for i, (r, c) in enumerate(order, 1):
         if (r, c.label) in done:
             continue
-        if a.budget_s and time.perf_counter() - t0 + max(longest, 1.0) > a.budget_s:
+        if held_round is not None and r > held_round:  # a run of an earlier round is left for the next call
             unfinished += 1
+            continue
+        if a.budget_s and time.perf_counter() - t0 + expected_s(results[c.label], longest) > a.budget_s:
+            unfinished += 1
+            held_round = r  # later configs of this round may still fit; later rounds wait, to keep the order
             continue
         run = c
         if log_dir and c.kind == "megatrain":  # its last timed step, task by task, beside its log

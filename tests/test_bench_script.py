@@ -171,3 +171,28 @@ def test_a_peer_s_config_file_does_not_replace_the_row_s_label(bench, tmp_path, 
     out = capsys.readouterr().out
     assert "2 run(s) already in" in out and "| all-on-gpu | 2/2 | 102 (101-102) |" in out
     assert "- all-on-gpu: s (scripts/peers/configs/all-on-gpu.json)" in out  # the settings line names the file
+
+
+def test_the_budget_guesses_each_config_s_own_cost_and_keeps_round_order(bench, tmp_path, capsys, monkeypatch):
+    """--budget-s: a config whose earlier run took longer than the budget left waits for the next call, a cheaper
+    config of the same round still runs, and no run of a later round goes before the one left over."""
+    import json
+
+    ran = []
+
+    def fake_run(cfg, timeout_s, log_path):
+        ran.append(cfg.label)
+        return {"tokens_per_s": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({"round": 1, "config": f"megatrain {name}", "tokens_per_s": 1.0,
+                                        "wall_s": wall}) + "\n" for name, wall in (("serial", 100.0),
+                                                                                   ("overlap", 1.0))))
+    args = ["--model", "debug", "--device", "cpu", "--rounds", "3", "--configs", "serial,overlap", "--results",
+            str(path), "--budget-s", "50"]
+    assert bench.main(args) == 3  # runs left: call again
+    assert ran == ["megatrain overlap"]  # round 2's cheap one; round 2's serial (100 s) and round 3 wait
+    assert "3 run(s) left for the time budget" in capsys.readouterr().out
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["round"], r["config"]) for r in rows][-1] == (2, "megatrain overlap")
