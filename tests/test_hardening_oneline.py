@@ -113,7 +113,7 @@ def test_a_cached_profile_that_does_not_load_is_measured_again(tmp_path, monkeyp
     from megatrain.profiling.calibrate import Calibration
     from megatrain.profiling.machine import this_machine
     from megatrain.profiling.store import cache_path
-    from megatrain.train import autoswitch
+    from megatrain.train import autoprofile
 
     spec = PRESETS["debug"]
     path = cache_path(this_machine("cpu"))  # tests/conftest.py points the cache at a tmp dir
@@ -127,14 +127,14 @@ def test_a_cached_profile_that_does_not_load_is_measured_again(tmp_path, monkeyp
         table = ComputeTable(model_signature(spec), "F", "layer", 16, (32,), (1e-3,), dtype=request.knobs.compute_dtype)
         return Calibration(load_profile("cpu").with_(machine=this_machine("cpu"), compute_tables=(table,)), {})
 
-    monkeypatch.setattr(autoswitch, "measure_profile", fake_measure)
+    monkeypatch.setattr(autoprofile, "measure_profile", fake_measure)
     lines = []
-    got = autoswitch.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    got = autoprofile.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
     assert measured and got.profile == str(path)
     assert any("does not load" in line and str(path) in line for line in lines), lines
     assert load_profile(path).name == "cpu"  # the cache holds a profile again
     lines.clear()
-    autoswitch.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
+    autoprofile.machine_profile(spec, 2, 16, knobs_for("overlap"), "cpu", log=lines.append)
     assert len(measured) == 1 and "using this machine's profile" in lines[0]
 
 
