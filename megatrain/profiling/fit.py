@@ -274,7 +274,7 @@ def _scaled(p: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     changes = {}
     if "cpu_update" in factors:
         f = factors["cpu_update"]
-        changes["cpu_adam_params_per_s"] = {k: v / f for k, v in p.cpu_adam_params_per_s.items()}
+        changes["cpu_adam_params_per_s"] = p.with_cpu_adam_times(1 / f).cpu_adam_params_per_s
         if math.isfinite(p.cpu_convert_params_per_s):
             changes["cpu_convert_params_per_s"] = p.cpu_convert_params_per_s / f
         if f < 1.0 and p.host_memory_Bps is not None and math.isfinite(p.host_memory_Bps):
@@ -303,8 +303,7 @@ def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, t
     between 1/20 and 20 times the profile's reaches `step_s` (then something else is off). `facts`: the run's share of
     clipping steps (a speculative Program's clipping steps defer or redo their updates)."""
     def step_at(k: float) -> float:
-        rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
-        return simulate(program, replace(profile, cpu_adam_params_per_s=rates), facts).mean_step_s
+        return simulate(program, profile.with_cpu_adam_times(k), facts).mean_step_s
 
     lo, hi = 0.05, 20.0  # slower update -> longer step: step_at falls as k rises
     if not step_at(hi) <= step_s <= step_at(lo):
@@ -314,7 +313,6 @@ def fit_update_rate(program: Program, profile: HardwareProfile, step_s: float, t
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if step_at(mid) > step_s else (lo, mid)
     k = math.sqrt(lo * hi)
-    rates = {t: r * k for t, r in profile.cpu_adam_params_per_s.items()}
-    return replace(profile, cpu_adam_params_per_s=rates, name=f"{profile.name}-update-fitted",
+    return replace(profile.with_cpu_adam_times(k), name=f"{profile.name}-update-fitted",
                    notes=dict(profile.notes, cpu_adam_params_per_s=f"scaled x{k:.3f} so that a measured step of "
                               f"{step_s:.4f} s simulates (profiling/fit.fit_update_rate)"))

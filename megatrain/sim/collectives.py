@@ -108,11 +108,10 @@ def rank_share(profile: HardwareProfile, world: int, hosts: int = 1) -> Hardware
     per_host = world // hosts
     shared = profile
     if per_host > 1:
-        rates = {t: r / per_host for t, r in profile.cpu_adam_params_per_s.items()}
         where = "" if hosts == 1 else f" of its host ({hosts} hosts)"
         notes = dict(profile.notes, data_parallel=f"one of {per_host} ranks{where}: host memory bandwidth and CPU "
                      f"AdamW rate / {per_host} (shared by the ranks), PCIe per GPU unchanged (sim/collectives.py)")
-        shared = replace(profile, host_memory_Bps=profile.host_memory_Bps / per_host, cpu_adam_params_per_s=rates,
+        shared = replace(profile.with_cpu_adam_times(1 / per_host), host_memory_Bps=profile.host_memory_Bps / per_host,
                          notes=notes)
     return shared if hosts == 1 else span_hosts(shared, per_host)
 

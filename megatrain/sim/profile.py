@@ -325,6 +325,10 @@ class HardwareProfile:
             return self.cpu_adam_params_per_s[ts[0]] * threads / ts[0]
         return _interp(ts, [self.cpu_adam_params_per_s[t] for t in ts], threads)
 
+    def with_cpu_adam_times(self, factor: float) -> HardwareProfile:
+        """This profile with its CPU AdamW rate at every thread count times `factor` (a fit, or a slower host)."""
+        return replace(self, cpu_adam_params_per_s={t: r * factor for t, r in self.cpu_adam_params_per_s.items()})
+
     def matmul_rate(self, dtype: str) -> float:
         if dtype not in self.matmul_flops_per_s:
             raise ProfileError(f"profile {self.name} has no matmul rate for compute dtype {dtype!r}; "

@@ -53,12 +53,12 @@ from megatrain.tune.search import TuneResult
 from megatrain.units import GiB
 
 GPU_HEADROOM = 0.9  # share of the GPU's free memory a plan may take (CUDA context, allocator fragmentation)
+CPU_DEVICE_SHARE = 0.5  # on the CPU backend: share of the usable host memory for the device working set
+BUDGET_FLAG = "--gpu-budget-gib"
 # The profile's CPU AdamW rate is the figure least likely to hold on the machine a run gets: fitted to the steps of
 # one H200 start it was half the shipped profile's (2.9 against 5.8 G parameters/s, docs/peers.md), and a run's
 # update drifts 15-43% within a process (docs/accuracy.md). `host_hedge` prices candidates at this share of it.
 HEDGE_CPU_RATE = 0.5
-CPU_DEVICE_SHARE = 0.5  # on the CPU backend: share of the usable host memory for the device working set
-BUDGET_FLAG = "--gpu-budget-gib"
 
 
 class BudgetError(ValueError):
@@ -151,8 +151,8 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs, vary_compile: bool = F
             variants = {f"{name}[buffers={buffers}": knobs}
             if timing == "arrival" and not spec.tie_word_embeddings:
                 # a few small counts, then quarters up to every layer: a GPU with memory to spare keeps most of a
-                # small model resident (bench-3b on an H200 host whose CPU update is slow: 0.88x all-on-GPU at 4
-                # layers, 1.2x at 12, predicted: docs/runs/25-peers/h200-table1/predict_next.md)
+                # small model resident (bench-3b on an H200 host whose CPU update is slow: 0.89x all-on-GPU measured
+                # at 4 layers; 1.21x at 12 predicted out of sample, docs/runs/25-peers/h200-table1/predict_next.md)
                 for r in sorted({0, 2, 4, 8, L // 4, L // 2, 3 * L // 4, L} & set(range(L + 1))):
                     variants[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}"] = replace(
                         knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
@@ -233,8 +233,7 @@ def host_hedge(candidates: list[Candidate], profile: HardwareProfile | str, band
     close = [c for c in candidates if c.step_s <= best * (1 + band)]
     if len(close) < 2:
         return None
-    slow = replace(profile, cpu_adam_params_per_s={t: r * HEDGE_CPU_RATE
-                                                   for t, r in profile.cpu_adam_params_per_s.items()})
+    slow = profile.with_cpu_adam_times(HEDGE_CPU_RATE)
     return min(close, key=lambda c: (simulate(c.result.program, slow, c.result.facts).mean_step_s, c.step_s, c.label))
 
 
