@@ -30,8 +30,8 @@ The last measured slot goes to the host hedge (`tune.auto.host_hedge`) when the 
 of the candidates predicted within the band, the fastest should this host's CPU update run at half the profile's
 rate. Candidates that tie on the profile differ most in how much of the update they leave to the host, and that
 rate is what moves between machine starts: on the H200 start of issue 25's first table, with a 48 GiB budget, the six
-best predicted on the shipped profile are predicted (by that start's fitted profile) at 14,334-19,720 tokens/s and
-the hedge at 23,429 (docs/runs/25-peers/h200-table1/auto_hedge.md).
+best predicted on the shipped profile are predicted at 14,334-19,720 tokens/s and the hedge at 23,429, out of sample
+by that start's profile fitted to its 4-layer runs (docs/runs/25-peers/h200-table1/auto_hedge.md; not yet run).
 
 Clipping is priced by the share of clipping steps (`StepFacts.clip_share`; speculative clipping redoes a clipping
 step's updates): before the run at `assumed` (0, a run that never clips, unless the caller gives a share), and once

@@ -161,9 +161,10 @@ def settings_summary(cfg: dict, clip: float) -> str:
             parts.append("zenflow " + ", ".join(f"{k}={v}" for k, v in zero["zenflow"].items()))
         parts.append(f"sub_group_size={zero.get('sub_group_size', 1e9):.0e}" if zero["stage"] == 3
                      else "sub_group_size n/a (stage 2)")
-        for key in ("overlap_comm", "reduce_bucket_size"):  # stated when the config sets them
-            if key in zero:
-                parts.append(f"{key}={zero[key]:.0e}" if key == "reduce_bucket_size" else f"{key}={zero[key]}")
+        if "overlap_comm" in zero:  # stated when the config sets them
+            parts.append(f"overlap_comm={zero['overlap_comm']}")
+        if "reduce_bucket_size" in zero:
+            parts.append(f"reduce_bucket_size={zero['reduce_bucket_size']:.0e}")
         parts.append("bind_cores_to_rank" if cfg["launcher"]["bind_cores_to_rank"] else "no core binding")
         parts.append("bf16")
     else:

@@ -24,8 +24,8 @@ import predict_next as pn  # noqa: E402  (the fit and the timelines of this star
 from megatrain.compile.knobs import ScheduleKnobs, resolve_knobs  # noqa: E402
 from megatrain.profiling.live import calibrate_run  # noqa: E402
 from megatrain.sim import load_profile, simulate  # noqa: E402
-from megatrain.train.autoswitch import DEFAULT_BAND, DEFAULT_MEASURE, MAX_MEASURE  # noqa: E402
-from megatrain.tune.auto import AutoBudget, choose_auto, host_hedge  # noqa: E402
+from megatrain.train.autoswitch import AutoChoice  # noqa: E402
+from megatrain.tune.auto import AutoBudget, choose_auto  # noqa: E402
 from megatrain.units import GiB  # noqa: E402
 
 TOKENS = 8 * 2048
@@ -54,11 +54,11 @@ def main() -> None:
         pick = choose_auto(spec, 8, 2048, ScheduleKnobs(clip=0.0), shipped, AutoBudget(gib * GiB, None, "given"),
                            vary_compile=True)
         ranked = pick.ranked
-        close = sum(c.step_s <= ranked[0].step_s * (1 + DEFAULT_BAND) for c in ranked)
-        k = min(max(DEFAULT_MEASURE, min(close, MAX_MEASURE)), len(ranked))  # autoswitch.AutoChoice.start's rule
-        plain = ranked[:k]
-        hedge = host_hedge(ranked, shipped, DEFAULT_BAND)
-        hedged = plain if hedge is None or hedge in plain else [*ranked[:k - 1], hedge]
+        auto = AutoChoice(spec, 8, 2048, pick.knobs, pick.label, ranked, shipped)  # the defaults train runs with
+        auto.start(1000, lambda line: None)  # how many it measures (auto.limit) and its hedge, by its own rule
+        plain = auto.pool[:auto.limit]
+        hedge = next((c for c in auto.pool if c.label == auto.hedge), None)
+        hedged = plain if hedge is None else [*plain[:-1], hedge]
         best_plain = max(plain, key=here)
         best_hedged = max(hedged, key=here)
         best_all = max(ranked, key=here)
@@ -66,7 +66,7 @@ def main() -> None:
         def cell(c) -> str:
             return f"{c.label} {here(c):,.0f} ({here(c) / ALL_ON_GPU:.2f}x)"
         print(f"| {gib} GiB | {', '.join(f'{here(c):,.0f}' for c in plain)} | {cell(best_plain)} | "
-              f"{hedge.label if hedge is not None else '-'} | {cell(best_hedged)} | {cell(best_all)} |")
+              f"{hedge.label if hedge is not None else '- (among them)'} | {cell(best_hedged)} | {cell(best_all)} |")
 
 
 if __name__ == "__main__":
