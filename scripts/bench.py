@@ -12,7 +12,8 @@ Configurations (`--configs`, comma-separated, in the order each round runs them)
                              runs can be repeated: no clipping, a Llama of vocab 32000, not the model's own shape)
     authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping;
                              their code from an external checkout: docs/peers.md gives its commit and fetch command)
-    NAME[:k=v;k=v]           megatrain (scripts/bench_megatrain.py) with a named schedule (or `auto`) and knobs
+    NAME[:k=v;k=v]           megatrain (scripts/bench_megatrain.py) with a named schedule (or `auto`) and knobs;
+                             clipping at 1.0 unless a knob says `clip=` (the peers' default: one default per table)
 
 Every process prints one `RESULT {json}` line; a process that fails or times out is marked in its row and the rest
 go on. megatrain rows carry the prediction with `--profile` (uncalibrated), with that profile fitted to the run's
@@ -69,6 +70,7 @@ def _load_peerconf():
 
 peerconf = _load_peerconf()
 OUR_PEERS = tuple(peerconf.peer_names())
+DEFAULT_CLIP = str(peerconf.DEFAULT_CLIP)  # every row's max norm unless its config sets clip=
 
 
 @dataclass
@@ -137,7 +139,7 @@ def build_configs(a) -> list[Config]:
     for label, kind, kvs in parse_configs(a.configs):
         if kind == "ours":
             cfg = peerconf.load(label.partition(":")[0])
-            clip = next((kv.partition("=")[2].strip() for kv in kvs), "1.0")
+            clip = next((kv.partition("=")[2].strip() for kv in kvs), DEFAULT_CLIP)
             args = ["--model", a.model, *shape, "--clip", clip]
             out.append(Config(label, kind, peerconf.launch_argv(cfg, args, py, bind)))
         elif kind == "peer":
@@ -149,6 +151,8 @@ def build_configs(a) -> list[Config]:
             name = label.partition(":")[0]
             argv = [py, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
                     "--device", a.device, "--gpu-limit-gib", str(a.gpu_limit_gib)]
+            if not any(kv.partition("=")[0].strip() == "clip" for kv in kvs):
+                kvs = [*kvs, f"clip={DEFAULT_CLIP}"]  # the peers' default: a row without clip= is not compared unclipped
             argv += [x for kv in kvs for x in ("--set", kv)]
             if a.profile is not None:
                 argv += ["--profile", a.profile]
@@ -243,11 +247,37 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             per = [r["host_rss_GiB"] * GiB / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
             s["host_B_per_param"] = statistics.median(per) if per else None
         s["bound_binds"] = next((r["bound_binds"] for r in ok if "bound_binds" in r), None)
+        s["clip"] = next((c for c in map(_max_norm, ok) if c is not None), None)
+        counts = [tuple(map(int, r["clipped_steps"].split("/"))) for r in ok if "clipped_steps" in r]
+        s["clipped_steps"] = (sum(c for c, _ in counts), sum(n for _, n in counts)) if counts else None
         s["schedule"] = next((r["schedule"] for r in ok if "schedule" in r), None)
         s["settings"] = next((f"{r['settings']} ({r.get('config_file', r['config'])})" for r in ok if "settings" in r),
                              None)
         out[label] = s
     return out
+
+
+def _max_norm(result: dict) -> float | None:
+    """The max gradient norm a run clipped at (0: none): a peer's RESULT says it (the authors' trainer as
+    grad_clip, None for none), megatrain's record has it, baseline_train.py never clips."""
+    if isinstance(result.get("clip"), (int, float)):
+        return float(result["clip"])
+    if "grad_clip" in result:
+        return float(result["grad_clip"] or 0.0)
+    if result.get("mode") in PEERS:
+        return 0.0
+    knobs = (result.get("record") or {}).get("knobs") or {}
+    return float(knobs["clip"]) if isinstance(knobs.get("clip"), (int, float)) else None
+
+
+def _clipping(s: dict) -> str:
+    """The clipping a row ran with, and for megatrain how many timed steps it scaled (all runs together)."""
+    if s.get("clip") is None:
+        return "?"
+    text = "none" if s["clip"] == 0 else f"{s['clip']:g}"
+    if s["clip"] and s.get("clipped_steps"):
+        text += " ({}/{} steps clipped)".format(*s["clipped_steps"])
+    return text
 
 
 def _pred(p: float | None, meas: float | None) -> str:
@@ -265,7 +295,7 @@ def _bound(s: dict, meas: float | None) -> str:
 def table(summary: dict[str, dict], reference: str | None) -> str:
     ref = summary.get(reference or "", {})
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
-    cols = ["config", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
+    cols = ["config", "clipping", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
             "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %",
             "physical bound tok/s (binds): efficiency", "predicted, profile",
             "IN-SAMPLE: live-calibrated on its own steps", "predicted, calibrated elsewhere"]
@@ -275,7 +305,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
         def num(key, fmt="{:.1f}"):
             return "-" if s[key] is None else fmt.format(s[key])
         cells = [label + (f" (ran as {s['schedule']})" if s["schedule"] and s["schedule"].startswith("auto") else ""),
-                 f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
+                 _clipping(s), f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
                  f"{med / ref_tps:.2f}" if med and ref_tps else "-", num("model_TFLOPs"), num("peak_gpu_GiB"),
                  num("host_rss_GiB"), num("host_B_per_param"), num("gpu_idle_pct"), _bound(s, med),
                  _pred(s["predicted_tokens_per_s"], med),

@@ -34,10 +34,27 @@ def test_dry_run_prints_every_command_round_robin(bench, capsys):
                         "--batch 8 --seq 2048 --steps 4")
     assert first[2].startswith("round 1: PYTHONPATH=BENCH/megatrain_repo:$PYTHONPATH py BENCH/megatrain_repo/peer.py "
                                "--layers 28")
+    # a megatrain row that sets no clip= clips at the peers' default, so no row is compared unclipped unawares
     assert first[3].endswith("--schedule arrival-resident --device cuda --gpu-limit-gib 40.0 --set resident_layers=4 "
-                             "--set compile_layers=true")
+                             "--set compile_layers=true --set clip=1.0")
     assert "--schedule auto" in first[4] and first[4].endswith("--set clip=0")
     assert runs[5:10] == [r.replace("round 1", "round 2") for r in first]
+
+
+def test_the_clipping_column_reads_each_runs_own_max_norm(bench):
+    """The max norm each row ran with, from what its process reported: a peer's clip, the authors' grad_clip,
+    megatrain's record knobs with the steps it clipped, the older baseline peers' none."""
+    runs = {"superoffload": [{"tokens_per_s": 10.0, "clip": 1.0}],
+            "authors": [{"tokens_per_s": 10.0, "grad_clip": None}],
+            "resident": [{"tokens_per_s": 10.0, "mode": "resident"}],
+            "megatrain a": [{"tokens_per_s": 10.0, "clipped_steps": c, "record": {"knobs": {"clip": 1.0}}}
+                            for c in ("4/4", "1/4", "0/4")],
+            "megatrain b": [{"tokens_per_s": 10.0, "record": {"knobs": {"clip": 0.0}}}],
+            "unknown": [{"tokens_per_s": 10.0}]}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in
+            bench.table(bench.summarize(runs), None).splitlines()[2:]}
+    assert rows == {"superoffload": "1", "authors": "none", "resident": "none",
+                    "megatrain a": "1 (5/12 steps clipped)", "megatrain b": "none", "unknown": "?"}
 
 
 def test_a_malformed_config_is_one_error(bench):
@@ -89,7 +106,8 @@ def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, ca
     assert "[2/2] round 1 megatrain serial:buffers=0: FAILED (exit 1" in out
     row = next(line for line in out.splitlines() if line.startswith("| megatrain serial |"))
     assert "| 1/1 |" in row and ("(-" in row or "(+" in row)  # measured, and predicted beside it with its error
-    assert "| megatrain serial:buffers=0 | 0/1 |" in out and "1 failed: exit 1" in out
+    assert row.split(" | ")[1].startswith("1 (") and "/2 steps clipped)" in row  # the default max norm, as it ran
+    assert "| megatrain serial:buffers=0 | ? | 0/1 |" in out and "1 failed: exit 1" in out
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == 2
     ok = __import__("json").loads(lines[0])
@@ -110,7 +128,7 @@ def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):
                        "--results", str(path), "--python", "false"]) == 0
     out = capsys.readouterr().out
     assert "2 run(s) already in" in out and "round 1 megatrain overlap" not in out
-    assert "| megatrain overlap | 2/2 | 20 (10-30) |" in out
+    assert "| megatrain overlap | ? | 2/2 | 20 (10-30) |" in out
 
 
 def test_calibration_transfer_predicts_every_config_with_every_run_s_profile(bench, tmp_path, capsys, monkeypatch):
@@ -171,7 +189,7 @@ def test_a_peer_s_config_file_does_not_replace_the_row_s_label(bench, tmp_path, 
     capsys.readouterr()
     assert bench.main(args) == 0 and calls == ["all-on-gpu", "all-on-gpu"]  # the second call runs nothing
     out = capsys.readouterr().out
-    assert "2 run(s) already in" in out and "| all-on-gpu | 2/2 | 102 (101-102) |" in out
+    assert "2 run(s) already in" in out and "| all-on-gpu | ? | 2/2 | 102 (101-102) |" in out
     assert "- all-on-gpu: s (scripts/peers/configs/all-on-gpu.json)" in out  # the settings line names the file
 
 

@@ -100,6 +100,7 @@ def check(cfg: dict, where: str = "config") -> None:
 
 
 DEFAULT_LR = 1e-5  # scripts/bench_megatrain.py BENCH_LR (tests/test_peers_dryrun.py ties them)
+DEFAULT_CLIP = 1.0  # max global gradient norm of a row that does not set one: DeepSpeed's default since v0.19.3
 
 
 def adamw_params(lr: float = DEFAULT_LR) -> dict:

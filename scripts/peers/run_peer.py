@@ -60,7 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 = no clipping")
+    ap.add_argument("--clip", type=float, default=peerconf.DEFAULT_CLIP,
+                    help="max global gradient norm; 0 = no clipping")
     ap.add_argument("--seed", type=int, default=0, help="the model's random init")
     ap.add_argument("--lr", type=float, default=peerconf.DEFAULT_LR, help="AdamW's learning rate (constant)")
     ap.add_argument("--corpus", action="store_true",
