@@ -151,8 +151,8 @@ def build_configs(a) -> list[Config]:
             name = label.partition(":")[0]
             argv = [py, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
                     "--device", a.device, "--gpu-limit-gib", str(a.gpu_limit_gib)]
-            if not any(kv.partition("=")[0].strip() == "clip" for kv in kvs):
-                kvs = [*kvs, f"clip={DEFAULT_CLIP}"]  # the peers' default: a row without clip= is not compared unclipped
+            if not any(kv.partition("=")[0].strip() == "clip" for kv in kvs):  # the peers' default, not the
+                kvs = [*kvs, f"clip={DEFAULT_CLIP}"]  # schedule's: no row is compared unclipped unawares
             argv += [x for kv in kvs for x in ("--set", kv)]
             if a.profile is not None:
                 argv += ["--profile", a.profile]
@@ -297,7 +297,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
     cols = ["config", "clipping", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
             "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %",
-            "physical bound tok/s (binds): efficiency", "predicted, profile",
+            "physical bound tok/s (binds): efficiency", "predicted, profile (clipping as the run clipped)",
             "IN-SAMPLE: live-calibrated on its own steps", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():

@@ -72,16 +72,21 @@ def _default_timeout_s(spec, batch: int, seq: int, knobs, profile: str) -> float
     return max(300.0, 3 * step_s)
 
 
-def predictions(program, a, timelines, tokens: int) -> dict:
+def predictions(program, a, timelines, tokens: int, clip_share: float = 0.0) -> dict:
     """Predicted step and tokens/s of the Program that ran: with --profile (`predicted_*`), with it calibrated to
-    this run's timed steps (`calibrated_*`), and with --calibrated-profile (`transfer_*`)."""
+    this run's timed steps (`calibrated_*`), and with --calibrated-profile (`transfer_*`). Each prices clipping at
+    `clip_share`, the share of the timed steps that clipped (a fact of the data, as batch and sequence are, not a
+    timing fitted to the run; it changes the work of speculative clipping only), recorded as
+    `predicted_clip_share`; `predicted_clipping_step_s` is a step that clips."""
     from megatrain.ir.facts import StepFacts
     from megatrain.profiling.live import calibrate_run
     from megatrain.sim import load_profile, simulate
 
-    pred = simulate(program, load_profile(a.profile))
+    facts = StepFacts(clip_share=clip_share)
+    pred = simulate(program, load_profile(a.profile), facts)
     out = {"predicted_step_s": round(pred.step_s, 4), "predicted_tokens_per_s": round(tokens / pred.step_s, 1),
-           "predicted_gpu_idle_pct": round(100 * pred.summary.gpu_idle_frac, 1)}
+           "predicted_gpu_idle_pct": round(100 * pred.summary.gpu_idle_frac, 1),
+           "predicted_clip_share": round(clip_share, 4)}
     # the physical bound of this step on the profile's machine (sim/bound.py): what binds, and the tokens/s no
     # schedule of this Program can beat there; scripts/bench.py sets the measured median against it
     bound = pred.bound
@@ -98,7 +103,7 @@ def predictions(program, a, timelines, tokens: int) -> dict:
         Path(a.save_calibrated).parent.mkdir(parents=True, exist_ok=True)
         cal.profile.save(a.save_calibrated)
     if a.calibrated_profile:
-        t = simulate(program, load_profile(a.calibrated_profile)).step_s
+        t = simulate(program, load_profile(a.calibrated_profile), facts).step_s
         out.update(transfer_step_s=round(t, 4), transfer_tokens_per_s=round(tokens / t, 1),
                    transfer_profile=a.calibrated_profile)
     return out
@@ -240,7 +245,8 @@ def main() -> None:
         out["analysis_error"] = repr(e)
     if a.profile:
         try:
-            out.update(predictions(trainer.program(a.batch, a.seq), a, [r.timeline for r in results], tokens))
+            share = sum(r.clipped for r in results) / len(results)  # of the timed steps
+            out.update(predictions(trainer.program(a.batch, a.seq), a, [r.timeline for r in results], tokens, share))
         except Exception as e:
             out["predict_error"] = repr(e)
     if a.timeline:

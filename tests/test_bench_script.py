@@ -116,6 +116,9 @@ def test_runs_each_config_in_its_own_process_and_keeps_going(bench, tmp_path, ca
 
     assert ok["bound_binds"] in RESOURCES
     assert ok["bound_tokens_per_s"] >= ok["predicted_tokens_per_s"] > 0
+    # predicted at the share of its timed steps that clipped (what the run's clipping column counts)
+    clipped, steps = map(int, ok["clipped_steps"].split("/"))
+    assert ok["predicted_clip_share"] == pytest.approx(clipped / steps) and steps == 2
 
 
 def test_results_file_continues_an_earlier_call(bench, tmp_path, capsys):

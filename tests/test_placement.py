@@ -42,6 +42,7 @@ KNOB_VALUES = {
     "grad_ring": [0, 1, 2],
     "state_dtype": ["fp32", "bf16"],
     "state_tier": ["host", "nvme-moments", "nvme-all"],
+    "clip_redo": [None, "next-step", "step-end"],
 }
 
 
@@ -53,7 +54,8 @@ def same_setting(knobs: ScheduleKnobs, name: str, value) -> bool:
     explicit = here if value is None else value
     p = resolve(DEBUG, 4, 64, dataclasses.replace(knobs, **{name: None}))
     default = {"gpu_optimizer_fraction": DEFAULT_GPU_FRACTION, "state_buffers": p.state_buffers,
-               "state_lookahead": p.state_lookahead, "mlp_tile_tokens": p.mlp_tile_tokens}[name]
+               "state_lookahead": p.state_lookahead, "mlp_tile_tokens": p.mlp_tile_tokens,
+               "clip_redo": "next-step"}[name]
     return explicit == default
 
 

@@ -94,18 +94,34 @@ def test_the_redo_runs_in_clipping_steps_and_speculation_is_exact_without_them(m
 
 
 def test_updates_run_before_the_norm_and_each_has_a_redo_after_it_and_the_norm():
+    """A resident unit's redo runs on the GPU at the end of the step, after its update and the norm; a host unit's
+    runs on the host threads at the start of the next step (step_offset -1: the step boundary orders it after the
+    last step's norm and update), before the copy of its weights and the offload that overwrites its gradients."""
     sched = build_schedule(PRESETS["debug"], 4, 32, knobs_for("arrival-resident", clip=1.0, resident_layers=1))
     g, norm = sched.graph, Task.parse("N")
     updates = [t for t in g.nodes if t.kind.value == "U"]
     assert updates and not any(g.has_edge(norm, u) for u in updates)
+    resident = {EMBED, HEAD, 0}
     for u in updates:
         redo = Task.parse("V" + u.id[1:])
-        assert g.has_edge(u, redo) and g.has_edge(norm, redo)
+        if u.unit in resident:
+            assert g.has_edge(u, redo) and g.has_edge(norm, redo) and g.nodes[redo].get("step_offset", 0) == 0
+        else:
+            assert g.nodes[redo]["step_offset"] == -1 and not g.has_edge(norm, redo)
+            assert g.has_edge(redo, Task.parse(f"O{u.unit}")) and g.has_edge(redo, Task.parse(f"P{u.unit}"))
     program = lower(sched)
-    streams = {program.tasks[t].stream for t in program.tasks if t.startswith("V")}
-    assert streams == {"cpu", "compute"}  # host units on the host threads, resident units on the GPU
-    g.remove_edge(norm, Task.parse("V3"))
+    streams = {program.tasks[t].unit: program.tasks[t].stream for t in program.tasks if t.startswith("V")}
+    assert streams == {u: "compute" if u in resident else "cpu" for u in streams}  # where the state is
+    cpu = [program.tasks[t] for t in program.streams["cpu"]]
+    redos = [t.unit for t in cpu if t.kind == "V"]
+    assert redos == [1, 2, 3] and cpu[:3] == [t for t in cpu if t.kind == "V"]  # first, in forward order
+    g.remove_edge(norm, Task.parse("V0"))
     with pytest.raises(ScheduleError, match="no CLIP_REDO after both"):
+        validate(sched)
+    g.add_edge(norm, Task.parse("V0"))
+    validate(sched)
+    g.remove_edge(Task.parse("V3"), Task.parse("P3"))
+    with pytest.raises(ScheduleError, match="V3 redoes the last step's update of unit 3 in this step, but P3 may"):
         validate(sched)
 
 
@@ -140,3 +156,45 @@ def test_deferred_and_redone_updates_both_train_like_the_plain_loop(monkeypatch)
     n_units = len(SPECS["llama"].units())
     assert all(len(u.deferred_units) == n_units and not u.redone_units for u in later)
     te.assert_same_training(results, state, ref, "llama", "arrival-clip-2")
+
+
+def test_the_last_steps_host_redos_run_in_a_flush_as_they_would_in_the_next_step():
+    """A host unit's redo runs at the start of the next step; `flush()` (a checkpoint, `state_dict`) runs the last
+    step's instead, and the next step then has none to run. Bitwise the same training as a run that never flushed
+    before its end; the debug model's norm exceeds MAX_NORM in every step, so its host updates are deferred."""
+    knobs = knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True, resident_layers=2, **FP32)
+    spec = SPECS["llama"]
+    straight, flushed = (StreamedTrainer(spec, knobs, initial_tiles(spec), optim=AdamWConfig(lr=LR, weight_decay=WD),
+                                         backend="cpu", timeout_s=30) for _ in range(2))
+    for i, (ids, targets) in enumerate(batches(spec, 4)):
+        a, b = straight.step(ids, targets), flushed.step(ids, targets)
+        assert a.loss == b.loss and a.grad_norm == b.grad_norm
+        if i == 1:  # only `flushed` flushes, here
+            deferred = set(b.update.deferred_units)
+            assert deferred == {2, 3} and not deferred & set(b.update.applied_units)  # waiting for their redo
+            flushed.state_dict()
+            assert deferred <= set(b.update.applied_units)  # the flush applied them, clipped
+    end_a, end_b = straight.state_dict(), flushed.state_dict()
+    assert end_a.keys() == end_b.keys() and all(torch.equal(end_a[k], end_b[k]) for k in end_a)
+
+
+def test_clip_redo_step_end_keeps_the_redo_in_its_step_and_is_refused_where_it_changes_nothing():
+    """clip_redo="step-end": a host unit's V after the norm and its update, at the end of its own step, as before
+    the knob existed; a record made then (no clip_redo key) rebuilds that Program. Where no host redo exists the
+    knob is refused with the reason."""
+    from megatrain.compile.knobs import ScheduleKnobs
+    from megatrain.compile.record import ProgramRecord, program_of
+
+    knobs = knobs_for("arrival-resident", clip=1.0, resident_layers=1, clip_redo="step-end")
+    g, norm = build_schedule(PRESETS["debug"], 4, 32, knobs).graph, Task.parse("N")
+    v3 = Task.parse("V3")
+    assert g.has_edge(norm, v3) and g.has_edge(Task.parse("U3"), v3) and g.nodes[v3].get("step_offset", 0) == 0
+    old = lower(build_schedule(PRESETS["debug"], 4, 32, knobs))
+    record = ProgramRecord.of(old).to_dict()
+    del record["knobs"]["clip_redo"]  # as a record written before the knob
+    assert program_of(record).fingerprint() == old.fingerprint()
+    new = lower(build_schedule(PRESETS["debug"], 4, 32, ScheduleKnobs.from_dict(record["knobs"])))
+    assert new.fingerprint() != old.fingerprint()  # unset today: the next step's
+    for bad in (dict(clip=0), dict(clip=1.0, optimizer="overlap")):
+        with pytest.raises(ScheduleError, match="clip_redo='step-end' has no effect"):
+            build_schedule(PRESETS["debug"], 4, 32, knobs_for("arrival", clip_redo="step-end", **bad))

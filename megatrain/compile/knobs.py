@@ -49,6 +49,11 @@ PLACEMENT: where the optimizer's work and state live, and when updates run
                        only (exact clipping keeps every unit's gradients until the global norm is known: 4 B/param)
     state_dtype        "fp32" | "bf16": Adam m and v on the host (bf16: 4 B/param less; the update's math stays
                        fp32, chunk by chunk through an fp32 scratch; host-updated units only)
+    clip_redo          speculative clipping (clip > 0 with an arrival placement) with host-updated units: when a
+                       host unit's CLIP_REDO runs. "next-step" (the default where it applies): at the start of the
+                       next step, before the copy of the unit's weights, so a step that clips has its host redos
+                       overlap the next forward; "step-end": at the end of its own step, after the global norm (what
+                       ran before the knob existed: the records of those runs rebuild with it); unset elsewhere
     state_tier         "host" | "nvme-moments" | "nvme-all": where the optimizer state lives (m and v, or master +
                        m + v, on an NVMe drive, read and written by each host update); planned and simulated only,
                        `train` refuses it
@@ -96,6 +101,7 @@ from pathlib import Path
 # Presets of a timing and a rule for the GPU-updated layers (megatrain/ir/placement.py: OPTIMIZER_PRESETS).
 OPTIMIZER_PLACEMENTS = ("after", "arrival", "overlap", "gpu", "split", "overlap-split", "arrival-split")
 STATE_TIERS = ("host", "nvme-moments", "nvme-all")
+CLIP_REDO_TIMES = ("next-step", "step-end")  # when a host unit's CLIP_REDO runs (the first: the default)
 
 
 KNOB_GROUP_NAMES = ("placement", "step shape", "numerics")
@@ -133,6 +139,7 @@ class ScheduleKnobs:
     grad_ring: int = _knob(0, "placement")  # 0: a landing tile per unit; K: a ring of K tiles (arrival, clip=0)
     state_dtype: str = _knob("fp32", "placement", numbers=True)  # dtype of Adam m and v on the host
     state_tier: str = _knob("host", "placement")  # "nvme-*": planned and simulated only
+    clip_redo: str | None = _knob(None, "placement")  # speculative clipping's host redos; unset: "next-step"
 
     def __post_init__(self):
         """Each knob's own type and range. The rules between knobs live in `placement.resolve`."""
@@ -161,6 +168,8 @@ class ScheduleKnobs:
             bad("gpu_optimizer_fraction", "a fraction in [0, 1] (or unset)")
         if self.state_tier not in STATE_TIERS:
             bad("state_tier", " | ".join(STATE_TIERS))
+        if self.clip_redo is not None and self.clip_redo not in CLIP_REDO_TIMES:
+            bad("clip_redo", " | ".join(CLIP_REDO_TIMES) + " (or unset)")
         for name in ("weight_wire", "grad_wire", "compute_dtype", "state_dtype"):
             if getattr(self, name) not in WIRE_DTYPES:
                 bad(name, " | ".join(WIRE_DTYPES))

@@ -12,12 +12,14 @@ A record of several ranks rebuilds through the collective strategy's passes: imp
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import ScheduleKnobs
 from megatrain.compile.lower import lower
+from megatrain.compile.resolve import resolve
+from megatrain.ir.dag import ScheduleError
 from megatrain.ir.placement import DEFAULT_STRATEGY, Parallelism
 from megatrain.ir.program import Program
 from megatrain.model.spec import ModelSpec
@@ -83,7 +85,17 @@ def program_of(record: ProgramRecord | dict) -> Program:
     r = record if isinstance(record, ProgramRecord) else ProgramRecord.from_dict(record)
     spec = ModelSpec.from_dict(r.model_spec)
     parallel = Parallelism(r.world, r.hosts, r.strategy)
-    program = lower(build_schedule(spec, r.batch, r.seq, ScheduleKnobs.from_dict(r.knobs), world=parallel))
+    knobs = ScheduleKnobs.from_dict(r.knobs)
+    if "clip_redo" not in r.knobs and knobs.clip > 0:
+        # recorded before the knob existed, when a host unit's redo ran at the end of its step: rebuild that
+        # (where the placement has such redos; elsewhere the knob stays unset, as it must)
+        legacy = replace(knobs, clip_redo="step-end")
+        try:
+            resolve(spec, r.batch, r.seq, legacy, parallel)
+            knobs = legacy
+        except ScheduleError:
+            pass
+    program = lower(build_schedule(spec, r.batch, r.seq, knobs, world=parallel))
     if r.schedule:
         program.name = r.schedule
     if r.program_hash and program.fingerprint() != r.program_hash:

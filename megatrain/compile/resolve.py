@@ -97,6 +97,7 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
     state_of = {u: f"s{i % state_buffers}" for i, u in enumerate(state_order)}
     units = tuple(_unit_placement(u, resident, gpu_layers, kept, state_of) for u in spec.units())
     grad_ring, ring_tiles = _gradient_ring(spec, k, units, notes)
+    redo_next_step = _resolve_clip_redo(k, timing, clip, units)
     checkpoint_layers = tuple(range(0, L, recompute_block))
     offloaded = _offloaded_checkpoints(k, checkpoint_layers)
     tokens_mb = batch // k.micro_batches * seq
@@ -115,7 +116,7 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
         layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
         loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes),
         grad_ring=grad_ring, ring_tiles=ring_tiles, state_dtype=k.state_dtype, state_tier=k.state_tier,
-        world=parallel.world, hosts=parallel.hosts, strategy=parallel.strategy)
+        world=parallel.world, hosts=parallel.hosts, strategy=parallel.strategy, redo_next_step=redo_next_step)
     object.__setattr__(placement, "buffers", gpu_buffers(placement))
     return placement
 
@@ -222,6 +223,17 @@ def _check_state_knobs(k: ScheduleKnobs, timing: Timing, gpu_layers: list[int]) 
                                 f" and retain_grads={k.retain_grads}: it queues state copies ahead of weight copies "
                                 "for optimizer='overlap-split', or 'arrival-split' with retain_grads >= 1; leave "
                                 "it unset")
+
+
+def _resolve_clip_redo(k: ScheduleKnobs, timing: Timing, clip: float | None, units) -> bool:
+    """Whether host units' CLIP_REDO runs at the start of the next step (knob clip_redo; unset: yes). Only
+    speculative clipping (clip > 0, arrival timing) with a unit updated off the GPU-resident state has such redos."""
+    applies = clip is not None and timing is Timing.ARRIVAL and any(not u.resident for u in units)
+    if k.clip_redo is not None and not applies:
+        raise ScheduleError(f"clip_redo={k.clip_redo!r} has no effect with optimizer={k.optimizer!r} and clip={k.clip}"
+                            ": it times the redo of host updates under speculative clipping (an arrival placement "
+                            "with clip > 0 and units not resident on the GPU); leave it unset")
+    return applies and k.clip_redo != "step-end"
 
 
 def _resolve_clip(k: ScheduleKnobs, timing: Timing) -> float | None:

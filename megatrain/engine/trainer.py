@@ -140,7 +140,8 @@ class StreamedTrainer:
         self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
         self._program = program
         self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
-        # Updates of a step's gradients run in the next step ("overlap" timing): keep its plan pending.
+        # Work on a step's gradients runs in the next step ("overlap" timing's updates, speculative clipping's host
+        # redos): keep its plan pending.
         self._defers_update = any(t.step_offset == -1 for t in program.tasks.values())
         self._shape = (program.batch, program.seq)
 
@@ -248,7 +249,8 @@ class StreamedTrainer:
         return ids[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows], n_valid
 
     def flush(self) -> UpdatePlan | None:
-        """Bring the host store up to date: apply a pending update (placement "overlap": the last step's), and
+        """Bring the host store up to date: apply a pending update (placement "overlap": the last step's; with
+        speculative clipping, the last step's redos of host units), and
         copy the units that live on the GPU (resident_embeddings / resident_layers) back to the host. Returns the
         plan applied, or None."""
         plan, self._pending = self._pending, None

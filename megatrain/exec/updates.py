@@ -3,7 +3,8 @@ bookkeeping of non-finite gradients.
 
 OFFLOAD takes each unit's gradient norm where the gradients are (fp32, in the values the wire carries) and lands it
 on the host and on the device. Optimizer tasks read an `UpdatePlan` (learning rate, clip coefficient, skip): the
-current step's (step_offset 0), set by CLIP_NORM, or the previous step's (step_offset -1, "overlap" timing).
+current step's (step_offset 0), set by CLIP_NORM, or the previous step's (step_offset -1: "overlap" timing's updates,
+and speculative clipping's redos of host units, which run at the start of the next step).
 Without a global norm (no clipping) each unit is skipped on its own when its gradients are not finite; a GPU update
 of this step's gradients decides that on the device, and the host settles the bookkeeping after the step.
 """
@@ -58,6 +59,10 @@ class Updates:
         # Speculative clipping: whether the last global norm exceeded the max. Norms move slowly from step to step,
         # so after a step that clipped the host updates wait for the norm instead of being undone and redone.
         self.last_step_clipped = False
+        # Speculative clipping: the host units whose CLIP_REDO runs in the next step (the last step's plan), in
+        # program order; `flush_update` runs them when no next step comes.
+        self.redo_next_step = [program.tasks[tid].unit for tid in program.streams.get("cpu", [])
+                               if program.tasks[tid].kind == "V" and program.tasks[tid].step_offset == -1]
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending
@@ -201,8 +206,12 @@ class Updates:
         """Speculative clipping, once the global norm is known: a unit updated unclipped is undone and updated
         again with the clip coefficient when the norm exceeded the max, or only undone when the norm is not finite
         (the step is skipped); a deferred unit is updated, clipped, unless the step is skipped. A no-op in steps
-        that needed no clipping: their speculative updates were exact."""
-        plan, u = self.current, t.unit
+        that needed no clipping: their speculative updates were exact. A host unit's redo runs at the start of the
+        next step (step_offset -1), with the plan of the step it fixes."""
+        self._clip_redo(t.unit, self._plan(t), t)
+
+    def _clip_redo(self, u: int, plan: UpdatePlan | None, t: ProgramTask | None) -> None:
+        """`clip_redo` of unit u under `plan`; t None: on the host (`flush_update`)."""
         if plan is not None and u in plan.deferred_units:
             if not plan.skip:
                 self._host_update(u, plan)
@@ -212,7 +221,7 @@ class Updates:
         if not self._unit_finite(u):
             return  # its own gradients were not finite: the device skipped its update (settled after the step)
         redo = None if plan.skip else plan.clip_coef
-        if t.stream == "cpu":
+        if t is None or t.stream == "cpu":
             self._host_redo(u, plan, redo)
         else:
             master, m, v, g = self._state_views(t)
@@ -240,7 +249,12 @@ class Updates:
 
     def flush_update(self, plan: UpdatePlan) -> None:
         """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the
-        host, in forward order: the end of an "overlap" run, whose updates otherwise run in the next step."""
+        host, in forward order: the end of an "overlap" run, whose updates otherwise run in the next step. With
+        speculative clipping, run the last step's redos of the host units instead (their updates ran in it)."""
+        if self.redo_next_step:
+            for u in self.redo_next_step:
+                self._clip_redo(u, plan, None)
+            return
         for u, buf in self.buffers.kept.items():
             self.store.grad(u).copy_(buf.g)
         if self.buffers.kept:

@@ -192,7 +192,17 @@ def validate(schedule: Schedule) -> None:
             if not before(off, t):
                 _fail(schedule, f"{t.id} may run before {off.id} has brought its gradients to the host", [off, t])
             redo = redos.get(t.unit)
-            if redos and (redo is None or norm is None or not before(t, redo) or not before(norm, redo)):
+            if redo is not None and g.nodes[redo].get("step_offset", 0) == -1:
+                # the redo of the last step's update, in this step (the step boundary puts it after that step's
+                # norm and update): before the gradients it reads are overwritten and the copies of what it changes
+                readers = [r for r in g.nodes
+                           if r.unit == t.unit and r.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH)]
+                late = [r for r in [off, *readers] if not before(redo, r)]
+                if norm is None or late:
+                    _fail(schedule, f"{redo.id} redoes the last step's update of unit {t.unit} in this step, but "
+                          + (f"{late[0].id} may run before it" if late else "the step takes no global norm"),
+                          [redo] + late[:1])
+            elif redos and (redo is None or norm is None or not before(t, redo) or not before(norm, redo)):
                 _fail(schedule, f"{t.id} runs before the global gradient norm is known, but no CLIP_REDO after both "
                       f"it and the norm fixes it up (speculative clipping)", [t] + ([redo] if redo else []))
             if not redos and norm is not None and not before(norm, t):

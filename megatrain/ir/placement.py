@@ -229,6 +229,8 @@ class Placement:
     notes: tuple[str, ...] = ()  # settings that are legal but clamped here (shown by plan / simulate / train)
     world: int = 1  # data-parallel ranks: each owns a slice of every unit (megatrain/parallel/sharded.py)
     grad_ring: int = 0  # gradient ring tiles in use (0: a landing tile per unit)
+    # speculative clipping: host units' CLIP_REDO at the start of the next step (knob clip_redo "next-step")
+    redo_next_step: bool = False
     ring_tiles: tuple[tuple[int, int], ...] = ()  # (unit, ring tile) in landing order
     state_dtype: str = "fp32"  # Adam m and v on the host
     state_tier: str = "host"  # "host" | "nvme-moments" | "nvme-all" (planned and simulated only)

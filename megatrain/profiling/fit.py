@@ -45,7 +45,10 @@ FIT_ITERATIONS = 6
 def step_clips(program: Program, timelines: list[pd.DataFrame], clipped: list[bool] | None = None) -> list[bool]:
     """Whether each measured step clipped, as the simulator prices it: only speculative clipping changes a step's
     work (a step that clips defers its host updates to CLIP_REDO and undoes and redoes its GPU updates), so every
-    step of another Program counts as not clipping. `clipped` overrides what the timelines say
+    step of another Program counts as not clipping. A host unit's redo runs in the step after the one it fixes,
+    so a step's class is exact where clipping persists (a step after one that clipped defers its host updates) and
+    approximate at a change, which shifts one step's host work into its neighbour. `clipped` overrides what the
+    timelines say
     (`timeline.attrs[CLIPPED]`, recorded by StreamedTrainer.step); raises ValueError when neither says."""
     if not program.placement.speculative_clip:
         return [False] * len(timelines)

@@ -16,12 +16,14 @@ repo=docs/runs/25-peers/$name.jsonl; res=/tmp/25-$name.jsonl
   nproc; free -g | head -2; uptime; python3 -c "import torch, deepspeed; print('torch', torch.__version__,
   'deepspeed', deepspeed.__version__)"; command -v numactl || echo "no numactl"; } > /tmp/25-machine.txt 2>&1
 cp /tmp/25-machine.txt "$OUT/machine.txt"
-# this machine's quick profile (once per machine start, ~30 s): megatrain's predictions and physical bounds then
+# this machine's quick profile (once per machine start, ~30-50 s): megatrain's predictions and physical bounds then
 # rest on this machine's measured rates, not the shipped h200-measured profile of another start (out of sample:
-# the profile is measured before, and apart from, the runs it predicts)
+# the profile is measured before, and apart from, the runs it predicts). The layer is timed eager and compiled:
+# the arrival-resident schedules compile it, and start 2's eager-only profile predicted their compute 20-25% slow
 if [ -n "${PROFILE_ARGS:-}" ] && [ ! -f "/tmp/25-profile-$name.json" ]; then
   # shellcheck disable=SC2086
-  python3 -m megatrain profile --quick --device cuda $PROFILE_ARGS --out "/tmp/25-profile-$name.json" 2>&1 |
+  python3 -m megatrain profile --quick --device cuda --set compile_layers=true $PROFILE_ARGS \
+    --out "/tmp/25-profile-$name.json" 2>&1 |
     tee "$OUT/profile-$name.txt"
 fi
 if [ -f "/tmp/25-profile-$name.json" ]; then
