@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "scripts" / "peers"
-PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "twinflow", "zenflow", "zero3-offload"]
+PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "superoffload-adam50", "superoffload-adam75", "twinflow",
+         "zenflow", "zero3-offload"]
 # scripts/bench_megatrain.py's RESULT keys that every peer's RESULT carries too, plus the peers' own
 MEGATRAIN_KEYS = {"mode", "model", "params_B", "batch", "seq", "median_step_s", "tokens_per_s", "model_TFLOPs",
                   "loss_first", "loss_last", "peak_gpu_GiB", "host_rss_GiB"}
@@ -206,3 +207,19 @@ def test_the_peers_train_on_the_benchmark_s_data_and_learning_rate(peerconf, run
     assert peerconf.DEFAULT_LR == bench.BENCH_LR
     ours, theirs = bench.bench_batches(256, 2, 16), run_peer.batches(256, 2, 16)
     assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_the_superoffload_variants_change_only_the_core_split_and_sub_groups(peerconf):
+    """superoffload.json is the example as written (for a 72-core Grace socket); the variants for a host of few
+    cores differ from it in cpuadam_cores_perc (and adam75 in sub_group_size) only."""
+    base = peerconf.load("superoffload")["deepspeed"]
+    for name, changed in (("superoffload-adam50", {"cpuadam_cores_perc": 0.5}),
+                          ("superoffload-adam75", {"cpuadam_cores_perc": 0.75, "sub_group_size": 100000000})):
+        ds = peerconf.load(name)["deepspeed"]
+        zero, zero0 = ds["zero_optimization"], base["zero_optimization"]
+        off, off0 = zero.pop("offload_optimizer"), dict(zero0["offload_optimizer"])
+        assert off == {**off0, "cpuadam_cores_perc": changed["cpuadam_cores_perc"]}
+        assert zero == {**{k: v for k, v in zero0.items() if k != "offload_optimizer"},
+                        **({"sub_group_size": changed["sub_group_size"]} if "sub_group_size" in changed else {})}
+        assert {k: v for k, v in ds.items() if k != "zero_optimization"} == {
+            k: v for k, v in base.items() if k != "zero_optimization"}

@@ -11,7 +11,8 @@ Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/pe
     all-on-gpu        the HF model, fp32 weights and AdamW state all on the GPU, bf16 autocast, fused AdamW
     fsdp2-cpuoffload  torch FSDP2 fully_shard with CPUOffloadPolicy, AdamW on the CPU
     zero3-offload     DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU
-    superoffload      DeepSpeed ZeRO-3 + SuperOffload
+    superoffload      DeepSpeed ZeRO-3 + SuperOffload, its single-GPU example's config (for a 72-core socket)
+    superoffload-adam50, superoffload-adam75   the same with the cores split for a host of few cores
     twinflow          DeepSpeed ZeRO-3 + Twin-Flow (offload_optimizer.ratio)
     zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
 DeepSpeed peers run under DeepSpeed's launcher (the command is printed by --dry-run and built by scripts/bench.py);
@@ -202,6 +203,7 @@ def _torch_step(model, opt, clip: float, autocast=None):
 def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
     """The DeepSpeed peers: the engine of `ds_cfg` around the HF model; (step, number of parameters, note)."""
     import deepspeed  # only on the GPU machine (bench wheels)
+    import torch
 
     _env_one_process()
     deepspeed.init_distributed()
@@ -217,6 +219,12 @@ def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
             note = peercurve.megatrain_init(model, spec, a.seed)
     groups = peercurve.decay_groups(model, ds_cfg["optimizer"]["params"]["weight_decay"])
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=groups)
+    # SuperOffload pins this process to the first (1 - cpuadam_cores_perc) of its cores and its CPU Adam process to
+    # the rest (deepspeed/runtime/superoffload/superoffload_utils.py, _set_cpu_affinity): keep as many torch threads
+    # as that leaves, not the launcher's count on fewer cores
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores))
+    note = "; ".join(x for x in (note, f"training process on {cores} core(s) after DeepSpeed's setup") if x)
 
     def step(x, y):
         loss = engine(input_ids=x, labels=y, shift_labels=y).loss
