@@ -39,9 +39,13 @@ CASES = {  # schedule, knob overrides: every kind of update placement, clipping 
     "arrival": ("arrival", {}),
     "arrival, every step clips": ("arrival", {"clip": EVERY_STEP_CLIPS}),
     "arrival, clip never reached": ("arrival", {"clip": NEVER_CLIPS}),
+    # clip_redo "step-end": the GPU units are undone and redone in every step that clips, so the redo's price is
+    # seen (by default, a step after one that clipped defers them: the case below)
     "arrival-resident (eager), every step clips": ("arrival-resident", {"compile_layers": False,
-                                                                       "resident_layers": 2,
+                                                                       "resident_layers": 2, "clip_redo": "step-end",
                                                                        "clip": EVERY_STEP_CLIPS}),
+    "arrival-resident (eager), every step clips, redos in the next step": (
+        "arrival-resident", {"compile_layers": False, "resident_layers": 2, "clip": EVERY_STEP_CLIPS}),
     "arrival-resident (compiled)": ("arrival-resident", {"resident_layers": 2}),
     "overlap-split": ("overlap-split", {}),
     "lean": ("lean", {}),
@@ -174,6 +178,26 @@ def test_the_compiled_layer_is_fitted_and_priced_apart_from_the_eager_one():
         assert simulate(compiled, cal.profile).step_s == pytest.approx(cal.after.step_s)
     # the eager program keeps the starting profile's eager pricing of the layer
     assert simulate(eager, cal.profile).step_s > 1.5 * cal.after.step_s
+
+
+def test_deferred_updates_cost_one_update_each_and_their_rates_are_fitted():
+    """clip_redo "next-step" (the default): in a step that clips (after one that clipped) every update waits for
+    the norm, the host's in the next step's V, the GPU's in this step's V, each one update and its U nothing,
+    whatever the redo would cost; a run where every step clips still fits both update rates."""
+    prog = program_of("arrival-resident (eager), every step clips, redos in the next step", WIDE, 1, 32)
+    p = load_profile("cpu")
+    for k in (2.0, 5.0):
+        tl = simulate(prog, dataclasses.replace(p, clip_redo_updates=k), StepFacts(1.0)).timeline
+        dur = dict(zip(tl["task"], tl["end_s"] - tl["start_s"]))
+        for u in (0, 1):  # the resident layers
+            assert dur[f"U{u}"] == pytest.approx(p.overhead("compute", "U"), abs=1e-12)
+            assert dur[f"V{u}"] == pytest.approx(p.overhead("compute", "V") + prog.tasks[f"V{u}"].params
+                                                 / p.gpu_adam_params_per_s, rel=1e-9)
+    truth, start = truth_and_start()
+    cal = calibrate_run(prog, start, measured_on(prog, truth, 1.0))
+    assert abs(cal.error_after) < SYNTHETIC_BOUND
+    assert cal.profile.cpu_adam_rate() == pytest.approx(truth.cpu_adam_rate(), rel=0.05)
+    assert cal.profile.gpu_adam_params_per_s == pytest.approx(truth.gpu_adam_params_per_s, rel=0.05)
 
 
 def test_the_gpu_redo_costs_its_profiled_updates():

@@ -52,7 +52,9 @@ PLACEMENT: where the optimizer's work and state live, and when updates run
     clip_redo          speculative clipping (clip > 0 with an arrival placement) with host-updated units: when a
                        host unit's CLIP_REDO runs. "next-step" (the default where it applies): at the start of the
                        next step, before the copy of the unit's weights, so a step that clips has its host redos
-                       overlap the next forward; "step-end": at the end of its own step, after the global norm (what
+                       overlap the next forward, and after a step that clipped the resident units' GPU updates
+                       wait for the norm too (one clipped update each instead of update, undo and redo);
+                       "step-end": host redos at the end of their own step, resident units always redone (what
                        ran before the knob existed: the records of those runs rebuild with it); unset elsewhere
     state_tier         "host" | "nvme-moments" | "nvme-all": where the optimizer state lives (m and v, or master +
                        m + v, on an NVMe drive, read and written by each host update); planned and simulated only,

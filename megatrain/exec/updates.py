@@ -59,6 +59,11 @@ class Updates:
         # Speculative clipping: whether the last global norm exceeded the max. Norms move slowly from step to step,
         # so after a step that clipped the host updates wait for the norm instead of being undone and redone.
         self.last_step_clipped = False
+        self.previous_step_clipped = False  # last_step_clipped as the step began (`begin_step`)
+        # Speculative clipping with the host redos in the next step (placement.redo_next_step): after a step that
+        # clipped, a resident unit's update waits for the norm too (its V applies it once, clipped) instead of being
+        # undone and redone on the GPU (3.7 updates' time a unit on an H200: docs/performance.md, attempt 9)
+        self.defers_resident = self.speculative and self.placement.redo_next_step
         # Speculative clipping: the host units whose CLIP_REDO runs in the next step (the last step's plan), in
         # program order; `flush_update` runs them when no next step comes.
         self.redo_next_step = [program.tasks[tid].unit for tid in program.streams.get("cpu", [])
@@ -66,6 +71,9 @@ class Updates:
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending
+        # what the GPU updates of this step read: the compute stream's U may be issued after this step's CLIP_NORM
+        # has set last_step_clipped (the streams race), and the choice to defer must not depend on that race
+        self.previous_step_clipped = self.last_step_clipped
 
     # ---- OFFLOAD -----------------------------------------------------------------------------------------------
     def offload(self, t: ProgramTask) -> None:
@@ -142,14 +150,13 @@ class Updates:
                 self._host_update(t.unit, plan, coef)
             return
         u, store = t.unit, self.store
+        if (plan is not None and self.defers_resident and self.previous_step_clipped
+                and self.placement.unit(u).resident):
+            plan.deferred_units.append(u)  # would be undone and redone on the GPU: its CLIP_REDO applies it once
+            return
         master, m, v, g = self._state_views(t)
         if plan is not None:
-            store.steps[u] += 1
-            found_inf = self._device_skip(u) if on_device else None
-            kept = self.buffers.kept.get(u)  # gradients kept on the GPU, or streamed into the state buffer
-            adamw_update(master, kept.g if kept is not None else g, m, v, store.steps[u], store.decay_numel(u),
-                         plan.lr, self.cfg, coef, found_inf)
-            plan.applied_units.append(u)
+            self._device_update(u, (master, m, v, g), plan, coef, self._device_skip(u) if on_device else None)
             if on_device:
                 plan.device_checked.append(u)
             if store.stream_tile(u) is not None and self.placement.unit(u).update is UpdateSite.GPU_STREAMED:
@@ -158,6 +165,16 @@ class Updates:
             buf = self.buffers[t.fills]
             buf.w[:master.numel()].copy_(master)  # cast to the wire dtype, as the host's streaming copy is
             buf.unit = u
+
+    def _device_update(self, u: int, views: list[torch.Tensor], plan: UpdatePlan, coef: float,
+                       found_inf: torch.Tensor | None = None) -> None:
+        """AdamW of unit u on its device state (master, m, v, gradients: `_state_views`), counted as applied."""
+        master, m, v, g = views
+        self.store.steps[u] += 1
+        kept = self.buffers.kept.get(u)  # gradients kept on the GPU, or streamed into the state buffer
+        adamw_update(master, kept.g if kept is not None else g, m, v, self.store.steps[u], self.store.decay_numel(u),
+                     plan.lr, self.cfg, coef, found_inf)
+        plan.applied_units.append(u)
 
     def _device_skip(self, unit: int) -> torch.Tensor:
         """() fp32 on the device: 1 where the unit's gradient norm (landed by its OFFLOAD) is not finite.
@@ -213,7 +230,9 @@ class Updates:
     def _clip_redo(self, u: int, plan: UpdatePlan | None, t: ProgramTask | None) -> None:
         """`clip_redo` of unit u under `plan`; t None: on the host (`flush_update`)."""
         if plan is not None and u in plan.deferred_units:
-            if not plan.skip:
+            if not plan.skip and t is not None and t.stream != "cpu":  # a resident unit: on its GPU state
+                self._device_update(u, self._state_views(t), plan, plan.clip_coef)
+            elif not plan.skip:
                 self._host_update(u, plan)
             return
         if plan is None or u not in plan.applied_units or not (plan.skip or plan.clip_coef < 1.0):

@@ -219,13 +219,15 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
 
 def _flow_groups(program: Program) -> dict[str, list[str]]:
     """The tasks whose time each fitted rate sets: host updates (U and V on the cpu stream: a unit's update runs
-    in its U, or in its V when speculative clipping deferred it), device updates (U on the compute stream), the
-    device's clip redo (V there: undo and update again), each copy direction's curve."""
+    in its U, or in its V when speculative clipping deferred it), device updates (U on the compute stream, and its
+    V there where a step that clips defers it: `placement.redo_next_step`, as the simulator prices it), the
+    device's clip redo (V there otherwise: undo and update again), each copy direction's curve."""
     groups: dict[str, list[str]] = {}
+    device_defers = program.placement.redo_next_step
     for tid, t in program.tasks.items():
         if t.kind in ("U", "V") and t.stream == "cpu":
             groups.setdefault("cpu_update", []).append(tid)
-        elif t.kind == "U":
+        elif t.kind == "U" or (t.kind == "V" and device_defers):
             groups.setdefault("gpu_update", []).append(tid)
         elif t.kind == "V":
             groups.setdefault("gpu_redo", []).append(tid)

@@ -162,6 +162,14 @@ class CostModel:
         deferred = self.clip_activates and self.placement.speculative_clip
         return (task.kind == "U" and not deferred) or (task.kind == "V" and deferred)
 
+    def defers_device_update(self, task: ProgramTask) -> bool:
+        """A resident unit's GPU update in a step that clips, with the host redos in the next step
+        (`placement.redo_next_step`): the executor defers it as it does the host's (after a step that clipped, which
+        the step that clips is assumed to follow), so its V does one update and its U nothing; otherwise its V undoes
+        and redoes the speculative update."""
+        return (self.clip_activates and self.placement.redo_next_step and task.stream == "compute"
+                and self.placement.unit(task.unit).resident)
+
 
 # ---- the cost of each task kind ----------------------------------------------------------------------------------
 Cost = Callable[[CostModel, ProgramTask], float]
@@ -187,14 +195,18 @@ def _compute_cost(cm: CostModel, task: ProgramTask) -> float:
 @register_cost(TaskKind.OPTIMIZER, TaskKind.CLIP_REDO)
 def _update_cost(cm: CostModel, task: ProgramTask) -> float:
     """A GPU update on its params; a GPU redo undoes and updates again, `clip_redo_updates` updates' time (only in a
-    step that clips; `adamw_undo` is several element-wise passes where the update is one fused kernel); a CPU update
+    step that clips; `adamw_undo` is several element-wise passes where the update is one fused kernel), unless the
+    update was deferred to it (`CostModel.defers_device_update`: then one update, and U nothing); a CPU update
     its time alone on host memory (the engine shares it with the copies); a CPU task that does nothing this step,
     its launch only."""
     p, over = cm.profile, cm.profile.overhead(task.stream, task.kind)
     if task.stream == "compute":
+        update = task.params / p.gpu_adam_params_per_s
+        if cm.defers_device_update(task):  # U waits for the norm; V applies it once
+            return over + (update if task.kind == TaskKind.CLIP_REDO else 0.0)
         if task.kind == TaskKind.OPTIMIZER:
-            return over + task.params / p.gpu_adam_params_per_s
-        return over + (p.clip_redo_updates * task.params / p.gpu_adam_params_per_s if cm.clip_activates else 0.0)
+            return over + update
+        return over + (p.clip_redo_updates * update if cm.clip_activates else 0.0)
     if cm.is_cpu_optimizer(task):
         u = cm.cpu_update(task)
         return u.delay_s + max(u.alone_s, u.nvme_s)
