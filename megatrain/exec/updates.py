@@ -11,6 +11,7 @@ of this step's gradients decides that on the device, and the host settles the bo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -66,8 +67,8 @@ class Updates:
         self.defers_resident = self.speculative and self.placement.redo_next_step
         # Speculative clipping: the host units whose CLIP_REDO runs in the next step (the last step's plan), in
         # program order; `flush_update` runs them when no next step comes.
-        self.redo_next_step = [program.tasks[tid].unit for tid in program.streams.get("cpu", [])
-                               if program.tasks[tid].kind == "V" and program.tasks[tid].step_offset == -1]
+        self.next_step_redo_units = [program.tasks[tid].unit for tid in program.streams.get("cpu", [])
+                                     if program.tasks[tid].kind == "V" and program.tasks[tid].step_offset == -1]
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending
@@ -166,7 +167,7 @@ class Updates:
             buf.w[:master.numel()].copy_(master)  # cast to the wire dtype, as the host's streaming copy is
             buf.unit = u
 
-    def _device_update(self, u: int, views: list[torch.Tensor], plan: UpdatePlan, coef: float,
+    def _device_update(self, u: int, views: Sequence[torch.Tensor], plan: UpdatePlan, coef: float,
                        found_inf: torch.Tensor | None = None) -> None:
         """AdamW of unit u on its device state (master, m, v, gradients: `_state_views`), counted as applied."""
         master, m, v, g = views
@@ -270,8 +271,8 @@ class Updates:
         """Apply `plan` (the last step's gradients, in the landing space or kept on the GPU) to every unit on the
         host, in forward order: the end of an "overlap" run, whose updates otherwise run in the next step. With
         speculative clipping, run the last step's redos of the host units instead (their updates ran in it)."""
-        if self.redo_next_step:
-            for u in self.redo_next_step:
+        if self.next_step_redo_units:
+            for u in self.next_step_redo_units:
                 self._clip_redo(u, plan, None)
             return
         for u, buf in self.buffers.kept.items():
