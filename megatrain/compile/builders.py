@@ -302,16 +302,15 @@ def _add_clip_redos(sg: StepGraph) -> None:
     for unit in s.units():
         update = U(unit)
         a = sg.graph.nodes[update]
-        if a.get("resident") or not p.redo_next_step:
-            if a.get("resident"):
-                redo = sg.add(V(unit), slot=a["slot"], weights=None, resident=True, **copy_attrs(0, a["params"]))
-            else:  # clip_redo="step-end"
-                redo = sg.add(V(unit), device="cpu", **copy_attrs(0, a["params"]))
+        resident = a.get("resident")
+        where = dict(slot=a["slot"], weights=None, resident=True) if resident else dict(device="cpu")
+        if resident or not p.redo_next_step:  # in this step, after the norm (host units: clip_redo="step-end")
+            redo = sg.add(V(unit), **where, **copy_attrs(0, a["params"]))
             sg.end.append(redo)
             sg.edge(NORM, redo, "clip")
             sg.edge(W(unit) if W(unit) in sg.graph else update, redo)
             continue
-        redo = sg.add(V(unit), device="cpu", step_offset=-1, **copy_attrs(0, a["params"]))
+        redo = sg.add(V(unit), **where, step_offset=-1, **copy_attrs(0, a["params"]))
         sg.start.append(redo)  # forward order: the first layer the forward streams is redone first
         sg.edge(redo, O(unit), "state")  # read the last step's gradients before this step's land
         for reader in (P(unit), S(unit)):  # stream the weights, or the state of a GPU update, once redone

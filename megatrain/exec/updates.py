@@ -17,6 +17,7 @@ import torch
 
 from megatrain.ir.placement import UpdateSite
 from megatrain.ir.program import Program, ProgramTask
+from megatrain.ir.tasks import TaskKind
 from megatrain.model.spec import EMBED, HEAD
 from megatrain.exec.backend import Backend
 from megatrain.exec.buffers import DeviceBuffers
@@ -68,7 +69,8 @@ class Updates:
         # Speculative clipping: the host units whose CLIP_REDO runs in the next step (the last step's plan), in
         # program order; `flush_update` runs them when no next step comes.
         self.next_step_redo_units = [program.tasks[tid].unit for tid in program.streams.get("cpu", [])
-                                     if program.tasks[tid].kind == "V" and program.tasks[tid].step_offset == -1]
+                                     if program.tasks[tid].kind == TaskKind.CLIP_REDO
+                                     and program.tasks[tid].step_offset == -1]
 
     def begin_step(self, current: UpdatePlan, pending: UpdatePlan | None) -> None:
         self.current, self.pending = current, pending

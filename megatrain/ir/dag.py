@@ -182,6 +182,10 @@ def validate(schedule: Schedule) -> None:
     norm = next((t for t in g.nodes if t.kind is TaskKind.CLIP_NORM), None)
     offloads = {t.unit: t for t in g.nodes if t.kind is TaskKind.OFFLOAD}
     redos = {t.unit: t for t in g.nodes if t.kind is TaskKind.CLIP_REDO}  # speculative clipping (CLIP_REDO)
+    copies_in: dict[int, list[Task]] = {}  # a unit's PREFETCHes and STATE_PREFETCHes: what a next-step redo precedes
+    for t in g.nodes:
+        if t.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH):
+            copies_in.setdefault(t.unit, []).append(t)
     for t in g.nodes:
         if t.kind is not TaskKind.OPTIMIZER:
             continue
@@ -195,9 +199,7 @@ def validate(schedule: Schedule) -> None:
             if redo is not None and g.nodes[redo].get("step_offset", 0) == -1:
                 # the redo of the last step's update, in this step (the step boundary puts it after that step's
                 # norm and update): before the gradients it reads are overwritten and the copies of what it changes
-                readers = [r for r in g.nodes
-                           if r.unit == t.unit and r.kind in (TaskKind.PREFETCH, TaskKind.STATE_PREFETCH)]
-                late = [r for r in [off, *readers] if not before(redo, r)]
+                late = [r for r in [off, *copies_in.get(t.unit, [])] if not before(redo, r)]
                 if norm is None or late:
                     _fail(schedule, f"{redo.id} redoes the last step's update of unit {t.unit} in this step, but "
                           + (f"{late[0].id} may run before it" if late else "the step takes no global norm"),

@@ -227,7 +227,7 @@ def _flow_groups(program: Program) -> dict[str, list[str]]:
     for tid, t in program.tasks.items():
         if t.kind in ("U", "V") and t.stream == "cpu":
             groups.setdefault("cpu_update", []).append(tid)
-        elif t.kind == "U" or (t.kind == "V" and device_defers):
+        elif t.kind == TaskKind.OPTIMIZER or (t.kind == TaskKind.CLIP_REDO and device_defers):
             groups.setdefault("gpu_update", []).append(tid)
         elif t.kind == "V":
             groups.setdefault("gpu_redo", []).append(tid)
