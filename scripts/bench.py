@@ -297,7 +297,7 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
     ref_tps = statistics.median(ref["tps"]) if ref.get("tps") else None
     cols = ["config", "clipping", "runs ok", "tokens/s median (min-max)", f"x {reference}" if reference else "x ref",
             "model TFLOP/s", "peak GPU GiB", "host RSS GiB", "host B/param", "GPU idle %",
-            "physical bound tok/s (binds): efficiency", "predicted, profile (clipping as the run clipped)",
+            "physical bound tok/s (binds): efficiency", "predicted, profile (out of sample; at the run's clip share)",
             "IN-SAMPLE: live-calibrated on its own steps", "predicted, calibrated elsewhere"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():

@@ -31,7 +31,9 @@ of the candidates predicted within the band, the fastest should this host's CPU 
 rate. Candidates that tie on the profile differ most in how much of the update they leave to the host, and that
 rate is what moves between machine starts: on the H200 start of issue 25's first table, with a 48 GiB budget, the six
 best predicted on the shipped profile are predicted at 14,334-19,720 tokens/s and the hedge at 23,429, out of sample
-by that start's profile fitted to its 4-layer runs (docs/runs/25-peers/h200-table1/auto_hedge.md; not yet run).
+by that start's profile fitted to its 4-layer runs (docs/runs/25-peers/h200-table1/auto_hedge.md). Run on the
+next start (docs/peers.md, start 2): auto chose the hedge (21 resident layers, 21,920 tokens/s, 1.29x the
+all-on-GPU row), with 14 resident layers, also among the measured, within 0.03% of it in the trial.
 
 Clipping is priced by the share of clipping steps (`StepFacts.clip_share`; speculative clipping redoes a clipping
 step's updates): before the run at `assumed` (0, a run that never clips, unless the caller gives a share), and once
