@@ -5,7 +5,7 @@ from megatrain.compile.builders import build_schedule
 from megatrain.compile.knobs import NAMED_SCHEDULES, ScheduleKnobs, knobs_for
 from megatrain.units import GiB
 from megatrain.compile.advice import fit_report, plan_memory
-from megatrain.ir.placement import GRAD_SCRATCH_ELEMENTS
+from megatrain.ir.hostlayout import GRAD_SCRATCH_ELEMENTS
 from megatrain.ir.program import OPTIONAL_STREAMS, STREAMS, Program
 from megatrain.compile.lower import lower
 from megatrain.compile.resolve import resolve

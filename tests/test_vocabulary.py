@@ -12,7 +12,7 @@ from megatrain.compile.builders import build_schedule
 from megatrain.compile.lower import lower
 from megatrain.exec.strategies import PARALLEL_KINDS
 from megatrain.exec.work import BODIES
-from megatrain.ir.placement import HOST_COMPONENTS
+from megatrain.ir.hostlayout import HOST_COMPONENTS
 from megatrain.ir.streams import STREAMS
 from megatrain.ir.tasks import BY_DEVICE, WAIT_CAUSES, Collective, TaskKind
 from megatrain.model.presets import PRESETS

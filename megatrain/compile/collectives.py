@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from megatrain.ir.placement import Placement, sliced_component_names
+from megatrain.ir.hostlayout import sliced_component_names
+from megatrain.ir.placement import Placement
 from megatrain.compile.stepgraph import StepGraph
 from megatrain.ir.placement import padded_numel, shard_numel  # noqa: F401  (re-exported)
 from megatrain.ir.tasks import COMPUTE_KINDS, G, Task, TaskKind, Z

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.ir.dag import ScheduleError
 from megatrain.compile.knobs import ScheduleKnobs
+from megatrain.ir.hostlayout import HostLayout
 from megatrain.ir.placement import (
     ONE_GPU,
     GradLanding,
-    HostLayout,
     Parallelism,
     Placement,
     Timing,

@@ -31,7 +31,8 @@ from collections.abc import Mapping
 import torch
 
 from megatrain.ir.dag import ScheduleError
-from megatrain.ir.placement import EXECUTED_STATE_TIERS, HostLayout, host_component_names
+from megatrain.ir.hostlayout import HostLayout, host_component_names
+from megatrain.ir.placement import EXECUTED_STATE_TIERS
 from megatrain.model.spec import EMBED, HEAD, ModelSpec
 from megatrain.exec.backend import PAGE, Backend, CpuBackend
 from megatrain.model.layout import UnitLayout, unit_layout

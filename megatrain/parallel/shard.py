@@ -17,7 +17,8 @@ from megatrain.exec.optim import decayed_in
 from megatrain.exec.store import HostStore
 from megatrain.model.init import init_unit
 from megatrain.compile.resolve import check_model_shards
-from megatrain.ir.placement import HostLayout, shard_numel
+from megatrain.ir.hostlayout import HostLayout
+from megatrain.ir.placement import shard_numel
 from megatrain.model.spec import ModelSpec
 from megatrain.parallel.world import World
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from megatrain.model.spec import ModelSpec
 from megatrain.ir.dag import ScheduleError
 from megatrain.ir.program import GpuMemoryPlan
-from megatrain.ir.placement import BufferKind, OfPlacement, Placement, host_component_names
+from megatrain.ir.hostlayout import host_component_names
+from megatrain.ir.placement import BufferKind, OfPlacement, Placement
 from megatrain.units import GiB
 
 
