@@ -13,8 +13,8 @@ every schedule of SCHEDULES in one process (megatrain/profiling/rounds.py: one h
 each host layout, the schedules interleaved over rounds), writing each (schedule, round) row as it is measured.
 
 `ablate DIR --model M` rebuilds one shape's quick profile from its measurements with parts of the profiler's method
-left out (one weight wire; the default device redo; copies not slowed beside the update) and prints each row's (a)
-error with each. `report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older
+left out (one weight wire; the default device redo; copies not slowed beside the update) or the CPU update rate
+taken from one of its three estimates instead of their median, and prints each row's (a) error with each. `report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older
 measurements under today's profiler).
 
 `copies DIR...` measures, in the recorded steps, how much slower a layer's compute tasks ran while copies were in
@@ -316,7 +316,10 @@ def evaluate(root: Path, calibrate_on: str, quick_file: str = "profile-quick.jso
 # The parts of the profiler's method `ablate` leaves out one at a time (and `report --rebuild` can): each rebuilds a
 # shape's quick profile from its measurements with today's code, that part undone.
 VARIANTS = ("as measured", "one weight wire", "redo = 2 updates", "copies not slowed by the update",
-            "in-step CPU rate")
+            "operating-point CPU rate", "in-step CPU rate", "isolated-loop CPU rate")
+# the CPU update rate from one of its three estimates instead of their median (profiling/assemble.choose_cpu_rate)
+CPU_RATE_OF_VARIANT = {"operating-point CPU rate": "operating point", "in-step CPU rate": "in-step",
+                       "isolated-loop CPU rate": "isolated loop"}
 
 
 def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
@@ -327,7 +330,7 @@ def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
 
     from megatrain.compile.knobs import ScheduleKnobs
     from megatrain.model.presets import get_model
-    from megatrain.profiling.assemble import build_profile
+    from megatrain.profiling.assemble import MEDIAN_OF_THREE, build_profile
     from megatrain.profiling.calibrate import ProfileRequest
     from megatrain.sim import load_profile
 
@@ -345,7 +348,7 @@ def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
         for k in ("redo_updates", "redo_s"):
             m["gpu_adam"].pop(k, None)
     p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"],
-                      cpu_rate_from="in-step" if variant == "in-step CPU rate" else "operating point")
+                      cpu_rate_from=CPU_RATE_OF_VARIANT.get(variant, MEDIAN_OF_THREE))
     if variant == "copies not slowed by the update":  # as the simulator ran before issue 24's third round
         p = p.with_(copy_beside_update={}, notes={k: v for k, v in p.notes.items() if k != "copy_beside_update"})
     saved = d / "profile-quick.json"

@@ -62,8 +62,8 @@ def test_recorded_h100_predictions_stay_within_their_errors(recorded):
     errors = recorded["errors"]
     assert len(errors["a"]) == 21 and len(errors["b"]) == 12  # 3 shapes x 7 schedules; 2 x 6 strictly out of sample
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) a fresh --quick profile, no training run: median 6.7%, max 17.1% (6.5%, 17.1% before the copies were
-    # slowed beside the update: copy_beside_update)
+    # (a) a fresh --quick profile, no training run: median 6.3%, max 17.1% (6.7%, 17.1% with the CPU rate from the
+    # operating point alone, before the median of its three estimates; 6.5%, 17.1% before copy_beside_update)
     assert statistics.median(a) <= 0.075 and a[-1] <= 0.19, a
     # (b) the quick profile calibrated on bench-3b `arrival`, other shapes and schedules: median 4.1%, max 22.5%
     # (4.1%, 25.9% before)
@@ -90,10 +90,11 @@ def test_recorded_h200_predictions_stay_within_their_errors(recorded_h200):
     errors = recorded_h200["errors"]
     assert len(errors["a"]) == 21 and len(errors["b"]) == 12
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) median 5.6%, max 13.5%; (b) median 3.3%, max 9.9%; (c) in-sample median 0.2%, max 1.0% (before
-    # copy_beside_update: 5.6 / 13.5, 2.9 / 12.5, 0.4 / 2.3)
-    assert statistics.median(a) <= 0.065 and a[-1] <= 0.15, a
-    assert statistics.median(b) <= 0.035 and b[-1] <= 0.11, b
+    # (a) median 3.1%, max 13.5%; (b) median 3.3%, max 12.2%; (c) in-sample median 0.1%, max 1.0%. With the CPU
+    # rate from the operating point alone (before the median of its three estimates): 5.6 / 13.5, 3.3 / 9.9,
+    # 0.2 / 1.0 (the median helps the fresh profile and costs the transfer's worst row 2.3 points; docs/accuracy.md)
+    assert statistics.median(a) <= 0.04 and a[-1] <= 0.15, a
+    assert statistics.median(b) <= 0.035 and b[-1] <= 0.13, b
     assert statistics.median(c) <= 0.004 and c[-1] <= 0.015, c
     for shape, tau_a, tau_b in recorded_h200["taus"]:  # 1.0 / 0.9 / 1.0 both ways
         assert tau_a >= 0.85 and tau_b >= 0.85, (shape, tau_a, tau_b)
@@ -142,10 +143,11 @@ def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "rebuilt from the measurements by today's profiler: as measured" in rebuilt["text"]
     plain = acc.evaluate(tmp_path, "debug:arrival", rebuild="copies not slowed by the update")
     assert len(plain["errors"]["a"]) == 2 and "| debug | lean |" in plain["text"]
-    # the CPU update rate from the profiler's real steps instead of the operating point: said so in its note
+    # the CPU update rate from one of its estimates instead of their median: said so in its note
     measured = acc.rebuild_profile(tmp_path / "debug", "debug").notes["cpu_adam_params_per_s"]
     in_step = acc.rebuild_profile(tmp_path / "debug", "debug", "in-step CPU rate").notes["cpu_adam_params_per_s"]
-    assert "scaled to the host updates of the real steps" in in_step and in_step != measured
+    assert "the median of the estimates" in measured
+    assert "taken from the host updates of the real steps" in in_step and in_step != measured
 
 
 def test_recorded_h200_start6_predictions_stay_within_their_errors(tmp_path):
@@ -158,8 +160,9 @@ def test_recorded_h200_start6_predictions_stay_within_their_errors(tmp_path):
     errors = result["errors"]
     assert len(errors["a"]) == 14 and len(errors["b"]) == 6  # 2 shapes x 7 schedules; qwen2-3b's 6 other schedules
     a, b, c = _abs(errors["a"]), _abs(errors["b"]), _abs(errors["c"])
-    # (a) median 6.0%, max 17.2% (qwen2-3b's host-bound rows: the quick profile's update time, docs/accuracy.md);
-    # (b) median 9.1%, max 11.5%; (c) in-sample median 0.3%, max 3.7%
-    assert statistics.median(a) <= 0.07 and a[-1] <= 0.185, a
-    assert statistics.median(b) <= 0.10 and b[-1] <= 0.125, b
+    # (a) median 5.0%, max 13.1%; (b) median 8.3%, max 12.7%; (c) in-sample median 0.3%, max 3.5%. With the CPU
+    # rate from the operating point alone (before the median of its three estimates): 6.0 / 17.2 (qwen2-3b's
+    # host-bound rows, whose update the operating point timed 20-30% fast), 9.1 / 11.5, 0.3 / 3.7
+    assert statistics.median(a) <= 0.06 and a[-1] <= 0.145, a
+    assert statistics.median(b) <= 0.095 and b[-1] <= 0.135, b
     assert statistics.median(c) <= 0.005 and c[-1] <= 0.04, c

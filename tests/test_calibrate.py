@@ -193,6 +193,20 @@ def test_in_step_cpu_rate_undoes_the_contention_the_update_ran_under():
     assert in_step_cpu_rate(m, {}, 1e10) is None
 
 
+def test_the_cpu_rate_is_the_median_of_its_three_estimates_or_the_one_named():
+    """Start 4 of the peers table (docs/peers.md): the operating point timed the update at 5.01 Gparam/s, the
+    isolated loop 3.65, the real steps 3.13; the runs' updates ran at 3.45. The median keeps the loop's."""
+    from megatrain.profiling.assemble import MEDIAN_OF_THREE, choose_cpu_rate
+
+    est = {"operating point": 5.01e9, "isolated loop": 3.65e9, "in-step": 3.13e9}
+    assert choose_cpu_rate(est, MEDIAN_OF_THREE) == pytest.approx(3.65e9)
+    assert choose_cpu_rate(dict(est, **{"in-step": None}), MEDIAN_OF_THREE) == pytest.approx((5.01e9 + 3.65e9) / 2)
+    assert choose_cpu_rate({"operating point": None, "isolated loop": None, "in-step": None}, MEDIAN_OF_THREE) is None
+    assert choose_cpu_rate(est, "operating point") == 5.01e9 and choose_cpu_rate(est, "in-step") == 3.13e9
+    # no operating point measured (an older measurement): the in-step estimate, as before the median
+    assert choose_cpu_rate(dict(est, **{"operating point": None}), "operating point") == 3.13e9
+
+
 def test_runtime_steps_run_any_schedule_and_sample_the_host_updates():
     """The profiler's real steps run the profiled schedule, including one without clipping ("arrival"), and
     record every host update with the copies it overlapped."""
