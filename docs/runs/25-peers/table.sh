@@ -29,6 +29,8 @@ fi
 if [ -f "/tmp/25-profile-$name.json" ]; then
   export MEGATRAIN_PROFILE=/tmp/25-profile-$name.json  # what every megatrain process predicts with
   cp "$MEGATRAIN_PROFILE" "$OUT/profile-$name.json"
+  # every timing behind it, in the logs' tar (scripts/accuracy.py ablate rebuilds a profile from them)
+  cp "/tmp/25-profile-$name.measurements.json" /tmp/25-logs/ 2>/dev/null || true
 fi
 # shellcheck disable=SC2086
 timeout $((budget + 60)) python3 scripts/bench.py --rounds 3 --steps 4 --budget-s "$budget" \
