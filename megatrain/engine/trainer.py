@@ -119,6 +119,11 @@ class StreamedTrainer:
         self._work: StepWork | None = None
         self._runtime: Runtime | None = None
         self._pending: UpdatePlan | None = None
+        # Whether the last step's global norm exceeded the max: a fact of the run, not of its Program, so a schedule
+        # switched to defers its speculative updates after a clipping step as the one before it would (otherwise its
+        # first step speculates, and each update of it is undone and redone: auto's trials measured that as the
+        # candidate's step, docs/peers.md "The fourth and fifth starts")
+        self._last_step_clipped = False
 
     # ---- programs ------------------------------------------------------------------------------------------------
     def program(self, batch: int, seq: int) -> Program:
@@ -138,6 +143,7 @@ class StreamedTrainer:
         self._release_program()
         self.world.check_same("Program", program.to_json())  # before the first collective
         self._work = StepWork(program, self.store, self.backend, self.optim, self.world)
+        self._work.updates.last_step_clipped = self._last_step_clipped
         self._program = program
         self._runtime = Runtime(program, self.backend, self._work, self.timeout_s)
         # Work on a step's gradients runs in the next step ("overlap" timing's updates, speculative clipping's host
@@ -149,6 +155,7 @@ class StreamedTrainer:
         """Drop the running Program's buffers and threads (resident units' state synced to the host first)."""
         if self._work is not None:
             self._work.sync_resident_to_host()  # the next Program's buffers load them from the host
+            self._last_step_clipped = self._work.updates.last_step_clipped
         if self._runtime is not None:
             self._runtime.close()  # its stream threads belong to the old Program
         # Free the old buffers before allocating new ones: the runtime holds the old StepWork too, so both go
