@@ -223,3 +223,37 @@ def test_the_superoffload_variants_change_only_the_core_split_and_sub_groups(pee
                         **({"sub_group_size": changed["sub_group_size"]} if "sub_group_size" in changed else {})}
         assert {k: v for k, v in ds.items() if k != "zero_optimization"} == {
             k: v for k, v in base.items() if k != "zero_optimization"}
+
+
+def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf, run_peer, monkeypatch, capsys):
+    """llama3-8b (8.03 B parameters) on the H200 machine's 125 GiB host: ZeRO-3 offload keeps 25.65 B a parameter
+    there (measured at bench-3b), about 192 GiB, so it is refused with one line and exit 3 before any model is
+    built. PyTorch all on the GPU needs 16 B a parameter of the GPU (about 120 GiB) before activations: refused on
+    an 80 GB H100, let through on the H200."""
+    gib = 1024 ** 3
+    n = 8_030_261_248  # llama3-8b
+    zero3, gpu_peer, fsdp = (peerconf.load(p) for p in ("zero3-offload", "all-on-gpu", "fsdp2-cpuoffload"))
+    line = peerconf.memory_refusal(zero3, "llama3-8b", n, 120 * gib, 139 * gib)
+    assert line.startswith("zero3-offload cannot hold llama3-8b (8.03 B parameters)") and "191.8 GiB of host" in line
+    assert "25.65 B a parameter, measured at bench-3b" in line and "120.0 GiB are available" in line
+    assert peerconf.memory_refusal(zero3, "bench-3b", 2_971_000_000, 120 * gib, 139 * gib) is None  # it ran there
+    assert "GPU memory before activations" in peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 79 * gib)
+    assert peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 139 * gib) is None
+    # no measurement: the floor, 16 B a parameter of fp32 weights, gradients and moments on the host
+    assert peerconf.memory_floor(fsdp)[0] == 16.0 and "at least: fp32 weights" in peerconf.memory_refusal(
+        fsdp, "llama3-8b", n, 100 * gib, None)
+    # Twin-Flow keeps 30% of the optimizer on the host, the rest and the bf16 parameters on the GPU
+    assert peerconf.memory_floor(peerconf.load("twinflow"))[:2] == pytest.approx((4.8, 13.2))
+
+    # through the runner, on a machine with CUDA (faked: nothing reaches the device before the refusal)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (139 * gib, 141 * gib))
+    monkeypatch.setattr(run_peer.psutil, "virtual_memory", lambda: type("VM", (), {"available": 20 * gib})())
+    built = []
+    monkeypatch.setattr(run_peer, "build_model", lambda *a, **k: built.append(a))
+    assert run_peer.main(["fsdp2-cpuoffload", "--model", "bench-3b"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("run_peer: fsdp2-cpuoffload cannot hold bench-3b") and not built

@@ -144,6 +144,53 @@ def validate_with_deepspeed(ds: dict) -> str:
     return f"checked against DeepSpeed {deepspeed.__version__}'s config models"
 
 
+# ---- memory, before a run allocates -------------------------------------------------------------------------------
+# Host bytes a parameter of the peers' measured runs (the RSS of the process and its children over the parameters;
+# docs/peers.md, "The fourth and fifth starts"): the estimate a run is checked against before it builds its model.
+# A peer without a measurement is checked against its floor (`memory_floor`), which only refuses what cannot fit.
+MEASURED_HOST_B_PER_PARAM = {
+    "zero3-offload": (25.65, "measured at bench-3b 8 x 2048 on the H200, start 4"),
+    "superoffload": (22.64, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 2 and 5"),
+    "superoffload-adam50": (22.64, "measured at bench-3b 8 x 2048 on the H200, start 4"),
+}
+
+
+def memory_floor(cfg: dict) -> tuple[float, float, str]:
+    """(host, GPU) bytes a parameter that the peer's settings hold at least, and what they are: fp32 weights,
+    gradients and AdamW moments (16 B) where its optimizer state lives (a DeepSpeed `ratio` splits them), and bf16
+    parameters (2 B) where ZeRO keeps them. Activations, buffers and the runtime come on top."""
+    if "torch" in cfg:
+        if "offload" in cfg["torch"]:
+            return 16.0, 0.0, "fp32 weights, gradients and AdamW moments on the host"
+        return 0.0, 16.0, "fp32 weights, gradients and AdamW moments on the GPU"
+    zero = cfg["deepspeed"]["zero_optimization"]
+    ratio = float(zero["offload_optimizer"].get("ratio", 1.0))
+    host, gpu = 16.0 * ratio, 16.0 * (1.0 - ratio)
+    params_on_cpu = zero.get("offload_param", {}).get("device") == "cpu"
+    host, gpu = (host + 2.0, gpu) if params_on_cpu else (host, gpu + 2.0)
+    where = "on the host" if params_on_cpu else "on the GPU"
+    return host, gpu, (f"fp32 master, gradients and AdamW moments of {ratio:.0%} of the optimizer on the host, "
+                       f"bf16 parameters {where}")
+
+
+def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gpu_free: float | None) -> str | None:
+    """One line saying why the peer cannot hold `model` on this machine (host memory MemAvailable, the GPU's free
+    bytes; None: no GPU), or None when it may. Host: the peer's measured bytes a parameter where there is one,
+    else its floor; GPU: its floor."""
+    host_floor, gpu_floor, what = memory_floor(cfg)
+    per, basis = MEASURED_HOST_B_PER_PARAM.get(cfg["peer"], (host_floor, f"at least: {what}"))
+    gib = 1024 ** 3
+    head = f"{cfg['peer']} cannot hold {model} ({params / 1e9:.2f} B parameters) on this machine: it needs about"
+    tail = "; nothing was allocated (--skip-memory-check runs it anyway)"
+    if per * params > host_available:
+        return (f"{head} {per * params / gib:.1f} GiB of host memory ({per:g} B a parameter, {basis}) and "
+                f"{host_available / gib:.1f} GiB are available{tail}")
+    if gpu_free is not None and gpu_floor * params > gpu_free:
+        return (f"{head} {gpu_floor * params / gib:.1f} GiB of GPU memory before activations ({gpu_floor:g} B a "
+                f"parameter: {what}) and the GPU has {gpu_free / gib:.1f} GiB free{tail}")
+    return None
+
+
 def settings_summary(cfg: dict, clip: float) -> str:
     """One line stating the settings the issue asks each row to show (core binding, pinned memory, sub-group
     size, the peer's own knobs) and the clipping."""

@@ -46,6 +46,8 @@ import statistics
 import sys
 import time
 
+import psutil
+
 import peercurve  # the sibling modules: python puts this script's folder first on sys.path
 import peerconf
 from megatrain.units import GiB
@@ -87,6 +89,9 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="check the config, print the command of the full run, then run the debug model "
                          f"({DRY_BATCH}x{DRY_SEQ}, {DRY_STEPS} steps) on the CPU where the peer can")
+    ap.add_argument("--skip-memory-check", action="store_true",
+                    help="run even when the peer's host or GPU memory estimate exceeds what this machine has "
+                         "(peerconf.memory_refusal)")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # DeepSpeed's launcher passes it
     a = ap.parse_args(argv)
     if a.peer not in peerconf.peer_names() and not a.config:
@@ -244,8 +249,6 @@ def _env_one_process():
 # ---- measuring ---------------------------------------------------------------------------------------------------
 def host_memory() -> tuple[float, float | None]:
     """(RSS, PSS) in bytes of this process and its children, recursively; PSS None where it cannot be read."""
-    import psutil
-
     procs = [psutil.Process()]
     procs += procs[0].children(recursive=True)
     rss, pss = 0, 0
@@ -437,8 +440,14 @@ def main(argv=None) -> int:
             return 2
         else:
             torch.cuda.set_device(0)
+            spec = get_model(a.model)
+            refusal = None if a.skip_memory_check else peerconf.memory_refusal(
+                cfg, spec.name, spec.num_params, psutil.virtual_memory().available, torch.cuda.mem_get_info()[0])
+            if refusal:  # before the model is built: a host that runs out kills the process, or its neighbours
+                print(f"run_peer: {refusal}", file=sys.stderr)
+                return 3
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core the launcher's binding leaves us
-            out = run_steps(a, cfg, ds_cfg, get_model(a.model), "cuda", checked=checked, command=command)
+            out = run_steps(a, cfg, ds_cfg, spec, "cuda", checked=checked, command=command)
     except DataError as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
