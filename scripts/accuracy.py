@@ -14,8 +14,9 @@ each host layout, the schedules interleaved over rounds), writing each (schedule
 
 `ablate DIR --model M` rebuilds one shape's quick profile from its measurements with parts of the profiler's method
 left out (one weight wire; the default device redo; copies not slowed beside the update) or the CPU update rate
-taken from one of its three estimates instead of their median, and prints each row's (a) error with each. `report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older
-measurements under today's profiler).
+taken from one of its three estimates instead of their median, and prints each row's (a) error with each.
+`report --rebuild VARIANT` evaluates a whole directory with profiles rebuilt that way (older measurements under
+today's profiler).
 
 `copies DIR...` measures, in the recorded steps, how much slower a layer's compute tasks ran while copies were in
 flight than the quick profile's table for them (which is timed alone): per kind, the ratio against the fraction of
@@ -319,7 +320,7 @@ VARIANTS = ("as measured", "one weight wire", "redo = 2 updates", "copies not sl
             "operating-point CPU rate", "in-step CPU rate", "isolated-loop CPU rate")
 # the CPU update rate from one of its three estimates instead of their median (profiling/assemble.choose_cpu_rate)
 CPU_RATE_OF_VARIANT = {"operating-point CPU rate": "operating point", "in-step CPU rate": "in-step",
-                       "isolated-loop CPU rate": "isolated loop"}
+                       "isolated-loop CPU rate": "isolated loop"}  # assemble.CPU_RATE_SOURCES (tested)
 
 
 def rebuild_profile(d: Path, model: str, variant: str = "as measured"):

@@ -147,6 +147,9 @@ def test_measure_then_report_on_the_cpu(tmp_path, monkeypatch, capsys):
     measured = acc.rebuild_profile(tmp_path / "debug", "debug").notes["cpu_adam_params_per_s"]
     in_step = acc.rebuild_profile(tmp_path / "debug", "debug", "in-step CPU rate").notes["cpu_adam_params_per_s"]
     assert "the median of the estimates" in measured
+    from megatrain.profiling.assemble import CPU_RATE_SOURCES, MEDIAN_OF_THREE
+
+    assert set(acc.CPU_RATE_OF_VARIANT.values()) == set(CPU_RATE_SOURCES) - {MEDIAN_OF_THREE}  # one each, all known
     assert "taken from the host updates of the real steps" in in_step and in_step != measured
 
 

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from megatrain.profiling.calibrate import ProfileRequest
 
 STREAMS = ONE_GPU_STREAMS  # a profile is measured on one GPU: no comm stream (ir/streams.py)
+# Where build_profile takes the CPU update rate from (`choose_cpu_rate`). Three estimates of one rate, each biased
+# its own way: the runtime's update timed alone at the operating point (least disturbed of a few rounds), the
+# isolated AdamW loop, and the updates of the profiler's real steps. Each has missed the in-step rate of later runs
+# by 20-40% on some H200 start where another held (docs/accuracy.md, "The CPU update rate: the median of three
+# estimates"); their median, the default, drops whichever one is off.
+OPERATING_POINT, IN_STEP, ISOLATED_LOOP = "operating point", "in-step", "isolated loop"
+MEDIAN_OF_THREE = "median of three"
+CPU_RATE_SOURCES = (MEDIAN_OF_THREE, OPERATING_POINT, IN_STEP, ISOLATED_LOOP)
 
 
 def _default_name(info: dict) -> str:
@@ -35,8 +43,8 @@ def not_simulated(m: dict) -> str:
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
             f"{uu['factor']:.2f}x as long while the compute stream runs (its slowdown beside copies is simulated, see "
-            f"host_memory_Bps); the first layer forward in a fresh "
-            f"issuing thread (the runtime keeps its threads, so only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
+            f"host_memory_Bps); the first layer forward in a fresh issuing thread (the runtime keeps its threads, so "
+            f"only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
 
 
 def _update_slowdown(m: dict) -> dict[int, float]:
@@ -88,7 +96,7 @@ def choose_cpu_rate(sources: dict[str, float | None], rate_from: str) -> float |
         known = [r for r in sources.values() if r]
         return float(median(known)) if known else None
     rate = sources.get(rate_from)
-    return rate if rate or rate_from != "operating point" else sources.get("in-step")
+    return rate if rate or rate_from != OPERATING_POINT else sources.get(IN_STEP)
 
 
 def operating_note(op: dict) -> str:
@@ -121,11 +129,11 @@ def _cpu_rate_note(adam: dict, threads: int, op: dict | None, sources: dict[str,
     out = (f"measured: exec.optim.adamw_update (no refresh) on {adam['params']:,}-parameter tiles; fixed cost "
            f"{adam['fixed_s'] * 1e6:.0f} us per update fitted over 3 sizes at {threads} threads (in "
            "task_overhead_s['cpu'])")
-    named = {"operating point": (f"the runtime's own update alone ({op['update_path']} on the host store's "
+    named = {OPERATING_POINT: (f"the runtime's own update alone ({op['update_path']} on the host store's "
                                  f"{op['params']:,}-parameter layer tiles, {op['passes']} conversion passes taken "
                                  "out at cpu_convert_params_per_s)" if op else "the runtime's own update alone"),
-             "isolated loop": "the isolated loop",
-             "in-step": "the host updates of the real steps below (through the legacy slowdown factors)"}
+             ISOLATED_LOOP: "the isolated loop",
+             IN_STEP: "the host updates of the real steps below (through the legacy slowdown factors)"}
     known = [f"{named[k]} {v / g:.2f}" for k, v in sources.items() if v]
     if chosen is None or not known:
         return out + "."
@@ -167,15 +175,6 @@ def compute_beside_copy(m: dict) -> dict[str, float]:
         return {}
     f = {k: max(1.0, float(r[k]["factor"])) for k in ("F", "B")}
     return {"F": f["F"], "R": f["F"], "B": f["B"]}
-
-
-# Where build_profile takes the CPU update rate from. Three estimates of one rate, each biased its own way: the
-# runtime's update timed alone at the operating point (least disturbed of a few rounds), the isolated AdamW loop,
-# and the updates of the profiler's real steps. Each has missed the in-step rate of later runs by 20-40% on some
-# H200 start where another held (docs/accuracy.md, "The CPU update rate: the median of three estimates"); the
-# median drops whichever one is off.
-MEDIAN_OF_THREE = "median of three"
-CPU_RATE_SOURCES = (MEDIAN_OF_THREE, "operating point", "in-step", "isolated loop")
 
 
 def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[str], threads: int,
@@ -231,8 +230,8 @@ def build_profile(m: dict, spec: ModelSpec, req: ProfileRequest, dtypes: list[st
     slowed = compute_beside_copy(m)
     cpu_rates = {int(t): float(v) for t, v in adam["by_threads"].items()}
     isolated = cpu_rates.get(threads)
-    sources = {"operating point": operating_cpu_rate(op, adam["fixed_s"], convert_rate) if op is not None else None,
-               "isolated loop": isolated, "in-step": in_step_cpu_rate(m, slowdown, convert_rate)}
+    sources = {OPERATING_POINT: operating_cpu_rate(op, adam["fixed_s"], convert_rate) if op is not None else None,
+               ISOLATED_LOOP: isolated, IN_STEP: in_step_cpu_rate(m, slowdown, convert_rate)}
     chosen = choose_cpu_rate(sources, cpu_rate_from)
     if chosen is not None and isolated:
         cpu_rates = {t: v * chosen / isolated for t, v in cpu_rates.items()}

@@ -177,17 +177,18 @@ def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gp
     """One line saying why the peer cannot hold `model` on this machine (host memory MemAvailable, the GPU's free
     bytes; None: no GPU), or None when it may. Host: the peer's measured bytes a parameter where there is one,
     else its floor; GPU: its floor."""
+    from megatrain.units import GiB  # needs PYTHONPATH=. (the repository root), as adamw_params
+
     host_floor, gpu_floor, what = memory_floor(cfg)
     per, basis = MEASURED_HOST_B_PER_PARAM.get(cfg["peer"], (host_floor, f"at least: {what}"))
-    gib = 1024 ** 3
     head = f"{cfg['peer']} cannot hold {model} ({params / 1e9:.2f} B parameters) on this machine: it needs about"
     tail = "; nothing was allocated (--skip-memory-check runs it anyway)"
     if per * params > host_available:
-        return (f"{head} {per * params / gib:.1f} GiB of host memory ({per:g} B a parameter, {basis}) and "
-                f"{host_available / gib:.1f} GiB are available{tail}")
+        return (f"{head} {per * params / GiB:.1f} GiB of host memory ({per:g} B a parameter, {basis}) and "
+                f"{host_available / GiB:.1f} GiB are available{tail}")
     if gpu_free is not None and gpu_floor * params > gpu_free:
-        return (f"{head} {gpu_floor * params / gib:.1f} GiB of GPU memory before activations ({gpu_floor:g} B a "
-                f"parameter: {what}) and the GPU has {gpu_free / gib:.1f} GiB free{tail}")
+        return (f"{head} {gpu_floor * params / GiB:.1f} GiB of GPU memory before activations ({gpu_floor:g} B a "
+                f"parameter: {what}) and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
     return None
 
 
