@@ -229,7 +229,7 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     """llama3-8b (8.03 B parameters) on the H200 machine's 125 GiB host: ZeRO-3 offload keeps 25.65 B a parameter
     there (measured at bench-3b), about 192 GiB, so it is refused with one line and exit 3 before any model is
     built. PyTorch all on the GPU needs 16 B a parameter of the GPU (about 120 GiB) before activations: refused on
-    an 80 GB H100, let through on the H200."""
+    an 80 GB H100 by the parameters alone; with no shape given they fit the H200 (its logits do not: the next test)."""
     gib = 1024 ** 3
     n = 8_030_261_248  # llama3-8b
     zero3, gpu_peer, fsdp = (peerconf.load(p) for p in ("zero3-offload", "all-on-gpu", "fsdp2-cpuoffload"))
@@ -238,7 +238,7 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     assert "25.65 B a parameter, measured at bench-3b" in line and "120.0 GiB are available" in line
     assert peerconf.memory_refusal(zero3, "bench-3b", 2_971_000_000, 120 * gib, 139 * gib) is None  # it ran there
     assert "GPU memory before activations" in peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 79 * gib)
-    assert peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 139 * gib) is None
+    assert peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 139 * gib) is None  # tokens=0: no logits
     # no measurement: the floor, 16 B a parameter of fp32 weights, gradients and moments on the host
     assert peerconf.memory_floor(fsdp)[0] == 16.0 and "at least: fp32 weights" in peerconf.memory_refusal(
         fsdp, "llama3-8b", n, 100 * gib, None)
@@ -257,3 +257,43 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     assert run_peer.main(["fsdp2-cpuoffload", "--model", "bench-3b"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("run_peer: fsdp2-cpuoffload cannot hold bench-3b") and not built
+
+
+def test_the_gpu_check_counts_the_logits_that_every_peer_holds(peerconf, run_peer, monkeypatch, capsys):
+    """all-on-gpu with llama3-8b at 16 x 2048 passed the parameters' floor on the H200 (16 B a parameter, 119.7 GiB
+    of 139 free) and ran out of memory at the head 25 s later: its logits, 16 x 2048 x 128256 elements held in bf16
+    and in transformers' fp32 upcast at once (6 B each), are 23.5 GiB more. Refused now, in one line that names
+    them, and through the runner, which passes batch x seq and the vocabulary, before anything is built."""
+    gib = 1024 ** 3
+    gpu_peer = peerconf.load("all-on-gpu")
+    line = peerconf.memory_refusal(gpu_peer, "llama3-8b", 8.03e9, 1000 * gib, 139 * gib, tokens=16 * 2048,
+                                   vocab=128256)
+    assert line is not None and line.startswith("all-on-gpu cannot hold llama3-8b (8.03 B parameters)")
+    assert "143.1 GiB of GPU memory before activations other than the logits" in line
+    assert "119.7 GiB at 16 B a parameter" in line and "23.5 GiB of logits, 32768 tokens x 128256 vocabulary" in line
+    assert "139.0 GiB free" in line and "\n" not in line
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (139 * gib, 141 * gib))
+    monkeypatch.setattr(run_peer.psutil, "virtual_memory", lambda: type("VM", (), {"available": 1000 * gib})())
+    built = []
+    monkeypatch.setattr(run_peer, "build_model", lambda *a, **k: built.append(a))
+    assert run_peer.main(["all-on-gpu", "--model", "llama3-8b", "--batch", "16", "--seq", "2048"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB of logits, 32768 tokens x 128256 vocabulary" in err[0] and not built
+
+
+def test_the_logits_floor_lets_through_what_fits(peerconf):
+    """bench-3b-sized: 44.7 GiB of weights, gradients and moments and 2.9 GiB of logits (8 x 2048 x 32000) fit the
+    H200's 139 GiB; the logits count for every peer, also one that keeps nothing else on the GPU."""
+    gib = 1024 ** 3
+    shape = dict(tokens=8 * 2048, vocab=32000)
+    assert peerconf.memory_refusal(peerconf.load("all-on-gpu"), "bench-3b", 3.0e9, 1000 * gib, 139 * gib,
+                                   **shape) is None
+    # FSDP2's GPU floor is 0 B a parameter: a GPU too small for the logits alone is still refused
+    fsdp = peerconf.load("fsdp2-cpuoffload")
+    assert peerconf.memory_refusal(fsdp, "bench-3b", 3.0e9, 1000 * gib, 139 * gib, **shape) is None
+    assert "2.9 GiB of logits" in peerconf.memory_refusal(fsdp, "bench-3b", 3.0e9, 1000 * gib, 2 * gib, **shape)

@@ -155,6 +155,17 @@ MEASURED_HOST_B_PER_PARAM = {
 }
 
 
+# GPU bytes an element of the logits (batch x seq x vocab) that every peer holds at once, whatever it offloads: all
+# run the HF model's head on the GPU and take `model(input_ids=x, labels=y, shift_labels=y).loss` (run_peer.py),
+# so the head's output is bf16 (2 B: autocast, FSDP2's param_dtype or DeepSpeed's bf16; every config sets one) and
+# transformers' ForCausalLMLoss (transformers/loss/loss_utils.py, 5.24) upcasts it with `logits = logits.float()`
+# (4 B) while the bf16 tensor stays referenced (LlamaForCausalLM.forward returns it beside the loss). The backward's
+# gradient of the same shape, the rest of the activations, buffers and the runtime come on top: a floor. llama3-8b
+# at 16 x 2048 (vocab 128256): 23.5 GiB, which the parameters' floor missed when all-on-gpu ran out of the H200's
+# memory (docs/runs/25-peers/h200-table6, llama8b-16x2048-logs-3.tgz: "Tried to allocate 7.83 GiB", the bf16 logits).
+LOGITS_B_PER_ELEMENT = 6.0
+
+
 def memory_floor(cfg: dict) -> tuple[float, float, str]:
     """(host, GPU) bytes a parameter that the peer's settings hold at least, and what they are: fp32 weights,
     gradients and AdamW moments (16 B) where its optimizer state lives (a DeepSpeed `ratio` splits them), and bf16
@@ -173,10 +184,12 @@ def memory_floor(cfg: dict) -> tuple[float, float, str]:
                        f"bf16 parameters {where}")
 
 
-def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gpu_free: float | None) -> str | None:
+def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gpu_free: float | None, *,
+                   tokens: int = 0, vocab: int = 0) -> str | None:
     """One line saying why the peer cannot hold `model` on this machine (host memory MemAvailable, the GPU's free
     bytes; None: no GPU), or None when it may. Host: the peer's measured bytes a parameter where there is one,
-    else its floor; GPU: its floor."""
+    else its floor; GPU: its floor plus the logits of `tokens` (batch x seq) over `vocab`, which every peer holds
+    on the GPU (LOGITS_B_PER_ELEMENT; 0, the default, leaves them out)."""
     from megatrain.units import GiB  # needs PYTHONPATH=. (the repository root), as adamw_params
 
     host_floor, gpu_floor, what = memory_floor(cfg)
@@ -186,9 +199,16 @@ def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gp
     if per * params > host_available:
         return (f"{head} {per * params / GiB:.1f} GiB of host memory ({per:g} B a parameter, {basis}) and "
                 f"{host_available / GiB:.1f} GiB are available{tail}")
-    if gpu_free is not None and gpu_floor * params > gpu_free:
-        return (f"{head} {gpu_floor * params / GiB:.1f} GiB of GPU memory before activations ({gpu_floor:g} B a "
-                f"parameter: {what}) and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
+    logits = LOGITS_B_PER_ELEMENT * tokens * vocab
+    if gpu_free is not None and gpu_floor * params + logits > gpu_free:
+        per_param = f"{gpu_floor:g} B a parameter: {what}"
+        if not logits:
+            return (f"{head} {gpu_floor * params / GiB:.1f} GiB of GPU memory before activations ({per_param}) "
+                    f"and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
+        return (f"{head} {(gpu_floor * params + logits) / GiB:.1f} GiB of GPU memory before activations other than "
+                f"the logits ({gpu_floor * params / GiB:.1f} GiB at {per_param}; {logits / GiB:.1f} GiB of logits, "
+                f"{tokens} tokens x {vocab} vocabulary x {LOGITS_B_PER_ELEMENT:g} B: bf16 and their fp32 upcast) "
+                f"and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
     return None
 
 

@@ -442,7 +442,8 @@ def main(argv=None) -> int:
             torch.cuda.set_device(0)
             spec = get_model(a.model)
             refusal = None if a.skip_memory_check else peerconf.memory_refusal(
-                cfg, spec.name, spec.num_params, psutil.virtual_memory().available, torch.cuda.mem_get_info()[0])
+                cfg, spec.name, spec.num_params, psutil.virtual_memory().available, torch.cuda.mem_get_info()[0],
+                tokens=a.batch * a.seq, vocab=spec.vocab_size)
             if refusal:  # before the model is built: a host that runs out kills the process, or its neighbours
                 print(f"run_peer: {refusal}", file=sys.stderr)
                 return 3
