@@ -125,3 +125,59 @@ def test_a_program_that_cannot_start_after_a_relayout_puts_the_old_layout_back(m
         assert torch.equal(trainer.store.exp_avg(u), m) and torch.equal(trainer.store.exp_avg_sq(u), v)
     trainer.use_program(old_program)  # what auto does after a failed switch (autoswitch._restore)
     trainer.step(*next(batches))  # the run goes on
+
+
+# Resident layers (knob resident_layers) keep their gradients in their GPU buffer and are never streamed: the store
+# gives them master and moments (what checkpoints and switches read) but no landing tile and no streaming copy.
+def _resident(k: int, wire: str = "bf16"):
+    return knobs_for("arrival-resident", resident_layers=k, weight_wire=wire, compute_dtype="bf16", clip=0.0)
+
+
+def test_resident_layers_have_no_landing_tile_or_streaming_copy_and_the_planner_agrees():
+    tight, full = resolve_host_layout(DEBUG, _resident(2)), resolve_host_layout(DEBUG, _resident(0))
+    resident = set(tight.resident_layers)
+    assert len(resident) == 2 and not full.resident_layers
+    store, wide = HostStore(DEBUG, tight), HostStore(DEBUG, full)
+    for u in DEBUG.units():
+        assert store.master(u).numel() == wide.master(u).numel()  # the state stays for every unit
+        if u in resident:
+            with pytest.raises(KeyError, match="resident on the GPU"):
+                store.grad(u)
+            assert store.stream_tile(u) is None
+        else:
+            assert store.grad(u).numel() == wide.grad(u).numel() and store.stream_tile(u) is not None
+    # 4 B (fp32 landing) + 2 B (bf16 streaming copy) less a resident parameter, by the store's own allocation
+    saved = sum(DEBUG.unit_params(u) for u in resident) * (4 + 2)
+    assert wide.store_bytes() - store.store_bytes() == saved
+    planned = plan_memory(DEBUG, 2, 16, _resident(2), backend="cpu").host
+    assert store.bytes_by_component() == {k: v for k, v in planned.components.items()
+                                          if k in store.bytes_by_component()}
+    # a store with the landing tiles runs a Program with more resident layers, not the other way round
+    assert full.serves(tight) and not tight.serves(full) and tight.serves(tight)
+    assert not full.serves(resolve_host_layout(DEBUG, _resident(2, wire="fp32")))  # another wire: never
+
+
+def test_a_switch_to_more_resident_layers_keeps_the_store_and_to_fewer_relays_it():
+    """arrival-resident with 1, then 2 (served: the same store), then 0 resident layers (a relayout), against a
+    run that kept 1 throughout: the same losses and weights (where the state lives changes no number)."""
+    def run(switches):
+        trainer = StreamedTrainer(DEBUG, _resident(1), backend="cpu", seed=3)
+        batches = synthetic_batches(DEBUG, 2, 16, 0)
+        losses, stores = [], []
+        for i in range(5):
+            if i in switches:
+                trainer.switch_schedule(_resident(switches[i]), 2, 16, f"r{switches[i]}")
+            stores.append(trainer.store)
+            losses.append(trainer.step(*next(batches)).loss)
+        trainer.flush()
+        trainer._work.sync_resident_to_host()
+        return trainer, losses, stores
+
+    plain, plain_losses, _ = run({})
+    switched, losses, stores = run({2: 2, 4: 0})
+    assert stores[2] is stores[0]  # 1 -> 2 resident layers: served, no relayout
+    assert stores[4] is not stores[2] and stores[4].layout == resolve_host_layout(DEBUG, _resident(0))
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
+    for u in DEBUG.units():
+        torch.testing.assert_close(switched.store.master(u), plain.store.master(u), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(switched.store.exp_avg_sq(u), plain.store.exp_avg_sq(u), rtol=1e-6, atol=1e-12)

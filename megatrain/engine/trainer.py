@@ -136,8 +136,8 @@ class StreamedTrainer:
 
     def use_program(self, program: Program) -> None:
         """Run `program` for its batch shape from now on: a Program lowered from a schedule you built and edited
-        yourself (megatrain/compile/edit.py). Its placement must keep this trainer's host layout (wires, GPU-updated
-        units), which the host store was built for."""
+        yourself (megatrain/compile/edit.py). Its placement's host layout must be one the host store serves
+        (`HostLayout.serves`: the same wires and GPU-updated units, at least the store's resident layers)."""
         if program.model != self.spec:
             raise ValueError(f"the Program trains {program.model.name}, this trainer {self.spec.name}")
         self._release_program()
@@ -169,14 +169,15 @@ class StreamedTrainer:
                         ) -> tuple[Program, UpdatePlan | None]:
         """Run `knobs` from the next step: the pending update (overlap timing) is applied first with the old
         Program, as a checkpoint does, then the new Program for (batch, seq) takes over (`use_program`). A schedule
-        of another host layout (wires, GPU-updated units, gradient ring) takes the store over in place
+        of a host layout this store does not serve (other wires, GPU-updated units, gradient ring, or fewer resident
+        layers: `HostLayout.serves`) takes the store over in place
         (`HostStore.relayout`: the master and moments are kept, the rest rebuilt; one process and the same optimizer
         state dtype and tier only (ValueError), and HostMemoryShort when the larger layout would not fit the host;
         each refused before anything changes); if its Program then cannot start, the store goes back to the old
         layout before the error is raised. Returns the new Program and the update plan the flush applied (None if
         none was pending)."""
         layout = resolve_host_layout(self.spec, knobs)
-        relayout = layout != self.store.layout
+        relayout = not self.store.layout.serves(layout)  # served: more resident layers than the store's, or same
         if relayout and self.world.distributed:
             raise ValueError(f"schedule {name} needs another host layout than the one this rank's store was built "
                              "for; a data-parallel run keeps its layout (start the run with it)")

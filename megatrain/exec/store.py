@@ -14,6 +14,10 @@ between host and GPU is one memcpy per unit:
     adam m, v in bf16  HostLayout.state_dtype="bf16": 2 + 2 B/param; the update widens them to fp32 chunk by
                     chunk in a small scratch (optim.adamw_update_bf16_state)
 
+Layers resident on the GPU (HostLayout.resident_layers) have master and moments here (what checkpoints and schedule
+switches read, synced from the GPU first) but no streaming copy and no landing tile: they are never streamed and
+their gradients stay on the GPU.
+
 Each kind is ONE host allocation carved into page-aligned tiles, so pinning does not go through torch's caching
 host allocator (which rounds every block up to a power of two, up to 2x the memory). Only what DMA touches is
 pinned (CUDA: cudaHostRegister of the tile range): the streaming copy (or the master for fp32 wire), the gradients,
@@ -131,18 +135,20 @@ class HostStore:
             self._m = HostRegion(self.backend, state_dtype, own)
             self._v = HostRegion(self.backend, state_dtype, own)
             fresh = (self._master, self._m, self._v)
-        # Gradient landing: a tile per unit, or a ring of tiles the units share in turn ({unit: tile}).
+        # Gradient landing: a tile per unit that lands (not the resident layers), or a ring of tiles the units share
+        # in turn ({unit: tile}).
+        streamed = {u: full[u] for u in layout.host_tiled(self.units)}
         self._ring_of = dict(layout.ring_tiles)
         if layout.grad_ring:
             self._grad = HostRegion(self.backend, self.grad_dtype,
                                     {t: layout.ring_tile_elements for t in range(layout.grad_ring)})
         else:
-            self._grad = HostRegion(self.backend, self.grad_dtype, full)
+            self._grad = HostRegion(self.backend, self.grad_dtype, streamed)
         # bf16 moments are widened into these fp32 buffers (m, v) for the update, a chunk at a time.
         self._state_scratch = (HostRegion(self.backend, torch.float32, {0: layout.state_scratch_elements,
                                                                          1: layout.state_scratch_elements})
                                if layout.state_scratch_elements else None)
-        self._stream = HostRegion(self.backend, torch.bfloat16, full) if layout.weight_wire == "bf16" else None
+        self._stream = HostRegion(self.backend, torch.bfloat16, streamed) if layout.weight_wire == "bf16" else None
         # bf16 gradients are converted to fp32 for the update chunk by chunk in this one reused buffer.
         self._scratch = (HostRegion(self.backend, torch.float32, {0: layout.grad_scratch_elements})
                          if layout.grad_scratch_elements else None)
@@ -156,7 +162,7 @@ class HostStore:
         # Pin only what DMA touches.
         self._grad.pin(self._grad.order)
         if self._stream is not None:
-            self._stream.pin(self.units)
+            self._stream.pin(self._stream.order)
             self._master.pin(self.gpu_units)
         else:
             self._master.pin(self.units)
@@ -223,6 +229,9 @@ class HostStore:
             if unit not in self._ring_of:
                 raise KeyError(f"unit {unit} has no gradient landing tile in the ring (its gradients stay on the GPU)")
             return self._grad.tiles[self._ring_of[unit]][:self.layouts[unit].numel]
+        if unit not in self._grad.tiles:
+            raise KeyError(f"unit {unit} is resident on the GPU: its gradients stay in its resident buffer (no "
+                           "landing tile on the host)")
         return self._grad.tiles[unit]
 
     @property
@@ -245,8 +254,8 @@ class HostStore:
         return [(0, self.master(unit))]
 
     def refresh_stream(self, unit: int) -> None:
-        """Bring the streaming copy up to date after the unit's master changed."""
-        if self._stream is None:
+        """Bring the streaming copy up to date after the unit's master changed (none: a resident layer's)."""
+        if self._stream is None or unit not in self._stream.tiles:
             return
         lo = self.opt_lo[unit]
         self._stream.tiles[unit][lo:].copy_(self.master(unit))
@@ -254,7 +263,8 @@ class HostStore:
             self._stream.tiles[HEAD][:self.opt_lo[HEAD]].copy_(self.master(EMBED))
 
     def stream_tile(self, unit: int) -> torch.Tensor | None:
-        return None if self._stream is None else self._stream.tiles[unit]
+        """The unit's bf16 streaming copy; None with the fp32 wire (the master is streamed) or for a resident layer."""
+        return None if self._stream is None else self._stream.tiles.get(unit)
 
     # ---- gradients -----------------------------------------------------------------------------------------------
     def gradients_landing(self, unit: int) -> None:

@@ -49,7 +49,7 @@ class StepWork:
                  world=None):
         self.program, self.store, self.backend = program, store, backend
         self.spec = program.model
-        if store.spec != self.spec or store.layout != program.placement.host_layout:
+        if store.spec != self.spec or not store.layout.serves(program.placement.host_layout):
             raise ValueError(f"the host store was built for another model or host layout than the Program "
                              f"(store {store.layout}, Program {program.placement.host_layout}); build the store "
                              "from the Program's placement")

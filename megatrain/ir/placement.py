@@ -217,7 +217,8 @@ class Placement:
         state_scratch = (min(max(spec.unit_params(u) for u in spec.units()), STATE_SCRATCH_ELEMENTS)
                          if self.state_dtype == "bf16" else 0)
         return HostLayout(self.weight_wire, self.grad_wire, tuple(self.gpu_streamed_layers), scratch,
-                          self.grad_ring, self.ring_tiles, tile, self.state_dtype, state_scratch, self.state_tier)
+                          self.grad_ring, self.ring_tiles, tile, self.state_dtype, state_scratch, self.state_tier,
+                          resident_layers=tuple(u for u in self.resident_units if u >= 0))
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @property

@@ -13,7 +13,8 @@ With the NVMe tier (state_tier) m and v (or master, m and v) are on the drive, a
 of two units' state (one being read, one being written back); the NVMe bytes are reported beside the host's.
 
 The streaming copy and the gradient landing space exist for every *streamed* parameter, so a tied model pays
-them twice for the shared matrix (the head streams its own copy). Pinned: what DMA touches — the streaming copy
+them twice for the shared matrix (the head streams its own copy), and not for layers resident on the GPU (their
+master and moments stay on the host, what checkpoints and schedule switches read). Pinned: what DMA touches — the streaming copy
 (or the master for fp32 wire), the gradients, the offloaded checkpoints, and the master and moments of units the
 GPU updates on streamed state.
 
@@ -145,7 +146,8 @@ def plan_host_memory(p: Placement, backend: str = "cuda") -> HostMemoryPlan:
     spec, layout = p.model, p.host_layout
     names = host_component_names(layout)
     n = spec.num_params
-    streamed = sum(spec.unit_params(u) for u in spec.units())  # the head streams its own copy when tied
+    # the head streams its own copy when tied; resident layers are never streamed and land no gradients
+    streamed = sum(spec.unit_params(u) for u in layout.host_tiled(spec.units()))
     state = 2 if p.state_dtype == "bf16" else 4
     grads = (layout.grad_ring * layout.ring_tile_elements if layout.grad_ring else streamed)
     components = {

@@ -193,7 +193,7 @@ def rank_candidates(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs,
     out: list[Candidate] = []
     for label, knobs in auto_candidates(spec, base, vary_compile).items():
         try:
-            if layout is not None and resolve_host_layout(spec, knobs) != layout:
+            if layout is not None and not layout.serves(resolve_host_layout(spec, knobs)):
                 continue
             plan = plan_memory(spec, batch, seq, knobs)
             peak = plan.gpu.peak_bytes
