@@ -246,17 +246,26 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     assert peerconf.memory_floor(peerconf.load("twinflow"))[:2] == pytest.approx((4.8, 13.2))
 
     # through the runner, on a machine with CUDA (faked: nothing reaches the device before the refusal)
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (139 * gib, 141 * gib))
-    monkeypatch.setattr(run_peer.psutil, "virtual_memory", lambda: type("VM", (), {"available": 20 * gib})())
-    built = []
-    monkeypatch.setattr(run_peer, "build_model", lambda *a, **k: built.append(a))
+    built = _fake_cuda_machine(run_peer, monkeypatch, host_available_gib=20, gpu_free_gib=139)
     assert run_peer.main(["fsdp2-cpuoffload", "--model", "bench-3b"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("run_peer: fsdp2-cpuoffload cannot hold bench-3b") and not built
+
+
+def _fake_cuda_machine(run_peer, monkeypatch, host_available_gib: float, gpu_free_gib: float) -> list:
+    """run_peer on a machine with CUDA (faked: nothing reaches a device before a refusal) of this much available
+    host memory and free GPU memory (of 141 GiB). Returns the list each `build_model` call appends to."""
+    import torch
+
+    gib = 1024 ** 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (gpu_free_gib * gib, 141 * gib))
+    monkeypatch.setattr(run_peer.psutil, "virtual_memory",
+                        lambda: type("VM", (), {"available": host_available_gib * gib})())
+    built = []
+    monkeypatch.setattr(run_peer, "build_model", lambda *a, **k: built.append(a))
+    return built
 
 
 def test_the_gpu_check_counts_the_logits_that_every_peer_holds(peerconf, run_peer, monkeypatch, capsys):
@@ -273,14 +282,7 @@ def test_the_gpu_check_counts_the_logits_that_every_peer_holds(peerconf, run_pee
     assert "119.7 GiB at 16 B a parameter" in line and "23.5 GiB of logits, 32768 tokens x 128256 vocabulary" in line
     assert "139.0 GiB free" in line and "\n" not in line
 
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (139 * gib, 141 * gib))
-    monkeypatch.setattr(run_peer.psutil, "virtual_memory", lambda: type("VM", (), {"available": 1000 * gib})())
-    built = []
-    monkeypatch.setattr(run_peer, "build_model", lambda *a, **k: built.append(a))
+    built = _fake_cuda_machine(run_peer, monkeypatch, host_available_gib=1000, gpu_free_gib=139)
     assert run_peer.main(["all-on-gpu", "--model", "llama3-8b", "--batch", "16", "--seq", "2048"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GiB of logits, 32768 tokens x 128256 vocabulary" in err[0] and not built
