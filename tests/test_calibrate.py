@@ -99,6 +99,11 @@ def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
     assert p.compute_beside_copy == {"F": max(1.0, beside["F"]["factor"]), "R": max(1.0, beside["F"]["factor"]),
                                      "B": max(1.0, beside["B"]["factor"])}
     assert "compute_beside_copy" in p.notes
+    # the layer's F and B in bursts and back to back (a step's pattern): recorded and in the notes, not simulated
+    sustained = rec["compute_sustained"]
+    assert all(sustained[k]["burst_s"] > 0 and sustained[k]["calls"] >= 8 for k in ("F", "B"))
+    assert all(sustained[k]["factor"] == sustained[k]["sustained_s"] / sustained[k]["burst_s"] for k in ("F", "B"))
+    assert "back to back for seconds (a step's pattern) a layer F takes" in p.notes["not simulated (measured)"]
     sig = model_signature(DEBUG)
     got = {(t.unit, t.kind) for t in p.compute_tables}
     assert got == {("layer", "F"), ("layer", "R"), ("layer", "B"), ("embed", "F"), ("embed", "B"), ("head", "F")}

@@ -222,3 +222,28 @@ def test_the_cut_measured_keeps_the_layer_and_drops_a_large_vocabulary():
     assert cut.store.master(cut.unit).numel() == cut.params
     small = RuntimeCut(DEBUG, 2, 16, WIRES["bf16 weights, fp32 grads"], get_backend("cpu"))
     assert small.cut.vocab_size == DEBUG.vocab_size  # a small vocabulary is kept as it is
+
+
+def test_a_compute_task_that_slows_under_sustained_load_is_measured_so():
+    """measure_compute_sustained: a body that keeps its speed for its first calls (the bursts the compute tables
+    time) and then runs 10x slower, as a device whose clocks fall under load would, shows a factor well above 1; one
+    of constant speed does not. Sleeps are the bodies: a 1 ms sleep may overrun on a loaded machine, not by 9 ms."""
+    import time
+
+    from megatrain.profiling.rates import measure_compute_sustained
+
+    calls = {"F": 0}
+
+    def tiring():
+        calls["F"] += 1
+        time.sleep(0.001 if calls["F"] <= 12 else 0.010)
+
+    w = Worker(get_backend("cpu"), "compute")
+    try:
+        r = measure_compute_sustained(w, {"F": tiring, "B": lambda: time.sleep(0.001)}, budget_s=0.1, block=4)
+    finally:
+        w.close()
+    assert set(r) == {"F", "B"} and r["F"]["calls"] == r["B"]["calls"] and r["F"]["calls"] % 4 == 0
+    assert r["F"]["calls"] >= 4  # at least one cycle after the first, which is left out
+    assert r["F"]["burst_s"] < 0.005 and r["F"]["sustained_s"] >= 0.010 and r["F"]["factor"] > 2.0
+    assert r["B"]["sustained_s"] < 0.009  # constant speed: no such factor

@@ -40,11 +40,15 @@ def not_simulated(m: dict) -> str:
     wake = (f"; a task released by another stream's task starts {1e6 * sum(cross) / len(cross):.0f} us after it, one "
             f"released by its own stream's predecessor {1e6 * sum(same) / len(same):.0f} us"
             if same and cross else "")
+    cs = m.get("compute_sustained")  # profiles measured before it have none
+    sustained = ("; back to back for seconds (a step's pattern) a layer " + ", ".join(
+        f"{k} takes {v['factor']:.2f}x its time in short bursts ({v['burst_s'] * 1e3:.3f} -> "
+        f"{v['sustained_s'] * 1e3:.3f} ms)" for k, v in cs.items()) if cs else "")
     return (f"a layer forward takes {cu['factor']:.2f}x as long while a CPU update runs "
             f"({cu['alone_s'] * 1e3:.3f} -> {cu['with_update_s'] * 1e3:.3f} ms); a CPU update takes "
             f"{uu['factor']:.2f}x as long while the compute stream runs (its slowdown beside copies is simulated, see "
             f"host_memory_Bps); the first layer forward in a fresh issuing thread (the runtime keeps its threads, so "
-            f"only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}.")
+            f"only its first step pays it) takes +{ft['extra_s'] * 1e3:.3f} ms{wake}{sustained}.")
 
 
 def _update_slowdown(m: dict) -> dict[int, float]:

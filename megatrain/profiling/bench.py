@@ -72,6 +72,21 @@ class Worker:
         """Seconds of each of `reps` calls of fn(), issued back to back after `warmup` untimed calls."""
         return self.call(self._time, fn, reps, warmup)
 
+    def time_sequence(self, calls: list[tuple[str, Callable]]) -> list[tuple[str, float]]:
+        """(label, seconds) of each of `calls` ((label, fn) pairs), issued back to back in order, as a step issues its
+        tasks on one stream: no wait between them, so the device runs them without idling."""
+        return self.call(self._time_sequence, calls)
+
+    def _time_sequence(self, calls: list[tuple[str, Callable]]) -> list[tuple[str, float]]:
+        be, stream = self.backend, self.stream
+        marks = []
+        for label, fn in calls:
+            start = be.record(stream)
+            fn()
+            marks.append((label, start, be.record(stream)))
+        be.synchronize(WAIT_TIMEOUT_S)
+        return [(label, elapsed_s(be, s, e)) for label, s, e in marks]
+
     def time_for(self, fn: Callable, budget_s: float, min_reps: int = 3, max_reps: int = 50, warmup: int = 1,
                  rounds: int = 3) -> list[float]:
         """Time fn() for about `budget_s` seconds in all, in `rounds` rounds; returns the round with the lowest

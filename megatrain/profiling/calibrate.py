@@ -228,6 +228,8 @@ def measure_profile(req: ProfileRequest, log=print) -> Calibration:
                  lambda: _operating_point(m, spec, req, backend, w, threads, budget, quick))
         plan.add("layer forward and backward beside copies in both directions", 4 * budget + 0.5,
                  lambda: _compute_beside_copies(m, spec, req, backend, w, bufs, 4 * budget))
+        plan.add("layer forward and backward back to back, a step's pattern (burst vs sustained)", 4 * budget + 0.5,
+                 lambda: _compute_sustained(m, spec, req, backend, w, 4 * budget))
         plan.add("layer forward while a CPU update runs", budget + 0.2,
                  lambda: _compute_under_update(m, spec, req, backend, w, layer_n, stream_copy, budget))
         plan.add("CPU update while the compute stream runs a layer forward", budget + 0.2,
@@ -391,6 +393,17 @@ def _compute_beside_copies(m, spec, req, backend, w, bufs, budget):
     m["compute_beside_copies"] = {**r, "copy_bytes": nbytes}
     return ", ".join(f"layer {k} {v['alone_s'] * 1e3:.3f} -> {v['beside_copies_s'] * 1e3:.3f} ms (x{v['factor']:.2f})"
                      for k, v in r.items()) + f" beside {nbytes / MiB:.0f} MiB copies"
+
+
+def _compute_sustained(m, spec, req, backend, w, budget):
+    """A layer's F and B in short bursts and back to back for seconds (measured, not simulated: the profile's
+    notes say it, and docs/accuracy.md whether the tables should take it)."""
+    slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
+    bodies = w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)
+    r = rates.measure_compute_sustained(w["compute"], {k: bodies[k] for k in ("F", "B")}, budget)
+    m["compute_sustained"] = r
+    return ", ".join(f"layer {k} {v['burst_s'] * 1e3:.3f} -> {v['sustained_s'] * 1e3:.3f} ms (x{v['factor']:.2f})"
+                     for k, v in r.items()) + " in bursts -> back to back"
 
 
 def _update_under_compute(m, spec, req, backend, w, n, stream_copy, budget):
