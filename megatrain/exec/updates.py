@@ -232,10 +232,12 @@ class Updates:
 
     def _clip_redo(self, u: int, plan: UpdatePlan | None, t: ProgramTask | None) -> None:
         """`clip_redo` of unit u under `plan`; t None: on the host (`flush_update`)."""
-        if plan is not None and u in plan.deferred_units:
-            if not plan.skip and t is not None and t.stream != "cpu":  # a resident unit: on its GPU state
+        if plan is not None and u in plan.deferred_units:  # applied once, clipped, unless the step is skipped
+            if plan.skip:
+                return
+            if t is not None and t.stream != "cpu":  # a resident unit: on its GPU state
                 self._device_update(u, self._state_views(t), plan, plan.clip_coef)
-            elif not plan.skip:
+            else:
                 self._host_update(u, plan)
             return
         if plan is None or u not in plan.applied_units or not (plan.skip or plan.clip_coef < 1.0):

@@ -14,9 +14,9 @@ of two units' state (one being read, one being written back); the NVMe bytes are
 
 The streaming copy and the gradient landing space exist for every *streamed* parameter, so a tied model pays
 them twice for the shared matrix (the head streams its own copy), and not for layers resident on the GPU (their
-master and moments stay on the host, what checkpoints and schedule switches read). Pinned: what DMA touches — the streaming copy
-(or the master for fp32 wire), the gradients, the offloaded checkpoints, and the master and moments of units the
-GPU updates on streamed state.
+master and moments stay on the host, what checkpoints and schedule switches read). Pinned: what DMA touches — the
+streaming copy (or the master for fp32 wire), the gradients, the offloaded checkpoints, and the master and moments
+of units the GPU updates on streamed state.
 
 GPU bytes: the placement's buffer table (weight ring, embedding and head, state, kept-gradient and resident
 buffers), the activation checkpoints, the RoPE tables, and the larger of one layer's working set (its recompute +

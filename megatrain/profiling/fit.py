@@ -225,11 +225,11 @@ def _flow_groups(program: Program) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     device_defers = program.placement.redo_next_step
     for tid, t in program.tasks.items():
-        if t.kind in ("U", "V") and t.stream == "cpu":
+        if t.kind in (TaskKind.OPTIMIZER, TaskKind.CLIP_REDO) and t.stream == "cpu":
             groups.setdefault("cpu_update", []).append(tid)
         elif t.kind == TaskKind.OPTIMIZER or (t.kind == TaskKind.CLIP_REDO and device_defers):
             groups.setdefault("gpu_update", []).append(tid)
-        elif t.kind == "V":
+        elif t.kind == TaskKind.CLIP_REDO:
             groups.setdefault("gpu_redo", []).append(tid)
         elif t.stream in COPY_STREAMS and t.bytes > 0:
             groups.setdefault(TaskKind(t.kind).copy, []).append(tid)

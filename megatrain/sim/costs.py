@@ -160,7 +160,7 @@ class CostModel:
         if task.stream != "cpu":
             return False
         deferred = self.clip_activates and self.placement.speculative_clip
-        return (task.kind == "U" and not deferred) or (task.kind == "V" and deferred)
+        return task.kind == (TaskKind.CLIP_REDO if deferred else TaskKind.OPTIMIZER)
 
     def defers_device_update(self, task: ProgramTask) -> bool:
         """A resident unit's GPU update in a step that clips, with the host redos in the next step
