@@ -103,17 +103,10 @@ class Worker:
         return best
 
     def _time(self, fn: Callable, reps: int, warmup: int) -> list[float]:
-        be, stream = self.backend, self.stream
         for _ in range(warmup):
             fn()
-        be.synchronize(WAIT_TIMEOUT_S)
-        marks = []
-        for _ in range(reps):
-            start = be.record(stream)
-            fn()
-            marks.append((start, be.record(stream)))
-        be.synchronize(WAIT_TIMEOUT_S)
-        return [elapsed_s(be, s, e) for s, e in marks]
+        self.backend.synchronize(WAIT_TIMEOUT_S)
+        return [s for _, s in self._time_sequence([("", fn)] * reps)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
