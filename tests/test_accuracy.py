@@ -169,3 +169,56 @@ def test_recorded_h200_start6_predictions_stay_within_their_errors(tmp_path):
     assert statistics.median(a) <= 0.06 and a[-1] <= 0.145, a
     assert statistics.median(b) <= 0.095 and b[-1] <= 0.135, b
     assert statistics.median(c) <= 0.005 and c[-1] <= 0.04, c
+
+
+# The H100 table's start (docs/peers.md, "The H100 table"; docs/runs/25-peers/h100-table*): each row's median
+# tokens/s over 3 runs (own processes), batch 8 x 2048, `arrival-resident` with the decoder layer compiled.
+H100_TABLE_LOGS = ROOT / "docs" / "runs" / "25-peers" / "h100-table4" / "h100-llama8b-8x2048-logs.tgz"
+H100_TABLE_ROWS = [  # (model, resident layers, clip, measured tokens/s median)
+    ("bench-3b", 24, 1.0, 20_801), ("bench-3b", 24, 0.0, 21_008),
+    ("llama3-8b", 12, 1.0, 6_279), ("llama3-8b", 12, 0.0, 8_822)]
+
+
+def _h100_table_errors(root: Path, back_to_back: bool) -> list[float]:
+    """Predicted / measured step - 1 of the H100 table's megatrain rows, each shape's quick profile rebuilt from its
+    recorded measurements by today's profiler (with or without the back-to-back measurement)."""
+    from megatrain.compile.builders import build_schedule
+    from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+    from megatrain.compile.lower import lower
+    from megatrain.model.presets import get_model
+    from megatrain.profiling.assemble import build_profile
+    from megatrain.profiling.calibrate import ProfileRequest
+    from megatrain.sim import simulate
+    from megatrain.sim.engine import StepFacts
+
+    errors = []
+    for model, resident, clip, tokens_per_s in H100_TABLE_ROWS:
+        slug = {"bench-3b": "bench3b", "llama3-8b": "llama8b"}[model]
+        m = json.loads((root / "25-logs" / f"25-profile-h100-{slug}-8x2048.measurements.json").read_text())
+        if not back_to_back:
+            m.pop("compute_sustained")
+        r, spec = m["request"], get_model(model)
+        req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m["machine"]["device"],
+                             dtypes=r["dtypes"], quick=True, knobs=ScheduleKnobs(**r["knobs"]))
+        profile = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
+        knobs = knobs_for("arrival-resident", resident_layers=resident, compile_layers=True, clip=clip)
+        step_s = simulate(lower(build_schedule(spec, 8, 2048, knobs)), profile,
+                          StepFacts(clip_share=1.0 if clip else 0.0)).mean_step_s
+        errors.append(step_s / (8 * 2048 / tokens_per_s) - 1)
+    return errors
+
+
+def test_the_h100_table_is_priced_at_the_back_to_back_compute_rate(tmp_path):
+    """The profile prices the decoder layer at its back-to-back time (profiling/assemble.sustained_factors). On the
+    H100 table's start the steps ran bench-3b's compiled layer at F 6.2 / B 18.6 ms against 5.25 / 16.9 in the
+    table, and the predictions (measured before the runs, same start) were 11.4-12.2% short of the measured steps
+    (13.8% / 12.9% fast in tokens/s); with the tables scaled: -3.4% / -2.5% (bench-3b), -1.8% / +1.4% (llama3-8b; -3.1% / +0.4% before, the
+    unclipped row the one it does not help).
+    The rule was chosen after this start: these rows are its fit, the next start its test (docs/accuracy.md)."""
+    with tarfile.open(H100_TABLE_LOGS) as t:
+        t.extractall(tmp_path, filter="data")
+    scaled = _h100_table_errors(tmp_path, back_to_back=True)
+    assert max(abs(e) for e in scaled) <= 0.04, scaled
+    burst = _h100_table_errors(tmp_path, back_to_back=False)  # the tables as timed in bursts
+    assert burst[0] < -0.10 and burst[1] < -0.10, burst  # bench-3b's steps priced >10% short
+    assert all(abs(s) < abs(b) for s, b in zip(scaled[:3], burst[:3])), (scaled, burst)

@@ -99,11 +99,22 @@ def test_quick_cpu_profile_is_complete_and_round_trips(calibration, tmp_path):
     assert p.compute_beside_copy == {"F": max(1.0, beside["F"]["factor"]), "R": max(1.0, beside["F"]["factor"]),
                                      "B": max(1.0, beside["B"]["factor"])}
     assert "compute_beside_copy" in p.notes
-    # the layer's F and B in bursts and back to back (a step's pattern): recorded and in the notes, not simulated
+    # the layer's F and B in bursts and back to back (a step's pattern): the layer's tables are scaled to the
+    # back-to-back time at the profiled batch (at least their own: a factor below 1 is noise), the raw ones kept
     sustained = rec["compute_sustained"]
     assert all(sustained[k]["burst_s"] > 0 and sustained[k]["calls"] >= 8 for k in ("F", "B"))
     assert all(sustained[k]["factor"] == sustained[k]["sustained_s"] / sustained[k]["burst_s"] for k in ("F", "B"))
-    assert "back to back for seconds (a step's pattern) a layer F takes" in p.notes["not simulated (measured)"]
+    raw = {t["kind"]: t for t in rec["compute_tables"] if t["unit"] == "layer"}
+    scaled = {t.kind: t for t in p.compute_tables if t.unit == "layer"}
+    for kind, of in (("F", "F"), ("R", "F"), ("B", "B")):
+        factor = max(1.0, sustained[of]["sustained_s"] / raw[of]["dur_s"][-1])  # the table at 4 x 32 tokens
+        assert scaled[kind].dur_s == pytest.approx([d * factor for d in raw[kind]["dur_s"]], rel=1e-12), kind
+    assert "scaled to the layer run back to back for seconds" in p.notes["compute_tables"]
+    assert "back to back" not in p.notes["not simulated (measured)"]
+    for t in p.compute_tables:  # the embedding and the head: as measured
+        if t.unit != "layer":
+            assert [r for r in rec["compute_tables"] if (r["unit"], r["kind"]) == (t.unit, t.kind)][0]["dur_s"] \
+                == list(t.dur_s)
     sig = model_signature(DEBUG)
     got = {(t.unit, t.kind) for t in p.compute_tables}
     assert got == {("layer", "F"), ("layer", "R"), ("layer", "B"), ("embed", "F"), ("embed", "B"), ("head", "F")}

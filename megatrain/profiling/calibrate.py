@@ -396,8 +396,8 @@ def _compute_beside_copies(m, spec, req, backend, w, bufs, budget):
 
 
 def _compute_sustained(m, spec, req, backend, w, budget):
-    """A layer's F and B in short bursts and back to back for seconds (measured, not simulated: the profile's
-    notes say it, and docs/accuracy.md whether the tables should take it)."""
+    """A layer's F and B in short bursts and back to back for seconds: the profile's decoder-layer tables are
+    scaled to the back-to-back rate (profiling/assemble.sustained_factors)."""
     slot = w["compute"].call(units.UnitSlot, spec, 0, _run_knobs(req, backend), backend)
     bodies = w["compute"].call(units.unit_bodies, slot, req.batch, req.seqs[0], req.knobs.loss_chunk_tokens)
     r = rates.measure_compute_sustained(w["compute"], {k: bodies[k] for k in ("F", "B")}, budget)

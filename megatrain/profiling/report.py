@@ -32,6 +32,7 @@ def calibration_report(cal: Calibration) -> str:
             lines.append(f"  {shape}")
         pts = ", ".join(f"{n}: {s * 1e3:.3f}" for n, s in zip(t.tokens, t.dur_s))
         lines.append(f"    {t.unit:5} {t.kind}  {t.dtype:4} seq {t.seq:<6} {pts}")
+    lines.append(f"  ({p.notes.get('compute_tables', 'measured')})")
     mm = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in p.matmul_flops_per_s.items())
     eff = ", ".join(f"{k} {v:.2f}" for k, v in p.efficiency.items())
     lines.append(f"  matmul TFLOP/s: {mm}; efficiency of the measured tasks vs that: {eff}; "
