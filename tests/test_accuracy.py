@@ -213,7 +213,8 @@ def test_the_h100_table_is_priced_at_the_back_to_back_compute_rate(tmp_path):
     H100 table's start the steps ran bench-3b's compiled layer at F 6.2 / B 18.6 ms against 5.25 / 16.9 in the
     table, and the predictions (measured before the runs, same start) were 11.4-12.2% short of the measured steps
     (13.8% / 12.9% fast in tokens/s); with the tables scaled: -3.4% / -2.5% (bench-3b), -1.8% / +1.4%
-    (llama3-8b; -3.1% / +0.4% before, the unclipped row the one it does not help). The rule was chosen after this start: these rows are its fit, the next start its test (docs/accuracy.md)."""
+    (llama3-8b; -3.1% / +0.4% before, the unclipped row the one it does not help). The rule was chosen after this
+    start: these rows are its fit, the next start its test (docs/accuracy.md)."""
     with tarfile.open(H100_TABLE_LOGS) as t:
         t.extractall(tmp_path, filter="data")
     scaled = _h100_table_errors(tmp_path, back_to_back=True)
