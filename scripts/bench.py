@@ -41,6 +41,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -247,6 +248,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             per = [r["host_rss_GiB"] * GiB / (r["params_B"] * 1e9) for r in ok if r.get("params_B")]
             s["host_B_per_param"] = statistics.median(per) if per else None
         s["bound_binds"] = next((r["bound_binds"] for r in ok if "bound_binds" in r), None)
+        # a run that ended with its loss NaN or inf did not train, however fast it ran (the authors' trainer on
+        # the H100 table's start: grad norm NaN from its second step on)
+        s["not_trained"] = sum(1 for r in ok if isinstance(r.get("loss"), float) and not math.isfinite(r["loss"]))
         s["clip"] = next((c for c in map(_max_norm, ok) if c is not None), None)
         counts = [tuple(map(int, r["clipped_steps"].split("/"))) for r in ok if "clipped_steps" in r]
         s["clipped_steps"] = (sum(c for c, _ in counts), sum(n for _, n in counts)) if counts else None
@@ -305,7 +309,9 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
         def num(key, fmt="{:.1f}"):
             return "-" if s[key] is None else fmt.format(s[key])
         cells = [label + (f" (ran as {s['schedule']})" if s["schedule"] and s["schedule"].startswith("auto") else ""),
-                 _clipping(s), f"{s['ok']}/{s['runs']}", _spread(s["tps"]),
+                 _clipping(s), f"{s['ok']}/{s['runs']}" + (f", {s['not_trained']} diverged" if s["not_trained"]
+                                                           else ""),
+                 _spread(s["tps"]),
                  f"{med / ref_tps:.2f}" if med and ref_tps else "-", num("model_TFLOPs"), num("peak_gpu_GiB"),
                  num("host_rss_GiB"), num("host_B_per_param"), num("gpu_idle_pct"), _bound(s, med),
                  _pred(s["predicted_tokens_per_s"], med),
@@ -313,6 +319,9 @@ def table(summary: dict[str, dict], reference: str | None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if s["errors"]:
             lines.append(f"|  ↳ {len(s['errors'])} failed: {s['errors'][0][:160]} |" + " |" * (len(cols) - 1))
+        if s["not_trained"]:
+            lines.append(f"|  ↳ {s['not_trained']} run(s) ended with the loss NaN or inf: their tokens/s are not "
+                         "those of training |" + " |" * (len(cols) - 1))
     return "\n".join(lines)
 
 

@@ -57,6 +57,19 @@ def test_the_clipping_column_reads_each_runs_own_max_norm(bench):
                     "megatrain a": "1 (5/12 steps clipped)", "megatrain b": "none", "unknown": "?"}
 
 
+def test_a_run_whose_loss_ended_nan_is_marked_as_not_training(bench):
+    """The authors' trainer ran 4,365 tokens/s on the H100 table's start with its loss NaN from its second step:
+    the row says so, and a run with a finite loss is not marked."""
+    runs = {"authors": [{"tokens_per_s": 4365.0, "loss": float("nan"), "grad_clip": 1.0},
+                        {"tokens_per_s": 4300.0, "loss": 7.5, "grad_clip": 1.0}],
+            "megatrain a": [{"tokens_per_s": 10.0, "loss": 7.4, "record": {"knobs": {"clip": 1.0}}}]}
+    text = bench.table(bench.summarize(runs), None)
+    row = next(line for line in text.splitlines() if line.startswith("| authors "))
+    assert "| 2/2, 1 diverged |" in row
+    assert "↳ 1 run(s) ended with the loss NaN or inf" in text and text.count("ended with the loss") == 1
+    assert "diverged" not in next(line for line in text.splitlines() if line.startswith("| megatrain a "))
+
+
 def test_a_malformed_config_is_one_error(bench):
     with pytest.raises(SystemExit, match="not a peer"):
         bench.main(["--dry-run", "--configs", "overlap:buffers"])
