@@ -32,10 +32,17 @@ if [ -f "/tmp/25-profile-$name.json" ]; then
   # every timing behind it, in the logs' tar (scripts/accuracy.py ablate rebuilds a profile from them)
   cp "/tmp/25-profile-$name.measurements.json" /tmp/25-logs/ 2>/dev/null || true
 fi
+# the GPU's SM clock, power and temperature every 0.5 s while the table runs (into the logs' tar): what makes a
+# layer slower back to back than in the profile's bursts (docs/accuracy.md, "The back-to-back compute rate")
+clocks=/tmp/25-logs/gpu-clocks-$name-$(date +%H%M%S).csv
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+  --format=csv -lms 500 > "$clocks" 2>/dev/null &
+sampler=$!
 # shellcheck disable=SC2086
 timeout $((budget + 60)) python3 scripts/bench.py --rounds 3 --steps 4 --budget-s "$budget" \
   --log-dir /tmp/25-logs --reference all-on-gpu $args --results "$res" 2>&1 | tee "$OUT/$name-$(date +%H%M%S).txt"
 rc=${PIPESTATUS[0]}
+kill "$sampler" 2>/dev/null || true
 [ "$rc" = 0 ] && echo "table complete" | tee -a "$OUT/$name-done.txt"
 cp "$res" "$OUT/$name.jsonl"
 tar -C /tmp -czf "$OUT/$name-logs.tgz" 25-logs
