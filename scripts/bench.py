@@ -10,8 +10,10 @@ Configurations (`--configs`, comma-separated, in the order each round runs them)
                              DeepSpeed's launcher (`--ds-bind`: core binding)
     resident, zero3, fsdp2   the older peers of bench/baseline_train.py (not in the repository; kept so the earlier
                              runs can be repeated: no clipping, a Llama of vocab 32000, not the model's own shape)
-    authors                  the MegaTrain authors' own trainer (bench/megatrain_repo/peer.py, their default clipping;
-                             their code from an external checkout: docs/peers.md gives its commit and fetch command)
+    authors                  the MegaTrain authors' own trainer (scripts/peers/authors_peer.py, their default
+                             clipping; their code from an external checkout: docs/peers.md gives its commit and fetch
+                             command), as they ship it
+    authors-fixed            the same with our fix of their head gradients' copy (`--record-head-grad-streams`)
     NAME[:k=v;k=v]           megatrain (scripts/bench_megatrain.py) with a named schedule (or `auto`) and knobs;
                              clipping at 1.0 unless a knob says `clip=` (the peers' default: one default per table)
 
@@ -58,6 +60,7 @@ from megatrain.units import GiB
 
 PEERS = ("resident", "zero3", "fsdp2")  # modes of baseline_train.py
 AUTHORS = "authors"
+AUTHORS_FIXED = "authors-fixed"  # with our fix of their head gradients' copy (scripts/peers/authors_peer.py)
 
 
 def _load_peerconf():
@@ -98,15 +101,15 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
             out.append((item, "ours", kvs))
         elif item in PEERS:
             out.append((item, "peer", []))
-        elif item == AUTHORS:
+        elif item in (AUTHORS, AUTHORS_FIXED):
             out.append((item, "authors", []))
         else:
             name, _, sets = item.partition(":")
             kvs = [kv.strip() for kv in sets.split(";") if kv.strip()]
             bad = [kv for kv in kvs if "=" not in kv]
             if not re.fullmatch(r"[A-Za-z0-9_.\-/]+", name) or bad:
-                raise SystemExit(f"--configs: {item!r} is not a peer ({', '.join(OUR_PEERS + PEERS)}, {AUTHORS}) or "
-                                 "SCHEDULE[:knob=value;knob=value]")
+                known = ", ".join(OUR_PEERS + PEERS + (AUTHORS, AUTHORS_FIXED))
+                raise SystemExit(f"--configs: {item!r} is not a peer ({known}) or SCHEDULE[:knob=value;knob=value]")
             out.append((item, "megatrain", kvs))
     if not out:
         raise SystemExit("--configs is empty")
@@ -147,7 +150,9 @@ def build_configs(a) -> list[Config]:
             out.append(Config(label, kind, [py, str(bench / "baseline_train.py"), label, *peer_shape]))
         elif kind == "authors":
             repo = Path(a.authors_dir) if a.authors_dir else bench / "megatrain_repo"
-            out.append(Config(label, kind, [py, str(repo / "peer.py"), *peer_shape], {"PYTHONPATH": str(repo)}))
+            fix = ["--record-head-grad-streams"] if label == AUTHORS_FIXED else []
+            out.append(Config(label, kind, [py, "scripts/peers/authors_peer.py", label, *peer_shape, *fix],
+                              {"PYTHONPATH": str(repo)}))
         else:
             name = label.partition(":")[0]
             argv = [py, "scripts/bench_megatrain.py", "--model", a.model, *shape, "--schedule", name,
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
                     help=f"comma-separated: a peer of scripts/peers ({', '.join(OUR_PEERS)}; PEER:clip=0 for no "
-                         f"clipping), {', '.join(PEERS)}, {AUTHORS}, or a megatrain SCHEDULE[:k=v;k=v]")
+                         f"clipping), {', '.join(PEERS)}, {AUTHORS}, {AUTHORS_FIXED}, or a megatrain "
+                         "SCHEDULE[:k=v;k=v]")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")
     ap.add_argument("--batch", type=int, default=8)

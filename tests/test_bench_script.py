@@ -32,13 +32,64 @@ def test_dry_run_prints_every_command_round_robin(bench, capsys):
     first = runs[:5]
     assert first[0] == ("round 1: py BENCH/baseline_train.py resident --layers 28 --hidden 3072 --ffn 8192 "
                         "--batch 8 --seq 2048 --steps 4")
-    assert first[2].startswith("round 1: PYTHONPATH=BENCH/megatrain_repo:$PYTHONPATH py BENCH/megatrain_repo/peer.py "
-                               "--layers 28")
+    assert first[2].startswith("round 1: PYTHONPATH=BENCH/megatrain_repo:$PYTHONPATH py scripts/peers/authors_peer.py "
+                               "authors --layers 28") and "--record-head-grad-streams" not in first[2]
     # a megatrain row that sets no clip= clips at the peers' default, so no row is compared unclipped unawares
     assert first[3].endswith("--schedule arrival-resident --device cuda --gpu-limit-gib 40.0 --set resident_layers=4 "
                              "--set compile_layers=true --set clip=1.0")
     assert "--schedule auto" in first[4] and first[4].endswith("--set clip=0")
     assert runs[5:10] == [r.replace("round 1", "round 2") for r in first]
+
+
+def test_the_authors_trainer_runs_as_shipped_and_with_our_fix(bench, capsys):
+    """`authors` runs their trainer as they ship it, `authors-fixed` with the harness's record_stream fix of their
+    head gradients' copy; both import their code from the external checkout (`--authors-dir`)."""
+    assert bench.main(["--dry-run", "--rounds", "1", "--configs", "authors,authors-fixed", "--authors-dir", "MT",
+                       "--python", "py"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert runs == ["round 1: PYTHONPATH=MT:$PYTHONPATH py scripts/peers/authors_peer.py authors --layers 28 "
+                    "--hidden 3072 --ffn 8192 --batch 8 --seq 2048 --steps 4",
+                    "round 1: PYTHONPATH=MT:$PYTHONPATH py scripts/peers/authors_peer.py authors-fixed --layers 28 "
+                    "--hidden 3072 --ffn 8192 --batch 8 --seq 2048 --steps 4 --record-head-grad-streams"]
+
+
+def test_the_authors_harness_hooks_the_head_gradients_and_names_nonfinite_groups():
+    """The fix registers a post-accumulate-grad hook on the GPU head, final norm and embedding parameters only (the
+    layers' gradients have their record_stream in cpu_master.py already), and only when asked; the warm-up check
+    names the host groups whose gradients hold NaN or inf."""
+    import types
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("authors_peer", ROOT / "scripts" / "peers" / "authors_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+
+    class Theirs:  # the attributes of CPUMasterModel the harness touches
+        def __init__(self, hf_model, config):
+            self.use_multiprocessing = False
+            self.embedding, self.lm_head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+            self.norm, self.cpu_layers = torch.nn.LayerNorm(4), [torch.nn.Linear(4, 4) for _ in range(2)]
+            self.gpu_contexts = [types.SimpleNamespace(lm_head_gpu=torch.nn.Linear(4, 10, bias=False),
+                                                       norm_gpu=torch.nn.LayerNorm(4), emb_gpu=None,
+                                                       layer_gpu=torch.nn.Linear(4, 4), grad_stream="s")]
+
+    def hooks(module):
+        return [len(p._post_accumulate_grad_hooks or {}) for p in module.parameters()]
+
+    fixed, shipped = peer.peer_class(Theirs, True)(None, None), peer.peer_class(Theirs, False)(None, None)
+    ctx = fixed.gpu_contexts[0]
+    assert hooks(ctx.lm_head_gpu) == [1] and hooks(ctx.norm_gpu) == [1, 1] and hooks(ctx.layer_gpu) == [0, 0]
+    assert hooks(shipped.gpu_contexts[0].lm_head_gpu) == [0]
+    for module in (fixed.embedding, fixed.lm_head, fixed.cpu_layers[1]):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+    assert peer.nonfinite_grads(fixed) == []
+    fixed.cpu_layers[1].weight.grad[0, 0] = float("nan")
+    fixed.lm_head.weight.grad[1, 1] = float("inf")
+    assert peer.nonfinite_grads(fixed) == ["lm_head", "layer1"]
+    assert peer.parse_args(["--record-head-grad-streams"]).record_head_grad_streams
+    assert not peer.parse_args([]).record_head_grad_streams
 
 
 def test_the_clipping_column_reads_each_runs_own_max_norm(bench):
