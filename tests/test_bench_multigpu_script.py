@@ -81,3 +81,22 @@ def test_equality_bounds_two_ranks_by_the_same_regrouping_in_one_process(tmp_pat
     assert eq["pass"] is (eq["rel_2gpu"] <= eq["bound"])  # the verdict is the comparison it prints
     assert eq["pass"], eq
     assert "PASS" in r.stdout and "FAIL" not in r.stdout and "the same regrouping in one process" in r.stdout
+
+
+def test_curve_summary_and_overlay(tmp_path):
+    """`curve`'s verdict on two loss curves (per-step relative difference within CURVE_BOUND) and its overlay plot:
+    equal curves pass, one step off by 1% fails, and the figure is written."""
+    spec = importlib.util.spec_from_file_location("bench_multigpu_script", ROOT / "scripts" / "bench_multigpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    one = [10.0 - 0.02 * i for i in range(300)]
+    two = [x * (1 + 1e-4) for x in one]
+    c = mod.curve_summary(two, one)
+    assert c["steps"] == 300 and c["pass"] and math.isclose(c["max_rel"], 1e-4, rel_tol=1e-6)
+    assert math.isclose(c["tail_rel"], 1e-4, rel_tol=1e-6)
+    two[150] = one[150] * 1.01
+    c = mod.curve_summary(two, one)
+    assert not c["pass"] and math.isclose(c["max_rel"], 0.01, rel_tol=1e-6)
+    assert math.isclose(c["median_rel"], 1e-4, rel_tol=1e-6)  # one step does not move the median
+    mod.plot_curves(two, one, tmp_path / "curve.png", "test")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 26 item 2 (and item 3's core binding) on a two-GPU machine, in as few calls as the budget allows: call it
+# again with the same arguments until it prints "session complete". State lives in /tmp/26 of the warm machine
+# (seeded from docs/runs/26-multigpu/state/ when the machine is fresh: copy a call's 26-state.tgz there, unpacked,
+# to carry finished steps over to a new machine start); every call copies its output and a tar of the state to $OUT.
+#   bash docs/runs/26-multigpu/session.sh [BUDGET_S]     (kind nvidia-h100-x2 or nvidia-h200-x2; carry [".bench"])
+# Steps, in order, each skipped once done:
+#   1. a quick profile of this machine for bench-3b and llama3-8b (the predictions, made before any run), then the
+#      collectives between the two GPUs (torchrun, `profile --collectives-only`) written into it
+#   2. bench_multigpu.py scaling: bench-3b and llama3-8b at 1 and 2 GPUs, 8 x 2048 per GPU, 3 interleaved runs each
+#      (tokens/s, scaling efficiency, PSS of all ranks against the plan, the prediction written before the runs)
+#   3. equality: 20 fp32 steps, 2 GPUs against 1 GPU with 2 micro-batches, bound measured in one process
+#   4. curve: 300 bf16 steps on the bundled corpus, 2 GPUs against 1 GPU with 2 micro-batches (curve.png overlay)
+#   5. the same 2-GPU bench-3b runs with MEGATRAIN_BIND_CORES=0 (every rank on every core): binding before/after
+set -uo pipefail
+budget=${1:-540}
+t0=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - t0) )); }
+mkdir -p "$OUT" /tmp/26
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl
+export PYTHONPATH=.:/tmp/site NCCL_NVLS_ENABLE=0
+[ -d docs/runs/26-multigpu/state ] && [ ! -f /tmp/26/.seeded ] && cp -rn docs/runs/26-multigpu/state/. /tmp/26/
+touch /tmp/26/.seeded
+[ -f /tmp/26/machine.txt ] || { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m; nproc; free -g | head -2; python3 -c "import torch; print('torch', torch.__version__)"
+  } > /tmp/26/machine.txt 2>&1
+log="$OUT/session-$(date +%H%M%S).txt"
+run() {  # run NAME TIMEOUT_S CMD...: once; NAME.done marks success
+  local name=$1 limit=$2; shift 2
+  [ -f "/tmp/26/$name.done" ] && return 0
+  [ "$(left)" -lt 60 ] && { echo "$name: no time left in this call" | tee -a "$log"; return 1; }
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  echo "== $name (limit ${limit}s)" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && touch "/tmp/26/$name.done"
+  return "$rc"
+}
+P=/tmp/26/profile.json
+run profile 300 python3 -m megatrain profile --quick --device cuda --model bench-3b,llama3-8b --batch 8 --seq 2048 \
+  --schedule arrival --out "$P"
+# the collectives between the two GPUs (NCCL), written into that profile's other fields: what the 2-GPU predictions
+# price the all-gathers and reduce-scatters with
+run collectives 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 -m megatrain profile \
+  --collectives-only --device cuda --base "$P" --out /tmp/26/profile-2gpu.json
+[ -f /tmp/26/profile-2gpu.json ] && P=/tmp/26/profile-2gpu.json
+# scaling resumes by itself (runs already in OUT are skipped) and exits 0 with runs left: it is done when it says so
+if [ ! -f /tmp/26/scaling.done ] && [ "$(left)" -gt 90 ]; then
+  OUT=/tmp/26/scaling timeout "$(left)" python3 scripts/bench_multigpu.py scaling --models bench-3b,llama3-8b \
+    --gpus-list 1,2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 | tee -a "$log" /tmp/26/scaling.txt
+  grep -q "left for the time budget" /tmp/26/scaling.txt || touch /tmp/26/scaling.done
+  rm -f /tmp/26/scaling.txt
+fi
+[ -f /tmp/26/scaling.done ] && run equality 400 env OUT=/tmp/26/equality python3 scripts/bench_multigpu.py equality
+[ -f /tmp/26/scaling.done ] && run curve 500 env OUT=/tmp/26/curve python3 scripts/bench_multigpu.py curve
+if [ -f /tmp/26/scaling.done ] && [ ! -f /tmp/26/nobind.done ] && [ "$(left)" -gt 90 ]; then
+  MEGATRAIN_BIND_CORES=0 OUT=/tmp/26/nobind timeout "$(left)" python3 scripts/bench_multigpu.py scaling \
+    --models bench-3b --gpus-list 2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 |
+    tee -a "$log" /tmp/26/nobind.txt
+  grep -q "left for the time budget" /tmp/26/nobind.txt || touch /tmp/26/nobind.done
+  rm -f /tmp/26/nobind.txt
+fi
+done_all=1
+for s in profile collectives scaling equality curve nobind; do [ -f "/tmp/26/$s.done" ] || done_all=0; done
+[ "$done_all" = 1 ] && echo "session complete" | tee -a "$log"
+cp /tmp/26/machine.txt "$OUT/"
+[ -f /tmp/26/curve/curve.png ] && cp /tmp/26/curve/curve.png "$OUT/"
+tar -C /tmp -czf "$OUT/26-state.tgz" --exclude='*.tiles.pt' 26
+exit 0
