@@ -48,7 +48,8 @@ run collectives 120 python3 -m torch.distributed.run --standalone --nproc_per_no
 if [ ! -f /tmp/26/scaling.done ] && [ "$(left)" -gt 90 ]; then
   OUT=/tmp/26/scaling timeout "$(left)" python3 scripts/bench_multigpu.py scaling --models bench-3b,llama3-8b \
     --gpus-list 1,2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 | tee -a "$log" /tmp/26/scaling.txt
-  grep -q "left for the time budget" /tmp/26/scaling.txt || touch /tmp/26/scaling.done
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && ! grep -q "left for the time budget" /tmp/26/scaling.txt && touch /tmp/26/scaling.done
   rm -f /tmp/26/scaling.txt
 fi
 [ -f /tmp/26/scaling.done ] && run equality 400 env OUT=/tmp/26/equality python3 scripts/bench_multigpu.py equality
@@ -57,7 +58,8 @@ if [ -f /tmp/26/scaling.done ] && [ ! -f /tmp/26/nobind.done ] && [ "$(left)" -g
   MEGATRAIN_BIND_CORES=0 OUT=/tmp/26/nobind timeout "$(left)" python3 scripts/bench_multigpu.py scaling \
     --models bench-3b --gpus-list 2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 |
     tee -a "$log" /tmp/26/nobind.txt
-  grep -q "left for the time budget" /tmp/26/nobind.txt || touch /tmp/26/nobind.done
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && ! grep -q "left for the time budget" /tmp/26/nobind.txt && touch /tmp/26/nobind.done
   rm -f /tmp/26/nobind.txt
 fi
 done_all=1
