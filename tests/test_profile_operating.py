@@ -247,3 +247,31 @@ def test_a_compute_task_that_slows_under_sustained_load_is_measured_so():
     assert r["F"]["calls"] >= 4  # at least one cycle after the first, which is left out
     assert r["F"]["burst_s"] < 0.005 and r["F"]["sustained_s"] >= 0.010 and r["F"]["factor"] > 2.0
     assert r["B"]["sustained_s"] < 0.009  # constant speed: no such factor
+
+
+def test_the_layer_tables_take_the_back_to_back_factor_and_nothing_else_does():
+    """sustained_factors / scale_layer_tables: the factor is the back-to-back time over the table of the run's
+    variant at the profiled tokens (R takes F's; below 1 is noise and kept at 1); it scales the profiled model's
+    layer tables of that dtype, eager and compiled, every sequence length, and no embedding, head, other dtype or
+    other model's table; measurements without it scale nothing."""
+    from megatrain.profiling.assemble import scale_layer_tables, sustained_factors
+    from megatrain.sim.profile import ComputeTable, model_signature
+
+    sig = model_signature(DEBUG)
+
+    def table(kind, unit="layer", compiled=False, seq=16, dtype="bf16", model=sig, dur=(1.0, 4.0)):
+        return ComputeTable(model, kind, unit, seq, (16, 64), dur, dtype, compiled)
+
+    tables = [table("F", compiled=True), table("B", compiled=True, dur=(2.0, 8.0)), table("R", compiled=True),
+              table("F"), table("B", dur=(3.0, 9.0)), table("F", seq=32), table("F", unit="head"),
+              table("F", dtype="fp32"), table("F", model="other")]
+    m = {"compute_sustained": {"F": {"sustained_s": 5.0}, "B": {"sustained_s": 6.0}}}
+    f = sustained_factors(m, tables, DEBUG, "bf16", 16, 64, compiled=True)
+    assert f == {"F": 1.25, "R": 1.25, "B": 1.0}  # F 5 / 4; B 6 / 8 < 1: kept at 1
+    eager = sustained_factors({"compute_sustained": {"F": {"sustained_s": 6.0}, "B": {"sustained_s": 10.8}}},
+                              tables, DEBUG, "bf16", 16, 64, compiled=False)
+    assert eager == pytest.approx({"F": 1.5, "R": 1.5, "B": 1.2})  # against the eager tables: 6 / 4, 10.8 / 9
+    assert sustained_factors({}, tables, DEBUG, "bf16", 16, 64, compiled=True) == {}
+    scaled = scale_layer_tables(tables, sig, "bf16", f)
+    assert [t.dur_s for t in scaled] == [(1.25, 5.0), (2.0, 8.0), (1.25, 5.0), (1.25, 5.0), (3.0, 9.0), (1.25, 5.0),
+                                         (1.0, 4.0), (1.0, 4.0), (1.0, 4.0)]
