@@ -224,6 +224,13 @@ VARIANTS = {
                                                       gpu_optimizer_fraction=0.25, retain_grads=1, micro_batches=2,
                                                       **FP32)),
     "qwen2/arrival-resident": ("qwen2", knobs_for("arrival", resident_embeddings=True, resident_layers=1, **FP32)),
+    # resident layers whose forward keeps its graph for the backward, which then does not recompute
+    "arrival-resident-kept-graphs": ("llama", knobs_for("arrival", resident_embeddings=True, resident_layers=2,
+                                                        keep_activations=2, **FP32)),
+    "arrival-resident-kept-graph-mb2": ("llama", knobs_for("arrival", resident_layers=2, keep_activations=1,
+                                                           micro_batches=2, **FP32)),
+    "qwen2/arrival-resident-kept-graph": ("qwen2", knobs_for("arrival", resident_embeddings=True, resident_layers=1,
+                                                             keep_activations=1, **FP32)),
     "overlap-chunked-loss": ("llama", knobs_for("overlap", loss_chunk_tokens=5, **FP32)),
     # the layers' norm + MLP in tiles of 5 tokens (forward, recompute and backward)
     "long-context-mlp-tiles": ("llama", knobs_for("long-context", mlp_tile_tokens=5, **FP32)),
@@ -250,6 +257,8 @@ VARIANTS = {
     "tied/arrival-clip": ("llama-tied", knobs_for("arrival", clip=MAX_NORM, **FP32)),
     "qwen2/arrival-resident-clip": ("qwen2", knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True,
                                                        resident_layers=1, **FP32)),
+    "arrival-resident-clip-kept-graphs": ("llama", knobs_for("arrival", clip=MAX_NORM, resident_embeddings=True,
+                                                             resident_layers=2, keep_activations=2, **FP32)),
 }
 
 
@@ -279,7 +288,8 @@ def check_clipping_paths(results, knobs: ScheduleKnobs, label: str, min_redone: 
 
 # Units redone in every clipping step by the VARIANTS above: GPU updates never wait for the norm (4 = the embedding,
 # head and two layers resident; 2 of the 4 layers updated on the GPU); host updates are all deferred.
-MIN_REDONE = {"arrival-resident-clip": 4, "arrival-split-clip": 2, "qwen2/arrival-resident-clip": 3}
+MIN_REDONE = {"arrival-resident-clip": 4, "arrival-split-clip": 2, "qwen2/arrival-resident-clip": 3,
+              "arrival-resident-clip-kept-graphs": 4}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -70,6 +70,10 @@ STEP SHAPE: how a step is cut into copies and compute (weight slots, recompute, 
     offload_checkpoints  send checkpointed activations to the host and back (long context)
     gpu_checkpoints    with offload_checkpoints: the checkpoints of the top n blocks stay on the GPU (their backward
                        comes first, so they would be fetched back at once); the host holds the rest
+    keep_activations   n: the last n resident layers (of resident_layers) keep their forward's autograd graph for
+                       their backward instead of recomputing it: a backward of 2 forwards' work instead of 3, for
+                       the activations the graph saves (held from the layer's forward to its backward; `megatrain
+                       plan` counts them). One process, recompute_block 1, untiled MLP
 
 NUMERICS: the dtypes and kernels of the math, clipping, and the tiles the head and MLP run in
 
@@ -129,6 +133,7 @@ class ScheduleKnobs:
     clip: float = _knob(1.0, "numerics", numbers=True)  # max global gradient norm (exact clipping); 0 = none
     offload_checkpoints: bool = _knob(False, "step shape")
     gpu_checkpoints: int = _knob(0, "step shape")
+    keep_activations: int = _knob(0, "step shape")
     compute_dtype: str = _knob("bf16", "numerics", numbers=True)
     loss_chunk_tokens: int = _knob(2048, "numerics", numbers=True)
     mlp_tile_tokens: int | None = _knob(None, "numerics", numbers=True)  # unset: from the tokens (resolve.mlp_tile)
@@ -154,7 +159,7 @@ class ScheduleKnobs:
                                       ("state_buffers", 1, True), ("state_lookahead", 0, True),
                                       ("retain_grads", 0, False), ("gpu_checkpoints", 0, False),
                                       ("resident_layers", 0, False), ("mlp_tile_tokens", 0, True),
-                                      ("grad_ring", 0, False)):
+                                      ("grad_ring", 0, False), ("keep_activations", 0, False)):
             value = getattr(self, name)
             if optional and value is None:
                 continue

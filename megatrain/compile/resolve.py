@@ -105,6 +105,7 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
         notes.append(f"loss_chunk_tokens={k.loss_chunk_tokens} is above the {tokens_mb} tokens of a micro-batch: "
                      "the loss runs in one chunk")
     mlp_tile_tokens = mlp_tile(k, tokens_mb, notes)
+    graph_layers = _graph_layers(k, recompute_block, mlp_tile_tokens, parallel.world)
     check_parallelism(parallel, spec)
     _check_rank_updates(parallel, len(gpu_layers) + len(resident))
     placement = Placement(
@@ -116,7 +117,8 @@ def resolve(spec: ModelSpec, batch: int, seq: int, knobs: ScheduleKnobs,
         layer_kernel="compiled" if k.compile_layers else "eager", clip_max_norm=clip,
         loss_chunk_tokens=k.loss_chunk_tokens, mlp_tile_tokens=mlp_tile_tokens, notes=tuple(notes),
         grad_ring=grad_ring, ring_tiles=ring_tiles, state_dtype=k.state_dtype, state_tier=k.state_tier,
-        world=parallel.world, hosts=parallel.hosts, strategy=parallel.strategy, redo_next_step=redo_next_step)
+        world=parallel.world, hosts=parallel.hosts, strategy=parallel.strategy, redo_next_step=redo_next_step,
+        graph_layers=graph_layers)
     object.__setattr__(placement, "buffers", gpu_buffers(placement))
     return placement
 
@@ -340,6 +342,26 @@ def _resident_units(spec: ModelSpec, k: ScheduleKnobs, timing: Timing, gpu_layer
                             f"streamed for a GPU update (gpu_optimizer_fraction={k.gpu_optimizer_fraction}); lower "
                             "one of them")
     return ([EMBED, HEAD] if k.resident_embeddings else []) + list(range(k.resident_layers))
+
+
+def _graph_layers(k: ScheduleKnobs, recompute_block: int, mlp_tile_tokens: int, world: int) -> tuple[int, ...]:
+    """The layers whose forward keeps its autograd graph for the backward (knob keep_activations): the last n of the
+    resident layers. Only a resident layer's weights stay put from its forward to its backward; the recompute
+    block, the tiled MLP and a data-parallel rank's gathered weights each change what the backward would see."""
+    n = k.keep_activations
+    if not n:
+        return ()
+    if n > k.resident_layers:
+        raise ScheduleError(f"keep_activations={n} but resident_layers={k.resident_layers}: only resident layers "
+                            "keep their forward's graph (their weights stay on the GPU); raise resident_layers or "
+                            "lower keep_activations")
+    for bad, why in ((recompute_block > 1, f"recompute_block={recompute_block} (a block recomputes its layers)"),
+                     (mlp_tile_tokens > 0, f"the tiled MLP (mlp_tile_tokens={mlp_tile_tokens}, long sequences)"),
+                     (k.offload_checkpoints, "offload_checkpoints"),
+                     (world > 1, f"{world} data-parallel ranks (a rank holds a slice of each resident layer)")):
+        if bad:
+            raise ScheduleError(f"keep_activations={n} is not supported with {why}; set keep_activations=0")
+    return tuple(range(k.resident_layers - n, k.resident_layers))
 
 
 def _kept_grad_layers(k: ScheduleKnobs, gpu_layers: list[int]) -> list[int]:

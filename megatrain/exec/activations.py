@@ -39,6 +39,7 @@ class Activations:
         self.checkpoints: dict[tuple[int, int], torch.Tensor] = {}  # (layer, micro) -> its input
         self.recomputed: dict[tuple[int, int], torch.Tensor] = {}  # (layer, micro) -> input rebuilt by R
         self.grad_hidden: dict[int, torch.Tensor] = {}  # micro -> gradient w.r.t. the current activation
+        self.graphs: dict[tuple[int, int], object] = {}  # (layer, micro) -> its forward's KeptGraph
 
     @property
     def host_bytes(self) -> int:

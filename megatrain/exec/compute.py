@@ -17,7 +17,7 @@ from megatrain.model.spec import EMBED, HEAD
 from megatrain.exec.activations import Activations
 from megatrain.exec.buffers import DeviceBuffers
 from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
-from megatrain.exec.layers import layer_functions
+from megatrain.exec.layers import KeptGraph, compiled_decoder_layer, decoder_layer, layer_functions
 from megatrain.exec.store import TORCH_DTYPES, HostStore
 
 
@@ -61,6 +61,9 @@ class LayerCompute:
         self.loss_chunk_tokens = p.loss_chunk_tokens
         self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled",
                                                                       p.mlp_tile_tokens)
+        # layers whose forward keeps its graph for the backward (no recompute; resolve.py allows no MLP tiles there)
+        self.graph_layers = frozenset(p.graph_layers)
+        self.graph_layer_fn = compiled_decoder_layer if p.layer_kernel == "compiled" else decoder_layer
         self.batch: StepBatch | None = None
         self.loss_sums: dict[int, torch.Tensor] = {}
 
@@ -91,6 +94,10 @@ class LayerCompute:
             return
         if u == EMBED:
             acts.produced(0, m, embed_forward(w["embed_tokens.weight"], b.ids[m], self.compute_dtype))  # (mb, T, d)
+        elif u in self.graph_layers:
+            graph = KeptGraph(w, acts.hidden[m], b.cos, b.sin, self.spec, self.graph_layer_fn)
+            acts.graphs[(u, m)] = graph
+            acts.produced(u + 1, m, graph.output)  # (mb, T, d)
         else:
             acts.produced(u + 1, m, self.layer_forward(w, acts.hidden[m], b.cos, b.sin, self.spec))  # (mb, T, d)
 
@@ -105,5 +112,8 @@ class LayerCompute:
             embed_backward(acts.grad_hidden.pop(m), self.batch.ids[m], self.grads(t)["embed_tokens.weight"])
             return
         x = acts.layer_input(u, m, pop=True)
+        if u in self.graph_layers:
+            acts.grad_hidden[m] = acts.graphs.pop((u, m)).backward(acts.grad_hidden[m], self.grads(t))
+            return
         acts.grad_hidden[m] = self.layer_backward(self.weights(t), x, self.batch.cos, self.batch.sin, self.spec,
                                                   acts.grad_hidden[m], self.grads(t))

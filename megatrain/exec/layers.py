@@ -58,6 +58,41 @@ def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor,
     return grads[0].to(x.dtype)
 
 
+class KeptGraph:
+    """A layer's forward run with its input and weights as autograd leaves, kept for its backward (knob
+    keep_activations): `layer_backward` without the recompute. The graph holds what the forward saved until
+    `backward` frees it; the output handed to the next layer is detached, so each layer's graph stays its own."""
+
+    def __init__(self, w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
+                 layer: LayerFn | None = None):
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("KeptGraph cannot run under torch.inference_mode(); use torch.no_grad() instead")
+        self.names = list(w)
+        with torch.enable_grad():
+            self.x_leaf = x.detach().requires_grad_()
+            self.leaves = [w[n].detach().requires_grad_() for n in self.names]  # views of the same storage
+            self.out = (layer or decoder_layer)(dict(zip(self.names, self.leaves)), self.x_leaf, cos, sin, spec)
+
+    @property
+    def output(self) -> Tensor:
+        """The layer's output (B, T, d), detached: the next layer's input."""
+        return self.out.detach()
+
+    def backward(self, grad_out: Tensor, grad_acc: Mapping[str, Tensor]) -> Tensor:
+        """As `layer_backward` from here: each weight gradient added into `grad_acc[name]`; returns grad_x
+        (B, T, d) in x.dtype. The graph is freed."""
+        missing = [n for n in self.names if n not in grad_acc]
+        if missing:
+            raise KeyError(f"grad_acc has no accumulator for {missing}; it needs one per weight of the layer")
+        grads = torch.autograd.grad(self.out, [self.x_leaf, *self.leaves], grad_out.to(self.out.dtype))
+        dtype = self.x_leaf.dtype
+        self.out = self.x_leaf = self.leaves = None
+        with torch.no_grad():
+            for n, g in zip(self.names, grads[1:]):
+                grad_acc[n].add_(g)  # fp32 += (fp32 | bf16) in place
+        return grads[0].to(dtype)
+
+
 def layer_functions(compiled: bool, mlp_tile_tokens: int = 0) -> tuple[LayerFn, LayerFn]:
     """(forward, local backward) of a decoder layer: eager, or compiled (`compiled_layer_functions`), with the
     norm + MLP half in tiles of `mlp_tile_tokens` tokens (0: untiled)."""

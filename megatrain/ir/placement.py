@@ -157,6 +157,9 @@ class Placement:
     state_tier: str = "host"  # "host" | "nvme-moments" | "nvme-all" (planned and simulated only)
     hosts: int = 1  # the ranks spread evenly over this many hosts (collectives cross the network when > 1)
     strategy: str = DEFAULT_STRATEGY  # the collective strategy joining the ranks (read only when world > 1)
+    # layers whose forward keeps its autograd graph for their backward, which then does not recompute (knob
+    # keep_activations; resident layers only)
+    graph_layers: tuple[int, ...] = ()
     _by_unit: dict = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -256,7 +259,9 @@ class Placement:
             f"resident on the GPU: {units_of(lambda u: u.resident)}",
             f"checkpoints: layers {_ranges(self.checkpoint_layers) or '-'}, offloaded "
             f"{_ranges(self.offloaded_checkpoints) or '-'}; "
-            f"{self.micro_batches} micro-batch(es), recompute block {self.recompute_block}",
+            f"{self.micro_batches} micro-batch(es), recompute block {self.recompute_block}"
+            + (f"; layers {_ranges(self.graph_layers)} keep their forward's graph (no recompute)"
+               if self.graph_layers else ""),
             "GPU buffers: " + ", ".join(f"{b.name} ({b.kind.value})" for b in self.buffers),
         ]
         if self.world > 1:
@@ -293,6 +298,8 @@ class Placement:
             "loss_chunk_tokens": self.loss_chunk_tokens, "notes": list(self.notes),
             "grad_ring": self.grad_ring, "ring_tiles": [list(r) for r in self.ring_tiles],
             "state_dtype": self.state_dtype, "state_tier": self.state_tier,
+            # Programs without such layers keep their JSON (and hash)
+            **({"graph_layers": list(self.graph_layers)} if self.graph_layers else {}),
         }
 
     @classmethod
@@ -302,7 +309,7 @@ class Placement:
                       for u in d.pop("units"))
         buffers = tuple(Buffer(b["name"], BufferKind(b["kind"]), b["unit"], b["numel"], b["nbytes"])
                         for b in d.pop("buffers"))
-        tuples = ("checkpoint_layers", "offloaded_checkpoints", "state_order", "notes")
+        tuples = ("checkpoint_layers", "offloaded_checkpoints", "state_order", "notes", "graph_layers")
         d["ring_tiles"] = tuple(tuple(r) for r in d.get("ring_tiles", ()))
         return cls(model=model, batch=batch, seq=seq, timing=Timing(d.pop("timing")), units=units, buffers=buffers,
                    **{k: tuple(v) if k in tuples else v for k, v in d.items()})

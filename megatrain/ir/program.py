@@ -34,14 +34,20 @@ class GpuMemoryPlan:
     working_bytes: int  # the layer phase: the peak of one layer's recompute + backward (`layer_working_set`)
     logits_bytes: int  # the head phase: fused head + loss (`head_working_set`)
     rope_bytes: int = 0  # cos and sin, (seq, head_dim) each in the compute dtype, for the whole step
+    graph_bytes: int = 0  # forward graphs kept to the backward (knob keep_activations: `layer_graph_bytes`)
 
     @property
     def buffers_bytes(self) -> int:
         return sum(self.slot_bytes.values())
 
+    def to_dict(self) -> dict:
+        """The fields as JSON; `graph_bytes` only when there are any, so that the JSON (and fingerprint) of a
+        Program without kept graphs is what it was before the field."""
+        return {k: v for k, v in asdict(self).items() if k != "graph_bytes" or v}
+
     @property
     def peak_bytes(self) -> int:
-        return (self.buffers_bytes + self.checkpoint_bytes + self.rope_bytes
+        return (self.buffers_bytes + self.checkpoint_bytes + self.rope_bytes + self.graph_bytes
                 + max(self.working_bytes, self.logits_bytes))
 
 
@@ -109,7 +115,7 @@ class Program(OfPlacement):
         settings that change no task (the layer kernel, the hosts of a multi-host run) are not in it: a result
         records those with its knobs (megatrain/compile/record.py)."""
         d = {"tasks": [asdict(self.tasks[t]) for s in self.streams for t in self.streams[s]],
-             "streams": self.streams, "memory": asdict(self.memory)}
+             "streams": self.streams, "memory": self.memory.to_dict()}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     # -- JSON --
@@ -124,7 +130,7 @@ class Program(OfPlacement):
             "knobs": self.knobs,
             "streams": self.streams,
             "tasks": [asdict(self.tasks[t]) for s in self.stream_names for t in self.streams[s]],
-            "memory": asdict(self.memory),
+            "memory": self.memory.to_dict(),
         }
 
     def to_json(self) -> str:

@@ -52,6 +52,10 @@ class Family(Protocol):
         """GPU bytes of one layer's backward task at each moment that can be the peak (the planner's model);
         `tokens` per micro-batch, `seq` per sequence (what a (T, T) attention mask is sized by)."""
 
+    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool) -> int:
+        """GPU bytes one layer's forward graph holds from its forward to its backward when it keeps it (knob
+        keep_activations), for `tokens` tokens of a micro-batch."""
+
     def signature(self, spec: ModelSpec) -> str:
         """The shape of the model's units, independent of name and depth (profile compute tables are keyed by it)."""
 

@@ -87,7 +87,9 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
       ones only two blocks' worth are on the GPU at a time (one coming back, one being consumed);
     - layer working set (`layer_working_set`): the larger of its moments, plus the inner inputs of a recompute
       block rebuilt by RECOMPUTE ((r - 1) per micro-batch) and the activation gradients of the other micro-batches;
-    - head (`head_working_set`), plus the other micro-batches' hidden states.
+    - head (`head_working_set`), plus the other micro-batches' hidden states;
+    - the forward graphs of the layers that keep them (`Placement.graph_layers`), every micro-batch's, held from
+      the forward to the backward (`Family.layer_graph_bytes`).
     Not counted apart: the temporary of speculative clipping's redo on a GPU-updated unit (`exec.optim.adamw_undo`,
     one fp32 chunk of at most 16 Mi elements, 64 MiB; the fused update itself allocates none). The redo runs after
     the backward, in memory the layer working set (larger at any shape that streams) has given back to the caching
@@ -103,7 +105,9 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
     working = max(layer_working_set(p).values()) + ((p.recompute_block - 1) * M + M - 1) * activation
     head = head_working_set(p) + (M - 1) * activation
     rope = 2 * p.seq * spec.head_dim * act
-    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope)
+    cast = p.compute_dtype != "fp32"  # a resident layer's weights are its fp32 master, cast for each task
+    graphs = M * sum(spec.family.layer_graph_bytes(spec, u, act, tokens_mb, cast) for u in p.graph_layers)
+    return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope, graphs)
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,8 @@ def gpu_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
         if group:
             rows.append((f"{what} ({len(group)} x {labels[kind]})", sum(b.nbytes for b in group)))
     rows.append(("activation checkpoints", g.checkpoint_bytes))
+    if g.graph_bytes:
+        rows.append((f"forward graphs kept (layers {min(p.graph_layers)}-{max(p.graph_layers)})", g.graph_bytes))
     rows.append(("RoPE tables (cos, sin)", g.rope_bytes))
     tiles = f", MLP tiles of {p.mlp_tile_tokens}" if p.mlp_tile_tokens else ""
     which = f"layer{tiles}" if g.working_bytes >= g.logits_bytes else "head + loss chunk"

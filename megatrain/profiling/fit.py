@@ -199,6 +199,12 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
         if t.stream != "compute" or t.kind not in COMPUTE_KINDS or t.tokens <= 0:
             continue
         tasks.setdefault((t.kind, unit_class(t.unit)), {}).setdefault(t.tokens, []).append(tid)
+    # A backward that did other work than the table's kind (the tiled MLP's recompute, a layer that kept its
+    # forward's graph: sim/costs.py scales the table by the FLOPs) is taken back to the table's work the same way.
+    spec, seq = program.model, program.seq
+    per_table = {tid: (spec.task_flops(t.kind, t.unit, t.tokens / seq, seq) / t.flops
+                       if t.kind == "B" and t.unit >= 0 and t.flops > 0 else 1.0)
+                 for tid, t in program.tasks.items()}
     new = []
     for (kind, uclass), by_tokens in sorted(tasks.items()):
         toks = sorted(by_tokens)
@@ -208,7 +214,7 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
 
         def alone_s(c: StepClass, ids: list[str]) -> float:
             m = c.med.loc[ids]
-            return float((m["dur_s"] - lost * m["copied_s"]).mean())
+            return float(((m["dur_s"] - lost * m["copied_s"]) * [per_table[i] for i in ids]).mean())
 
         durs = tuple(max(0.0, sum(c.weight * alone_s(c, by_tokens[n]) for c in classes)) for n in toks)
         new.append(ComputeTable(sig, kind, uclass, program.seq, tuple(toks), durs, dtype,

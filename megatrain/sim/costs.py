@@ -68,8 +68,11 @@ class CostModel:
         tables = self._tables(task.kind, uclass)
         seq = self.program.seq
         if tables:
-            extra = 1.0  # work the profiled task did not do (the tiled MLP's recompute in a backward) scales it up
-            if self.placement.mlp_tile_tokens and task.kind == "B" and task.unit >= 0:
+            # A backward that does other work than the profiled one scales by its FLOPs: the tiled MLP's recompute
+            # adds to it; a layer that kept its forward's graph (Placement.graph_layers) does no recompute (2/3)
+            extra = 1.0
+            if task.kind == "B" and task.unit >= 0 and (self.placement.mlp_tile_tokens
+                                                        or task.unit in self.placement.graph_layers):
                 extra = task.flops / self.spec.task_flops(task.kind, task.unit, task.tokens / seq, seq)
             exact = [t for t in tables if t.seq == seq]
             if exact:

@@ -137,6 +137,17 @@ class LlamaFamily:
             window = seq * (-(-seq // 16) * 16) * a + n * 2 * a * (q - kv)
         return {"mlp": mlp + weights + window, "attention": attention + weights + window}
 
+    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool) -> int:
+        """GPU bytes a layer's forward graph holds until its backward (knob keep_activations): what its recompute
+        saves for the backward (`layer_working_set`'s list: two RMSNorms, SDPA's q, k, v, output and logsumexp,
+        the untiled MLP's gate, silu(gate), up and their product; the input is the checkpoint, counted apart), and
+        the weights cast to the compute dtype when the wire differs (they are the graph's leaves)."""
+        a, d, f = act_bytes, spec.hidden_size, self.ffn_size(spec, unit)
+        q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
+        norm = (4 * d if a < 4 else 0) + 2 * a * d
+        per_token = 2 * norm + a * (2 * q + 2 * kv) + 4 * nh + 4 * a * f
+        return tokens * per_token + (spec.unit_params(unit) * a if cast_weights else 0)
+
     def signature(self, spec: ModelSpec) -> str:
         """Two models that share it have the same per-layer (and embedding / head) compute times."""
         bias = "-qkvbias" if spec.qkv_bias else ""

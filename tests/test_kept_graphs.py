@@ -1,0 +1,144 @@
+"""Knob keep_activations: resident layers whose forward keeps its autograd graph for their backward (no recompute).
+
+That such runs train as a plain AdamW loop does is tests/test_exec_training.py's (its VARIANTS "...kept-graph..."):
+here, that the executor really takes the kept path, that the planner counts what the graphs hold (against what
+autograd saves, counted on the CPU), that the simulator prices such a backward at its FLOPs, and the refusals."""
+import pytest
+import torch
+
+from megatrain.compile.builders import build_schedule
+from megatrain.compile.knobs import knobs_for
+from megatrain.compile.lower import lower
+from megatrain.engine.trainer import StreamedTrainer
+from megatrain.exec import compute as compute_module
+from megatrain.exec.layers import KeptGraph, decoder_layer, layer_backward
+from megatrain.exec.optim import AdamWConfig
+from megatrain.exec.rope import rope_cos_sin
+from megatrain.ir.dag import ScheduleError
+from megatrain.model.init import init_tiles
+from megatrain.model.layout import unit_layout
+from megatrain.model.presets import get_model
+from megatrain.plan.memory import plan_gpu_memory
+from megatrain.sim import load_profile, simulate
+
+DEBUG = get_model("debug")
+FP32 = dict(compute_dtype="fp32", weight_wire="fp32")
+
+
+def test_the_kept_graph_gives_the_recomputing_backward_s_gradients():
+    """KeptGraph.backward against layer_backward (which recomputes from the checkpoint) on the same layer, input
+    and output gradient: the same gradients, accumulated into the same views (fp32, CPU: bit for bit)."""
+    lay = unit_layout(DEBUG, 0)
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(lay.numel, generator=gen) * 0.05
+    x = torch.randn(2, 16, DEBUG.hidden_size, generator=gen)
+    grad_out = torch.randn(2, 16, DEBUG.hidden_size, generator=gen)
+    cos, sin = rope_cos_sin(DEBUG, 16, torch.device("cpu"), torch.float32)
+    acc_kept, acc_recomputed = torch.zeros(lay.numel), torch.zeros(lay.numel)
+    graph = KeptGraph(lay.views(flat), x, cos, sin, DEBUG)
+    assert torch.equal(graph.output, decoder_layer(lay.views(flat), x, cos, sin, DEBUG))
+    assert not graph.output.requires_grad  # the next layer's input: its own graph starts there
+    gx_kept = graph.backward(grad_out, lay.views(acc_kept))
+    gx = layer_backward(lay.views(flat), x, cos, sin, DEBUG, grad_out, lay.views(acc_recomputed))
+    assert torch.equal(gx_kept, gx) and torch.equal(acc_kept, acc_recomputed) and acc_kept.abs().sum() > 0
+    assert graph.out is None  # freed
+
+
+def test_the_executor_keeps_the_graphs_of_the_layers_it_is_told_and_recomputes_the_others(monkeypatch):
+    """Two steps, two micro-batches, layers 0-1 resident and layer 1 keeping its graph: one KeptGraph built and one
+    backward taken per step and micro-batch, none for the other layers, whose backward recomputes."""
+    built, backward, recomputing = [], [], []
+
+    class Counting(KeptGraph):
+        def __init__(self, w, x, *a, **k):
+            built.append(x.shape)
+            super().__init__(w, x, *a, **k)
+
+        def backward(self, grad_out, grad_acc):
+            backward.append(grad_out.shape)
+            return super().backward(grad_out, grad_acc)
+
+    monkeypatch.setattr(compute_module, "KeptGraph", Counting)
+    original = compute_module.LayerCompute.backward
+
+    def counting_backward(self, t):
+        if t.unit >= 0 and t.unit not in self.graph_layers:
+            recomputing.append(t.unit)
+        return original(self, t)
+
+    monkeypatch.setattr(compute_module.LayerCompute, "backward", counting_backward)
+    knobs = knobs_for("arrival", resident_layers=2, keep_activations=1, micro_batches=2, **FP32)
+    trainer = StreamedTrainer(DEBUG, knobs, init_tiles(DEBUG), optim=AdamWConfig(lr=1e-3), backend="cpu",
+                              timeout_s=30)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, DEBUG.vocab_size, (4, 16), generator=gen)
+        trainer.step(ids, ids)
+    assert len(built) == len(backward) == 2 * 2  # steps x micro-batches, layer 1 only
+    assert sorted(set(recomputing)) == [0, 2, 3] and len(recomputing) == 2 * 2 * 3
+
+
+def test_the_planner_counts_what_the_kept_graphs_hold():
+    """plan_gpu_memory: the graphs of every kept layer and micro-batch are held at the peak; one layer's figure is
+    at least what autograd saves for the CPU's eager layer (counted with saved_tensors_hooks, less the math
+    attention's probabilities, which the flash kernel of a GPU does not keep) and within 30% of it."""
+    base = lower(build_schedule(DEBUG, 4, 64, knobs_for("arrival", resident_layers=2, micro_batches=2)))
+    kept = lower(build_schedule(DEBUG, 4, 64, knobs_for("arrival", resident_layers=2, keep_activations=2,
+                                                        micro_batches=2)))
+    one = DEBUG.family.layer_graph_bytes(DEBUG, 0, 2, 2 * 64, True)
+    assert plan_gpu_memory(kept.placement).graph_bytes == 2 * 2 * one  # 2 layers x 2 micro-batches
+    assert kept.memory.peak_bytes - base.memory.peak_bytes == 4 * one
+    assert base.memory.to_dict() == {k: v for k, v in kept.memory.to_dict().items() if k != "graph_bytes"} | {
+        "slot_bytes": base.memory.slot_bytes}  # nothing else moves
+    for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):
+        lay = unit_layout(DEBUG, 0)
+        w = lay.views((torch.randn(lay.numel) * 0.02).to(dtype))
+        x = torch.randn(2, 64, DEBUG.hidden_size, dtype=dtype)
+        cos, sin = rope_cos_sin(DEBUG, 64, torch.device("cpu"), dtype)
+        skip = {v.data_ptr() for v in w.values()} | {x.data_ptr()}
+        saved = {}
+
+        def pack(t):
+            if t.data_ptr() not in skip:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            KeptGraph(w, x, cos, sin, DEBUG)
+        counted = sum(saved.values()) - 2 * DEBUG.num_heads * 64 * 64 * a  # less the (b, h, T, T) probabilities
+        planned = DEBUG.family.layer_graph_bytes(DEBUG, 0, a, 2 * 64, False)
+        assert counted <= planned <= 1.3 * counted, (dtype, counted, planned)
+
+
+def test_the_simulator_prices_a_kept_layer_s_backward_at_two_thirds():
+    """A backward without its recompute is 2 of the 3 forward-equivalents the profile's B table timed: the kept
+    layers' B tasks cost 2/3 of the others' (same unit size), their F the same, and the step is shorter."""
+    profile, spec = load_profile("h200-measured"), get_model("bench-3b")  # a compute-bound step
+    knobs = dict(resident_layers=4, compile_layers=True, clip=0.0)
+    base = lower(build_schedule(spec, 8, 2048, knobs_for("arrival-resident", **knobs)))
+    kept = lower(build_schedule(spec, 8, 2048, knobs_for("arrival-resident", keep_activations=2, **knobs)))
+    rb, rk = simulate(base, profile), simulate(kept, profile)
+    dur = {name: r.timeline.assign(d=r.timeline.end_s - r.timeline.start_s).set_index("task")["d"]
+           for name, r in (("base", rb), ("kept", rk))}
+    over = profile.task_overhead_s["compute"]
+    assert dur["kept"]["B3.0"] - over == pytest.approx((dur["base"]["B3.0"] - over) * 2 / 3, rel=1e-9)
+    assert dur["kept"]["B1.0"] == pytest.approx(dur["base"]["B1.0"], rel=1e-9)  # resident, not kept
+    assert dur["kept"]["F3.0"] == pytest.approx(dur["base"]["F3.0"], rel=1e-9)
+    saved = dur["base"]["B3.0"] - dur["kept"]["B3.0"]  # two kept layers, compute-bound: the step is that much shorter
+    assert rb.step_s - rk.step_s == pytest.approx(2 * saved, rel=0.05)
+
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(resident_layers=1, keep_activations=2), "keep_activations=2 but resident_layers=1"),
+    (dict(resident_layers=2, keep_activations=1, recompute_block=2, buffers=2), "recompute_block=2"),
+    (dict(resident_layers=2, keep_activations=1, mlp_tile_tokens=8), "tiled MLP"),
+])
+def test_keep_activations_is_refused_where_the_backward_would_see_other_weights(knobs, says):
+    with pytest.raises(ScheduleError, match=says):
+        build_schedule(DEBUG, 4, 64, knobs_for("arrival", **knobs))
+
+
+def test_keep_activations_is_refused_on_data_parallel_ranks():
+    with pytest.raises(ScheduleError, match="data-parallel ranks"):
+        build_schedule(DEBUG, 4, 64, knobs_for("arrival", resident_layers=2, keep_activations=1),
+                       world=2)
