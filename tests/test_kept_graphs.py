@@ -142,3 +142,23 @@ def test_keep_activations_is_refused_on_data_parallel_ranks():
     with pytest.raises(ScheduleError, match="data-parallel ranks"):
         build_schedule(DEBUG, 4, 64, knobs_for("arrival", resident_layers=2, keep_activations=1),
                        world=2)
+
+
+def test_compiled_kept_graphs_train_as_the_compiled_recomputing_layers_do():
+    """compile_layers=true with the resident layers keeping their graphs (the compiled forward under autograd, its
+    AOTAutograd backward) against the same compiled layers recomputing in their backward (which differentiates the
+    same compiled forward): the same losses and weights after three steps. (Compiled against eager is bounded by
+    tests/test_exec_runtime.py's compiled-layer test.)"""
+    torch._dynamo.reset()
+    optim = AdamWConfig(lr=1e-2)
+    common = dict(resident_layers=2, clip=0.0, compile_layers=True, **FP32)
+    kept = StreamedTrainer(DEBUG, knobs_for("arrival", keep_activations=2, **common), init_tiles(DEBUG),
+                           optim=optim, backend="cpu", timeout_s=120)
+    recomputing = StreamedTrainer(DEBUG, knobs_for("arrival", **common), init_tiles(DEBUG), optim=optim,
+                                  backend="cpu", timeout_s=120)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, DEBUG.vocab_size, (4, 16), generator=gen)
+        assert kept.step(ids, ids).loss == pytest.approx(recomputing.step(ids, ids).loss, rel=1e-6)
+    for u in DEBUG.units():
+        torch.testing.assert_close(kept.tiles()[u], recomputing.tiles()[u], rtol=0, atol=1e-6)
