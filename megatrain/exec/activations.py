@@ -7,11 +7,16 @@ between their ACT_OFFLOAD and ACT_PREFETCH.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatrain.ir.program import Program, ProgramTask
 from megatrain.exec.backend import Backend, ExecError
 from megatrain.exec.store import TORCH_DTYPES, HostRegion
+
+if TYPE_CHECKING:
+    from megatrain.exec.layers import KeptGraph
 
 
 class Activations:
@@ -39,7 +44,7 @@ class Activations:
         self.checkpoints: dict[tuple[int, int], torch.Tensor] = {}  # (layer, micro) -> its input
         self.recomputed: dict[tuple[int, int], torch.Tensor] = {}  # (layer, micro) -> input rebuilt by R
         self.grad_hidden: dict[int, torch.Tensor] = {}  # micro -> gradient w.r.t. the current activation
-        self.graphs: dict[tuple[int, int], object] = {}  # (layer, micro) -> its forward's KeptGraph
+        self.graphs: dict[tuple[int, int], KeptGraph] = {}  # (layer, micro) -> its forward's graph (no recompute)
 
     @property
     def host_bytes(self) -> int:
