@@ -39,6 +39,7 @@ KNOB_VALUES = {
     "compile_layers": [False, True],
     "resident_embeddings": [False, True],
     "resident_layers": [0, 1],
+    "keep_activations": [0, 1],
     "grad_ring": [0, 1, 2],
     "state_dtype": ["fp32", "bf16"],
     "state_tier": ["host", "nvme-moments", "nvme-all"],
