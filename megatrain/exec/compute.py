@@ -17,7 +17,7 @@ from megatrain.model.spec import EMBED, HEAD
 from megatrain.exec.activations import Activations
 from megatrain.exec.buffers import DeviceBuffers
 from megatrain.exec.head import embed_backward, embed_forward, head_loss_backward
-from megatrain.exec.layers import KeptGraph, compiled_decoder_layer, decoder_layer, layer_functions
+from megatrain.exec.layers import KeptGraph, layer_functions
 from megatrain.exec.store import TORCH_DTYPES, HostStore
 
 
@@ -61,9 +61,9 @@ class LayerCompute:
         self.loss_chunk_tokens = p.loss_chunk_tokens
         self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled",
                                                                       p.mlp_tile_tokens)
-        # layers whose forward keeps its graph for the backward (no recompute; resolve.py allows no MLP tiles there)
+        # layers whose forward keeps its graph for the backward (no recompute; resolve.py allows no MLP tiles with
+        # them, so `layer_forward` is the plain or compiled layer those graphs differentiate)
         self.graph_layers = frozenset(p.graph_layers)
-        self.graph_layer_fn = compiled_decoder_layer if p.layer_kernel == "compiled" else decoder_layer
         self.batch: StepBatch | None = None
         self.loss_sums: dict[int, torch.Tensor] = {}
 
@@ -95,7 +95,7 @@ class LayerCompute:
         if u == EMBED:
             acts.produced(0, m, embed_forward(w["embed_tokens.weight"], b.ids[m], self.compute_dtype))  # (mb, T, d)
         elif u in self.graph_layers:
-            graph = KeptGraph(w, acts.hidden[m], b.cos, b.sin, self.spec, self.graph_layer_fn)
+            graph = KeptGraph(w, acts.hidden[m], b.cos, b.sin, self.spec, self.layer_forward)
             acts.graphs[(u, m)] = graph
             acts.produced(u + 1, m, graph.output)  # (mb, T, d)
         else:

@@ -36,37 +36,24 @@ def layer_backward(w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor,
     and adds each weight gradient into `grad_acc[name]` (typically fp32 views of the slot's gradient area), so
     calling it once per micro-batch accumulates. The autograd graph is local to this call: `torch.autograd.grad`
     frees it, and no tensor returned or written holds on to it. `layer` is the forward to differentiate
-    (`decoder_layer`, or its compiled form from `compiled_layer_functions`).
+    (`decoder_layer`, or its compiled form from `compiled_layer_functions`). It is a `KeptGraph` built and
+    differentiated at once: the same forward and backward a layer that keeps its graph splits over two tasks.
     """
-    missing = [n for n in w if n not in grad_acc]
-    if missing:
-        raise KeyError(f"grad_acc has no accumulator for {missing}; it needs one per weight of the layer")
-    if grad_out.shape != x.shape:
-        raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}, the layer input has {tuple(x.shape)}")
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("layer_backward cannot run under torch.inference_mode(); use torch.no_grad() instead")
-    names = list(w)
-    with torch.enable_grad():
-        x_leaf = x.detach().requires_grad_()
-        leaves = {n: w[n].detach().requires_grad_() for n in names}  # views of the same storage
-        out = (layer or decoder_layer)(leaves, x_leaf, cos, sin, spec)
-        grads = torch.autograd.grad(out, [x_leaf, *(leaves[n] for n in names)], grad_out.to(out.dtype))
-    del out, leaves, x_leaf
-    with torch.no_grad():
-        for n, g in zip(names, grads[1:]):
-            grad_acc[n].add_(g)  # fp32 += (fp32 | bf16) in place
-    return grads[0].to(x.dtype)
+    return KeptGraph(w, x, cos, sin, spec, layer).backward(grad_out, grad_acc)
 
 
 class KeptGraph:
-    """A layer's forward run with its input and weights as autograd leaves, kept for its backward (knob
-    keep_activations): `layer_backward` without the recompute. The graph holds what the forward saved until
-    `backward` frees it; the output handed to the next layer is detached, so each layer's graph stays its own."""
+    """A layer's forward run with its input and weights as autograd leaves, kept for its backward: `layer_backward`
+    builds one and differentiates it at once (the recompute); a layer whose forward keeps its graph (knob
+    keep_activations) builds it in its forward task and differentiates it in its backward task. The graph holds
+    what the forward saved until `backward` frees it; the output handed to the next layer is detached, so each
+    layer's graph stays its own."""
 
     def __init__(self, w: Mapping[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, spec: ModelSpec,
                  layer: LayerFn | None = None):
         if torch.is_inference_mode_enabled():
-            raise RuntimeError("KeptGraph cannot run under torch.inference_mode(); use torch.no_grad() instead")
+            raise RuntimeError("a layer's backward cannot run under torch.inference_mode(); use torch.no_grad() "
+                               "instead")
         self.names = list(w)
         with torch.enable_grad():
             self.x_leaf = x.detach().requires_grad_()
@@ -79,17 +66,20 @@ class KeptGraph:
         return self.out.detach()
 
     def backward(self, grad_out: Tensor, grad_acc: Mapping[str, Tensor]) -> Tensor:
-        """As `layer_backward` from here: each weight gradient added into `grad_acc[name]`; returns grad_x
-        (B, T, d) in x.dtype. The graph is freed."""
+        """Each weight gradient added into `grad_acc[name]` (fp32 += the compute dtype, in place); returns grad_x
+        (B, T, d) in the input's dtype. The graph is freed."""
         missing = [n for n in self.names if n not in grad_acc]
         if missing:
             raise KeyError(f"grad_acc has no accumulator for {missing}; it needs one per weight of the layer")
+        if grad_out.shape != self.x_leaf.shape:
+            raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}, the layer input has "
+                             f"{tuple(self.x_leaf.shape)}")
         grads = torch.autograd.grad(self.out, [self.x_leaf, *self.leaves], grad_out.to(self.out.dtype))
         dtype = self.x_leaf.dtype
         self.out = self.x_leaf = self.leaves = None
         with torch.no_grad():
             for n, g in zip(self.names, grads[1:]):
-                grad_acc[n].add_(g)  # fp32 += (fp32 | bf16) in place
+                grad_acc[n].add_(g)
         return grads[0].to(dtype)
 
 
