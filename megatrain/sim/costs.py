@@ -68,11 +68,11 @@ class CostModel:
         tables = self._tables(task.kind, uclass)
         seq = self.program.seq
         if tables:
-            # A backward that does other work than the profiled one scales by its FLOPs: the tiled MLP's recompute
-            # adds to it; a layer that kept its forward's graph (Placement.graph_layers) does no recompute (2/3)
+            # A layer's backward is priced at its FLOPs over those of the backward the table timed (1 for most; the
+            # tiled MLP's recompute adds work, a layer that kept its forward's graph does no recompute: 2/3).
+            # profiling/fit.py takes measured backwards back to the table's work by the same ratio.
             extra = 1.0
-            if task.kind == "B" and task.unit >= 0 and (self.placement.mlp_tile_tokens
-                                                        or task.unit in self.placement.graph_layers):
+            if task.kind == "B" and task.unit >= 0:
                 extra = task.flops / self.spec.task_flops(task.kind, task.unit, task.tokens / seq, seq)
             exact = [t for t in tables if t.seq == seq]
             if exact:
