@@ -118,9 +118,7 @@ class LlamaFamily:
         """
         a, n = act_bytes, tokens
         d, f, q, kv, nh = spec.hidden_size, self.ffn_size(spec, unit), spec.q_dim, spec.kv_dim, spec.num_heads
-        upcast = 4 * d if a < 4 else 0
-        norm = upcast + 2 * a * d  # per token, saved by one RMSNorm and the projections after it
-        attn = a * (2 * q + 2 * kv) + 4 * nh
+        norm, attn = self._saved_per_token(spec, a)
         around = 2 * a * d  # the layer output and the gradient coming in
         weights = spec.unit_params(unit) * (a + (a if cast_weights else 0))
         if mlp_tile_tokens:
@@ -142,11 +140,20 @@ class LlamaFamily:
         saves for the backward (`layer_working_set`'s list: two RMSNorms, SDPA's q, k, v, output and logsumexp,
         the untiled MLP's gate, silu(gate), up and their product; the input is the checkpoint, counted apart), and
         the weights cast to the compute dtype when the wire differs (they are the graph's leaves)."""
-        a, d, f = act_bytes, spec.hidden_size, self.ffn_size(spec, unit)
-        q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
-        norm = (4 * d if a < 4 else 0) + 2 * a * d
-        per_token = 2 * norm + a * (2 * q + 2 * kv) + 4 * nh + 4 * a * f
+        a = act_bytes
+        norm, attn = self._saved_per_token(spec, a)
+        per_token = 2 * norm + attn + 4 * a * self.ffn_size(spec, unit)
         return tokens * per_token + (spec.unit_params(unit) * a if cast_weights else 0)
+
+    @staticmethod
+    def _saved_per_token(spec: ModelSpec, act_bytes: int) -> tuple[int, int]:
+        """Bytes a token's forward saves for the backward (`layer_working_set`'s list): (one RMSNorm with the
+        projections after it: an fp32 copy of its input below fp32, the normalized value and the scaled output;
+        SDPA: the rotated q and k, v and its output, fp32 logsumexp per head)."""
+        a, d = act_bytes, spec.hidden_size
+        norm = (4 * d if a < 4 else 0) + 2 * a * d
+        attn = a * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+        return norm, attn
 
     def signature(self, spec: ModelSpec) -> str:
         """Two models that share it have the same per-layer (and embedding / head) compute times."""
