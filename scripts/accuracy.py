@@ -323,33 +323,40 @@ CPU_RATE_OF_VARIANT = {"operating-point CPU rate": "operating point", "in-step C
                        "isolated-loop CPU rate": "isolated loop"}  # assemble.CPU_RATE_SOURCES (tested)
 
 
+def profile_from_measurements(m: dict, model: str, cpu_rate_from: str | None = None):
+    """The profile today's profiler builds from a `megatrain profile` measurements record `m` (its request, machine
+    and timings), for `model` (its preset or HF model directory); `cpu_rate_from` as `build_profile` (default: the
+    median of the three estimates)."""
+    from megatrain.compile.knobs import ScheduleKnobs
+    from megatrain.model.presets import get_model
+    from megatrain.profiling.assemble import MEDIAN_OF_THREE, build_profile
+    from megatrain.profiling.calibrate import ProfileRequest
+
+    r = m["request"]
+    spec = get_model(model)
+    req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m["machine"]["device"], dtypes=r["dtypes"],
+                         quick=True, knobs=ScheduleKnobs(**r["knobs"]))
+    return build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"],
+                         cpu_rate_from=cpu_rate_from or MEDIAN_OF_THREE)
+
+
 def rebuild_profile(d: Path, model: str, variant: str = "as measured"):
     """Shape directory `d`'s quick profile rebuilt from its `profile-quick.measurements.json` by today's profiler
     (`VARIANTS`: with one part of the method left out), with the compute tables of its saved profile (which holds
     the eager and the compiled layer's). `model`: its preset or HF model directory, as given to `measure`."""
     import copy
 
-    from megatrain.compile.knobs import ScheduleKnobs
-    from megatrain.model.presets import get_model
-    from megatrain.profiling.assemble import MEDIAN_OF_THREE, build_profile
-    from megatrain.profiling.calibrate import ProfileRequest
     from megatrain.sim import load_profile
 
     if variant not in VARIANTS:
         raise SystemExit(f"unknown profile variant {variant!r}; use one of {', '.join(VARIANTS)}")
-    m = json.loads((d / "profile-quick.measurements.json").read_text())
-    r = m["request"]
-    spec = get_model(model)
-    req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m["machine"]["device"], dtypes=r["dtypes"],
-                         quick=True, knobs=ScheduleKnobs(**r["knobs"]))
-    m = copy.deepcopy(m)
+    m = copy.deepcopy(json.loads((d / "profile-quick.measurements.json").read_text()))
     if variant == "one weight wire":
         m.get("operating_point", {}).pop("contention_other", None)
     if variant == "redo = 2 updates":
         for k in ("redo_updates", "redo_s"):
             m["gpu_adam"].pop(k, None)
-    p = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"],
-                      cpu_rate_from=CPU_RATE_OF_VARIANT.get(variant, MEDIAN_OF_THREE))
+    p = profile_from_measurements(m, model, CPU_RATE_OF_VARIANT.get(variant))
     if variant == "copies not slowed by the update":  # as the simulator ran before issue 24's third round
         p = p.with_(copy_beside_update={}, notes={k: v for k, v in p.notes.items() if k != "copy_beside_update"})
     saved = d / "profile-quick.json"

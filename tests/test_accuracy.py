@@ -183,11 +183,9 @@ def _h100_table_errors(root: Path, back_to_back: bool) -> list[float]:
     """Predicted / measured step - 1 of the H100 table's megatrain rows, each shape's quick profile rebuilt from its
     recorded measurements by today's profiler (with or without the back-to-back measurement)."""
     from megatrain.compile.builders import build_schedule
-    from megatrain.compile.knobs import ScheduleKnobs, knobs_for
+    from megatrain.compile.knobs import knobs_for
     from megatrain.compile.lower import lower
     from megatrain.model.presets import get_model
-    from megatrain.profiling.assemble import build_profile
-    from megatrain.profiling.calibrate import ProfileRequest
     from megatrain.sim import simulate
     from megatrain.sim.engine import StepFacts
 
@@ -197,12 +195,9 @@ def _h100_table_errors(root: Path, back_to_back: bool) -> list[float]:
         m = json.loads((root / "25-logs" / f"25-profile-h100-{slug}-8x2048.measurements.json").read_text())
         if not back_to_back:
             m.pop("compute_sustained")
-        r, spec = m["request"], get_model(model)
-        req = ProfileRequest(spec, batch=r["batch"], seqs=r["seqs"], device=m["machine"]["device"],
-                             dtypes=r["dtypes"], quick=True, knobs=ScheduleKnobs(**r["knobs"]))
-        profile = build_profile(m, spec, req, r["dtypes"], r["cpu_threads"], m["machine"])
+        profile = _script().profile_from_measurements(m, model)
         knobs = knobs_for("arrival-resident", resident_layers=resident, compile_layers=True, clip=clip)
-        step_s = simulate(lower(build_schedule(spec, 8, 2048, knobs)), profile,
+        step_s = simulate(lower(build_schedule(get_model(model), 8, 2048, knobs)), profile,
                           StepFacts(clip_share=1.0 if clip else 0.0)).mean_step_s
         errors.append(step_s / (8 * 2048 / tokens_per_s) - 1)
     return errors
