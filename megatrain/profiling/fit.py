@@ -203,7 +203,7 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
     # forward's graph: sim/costs.py scales the table by the FLOPs) is taken back to the table's work the same way.
     spec, seq = program.model, program.seq
     per_table = {tid: (spec.task_flops(t.kind, t.unit, t.tokens / seq, seq) / t.flops
-                       if t.kind == "B" and t.unit >= 0 and t.flops > 0 else 1.0)
+                       if t.kind == TaskKind.BACKWARD and t.unit >= 0 and t.flops > 0 else 1.0)
                  for tid, t in program.tasks.items()}
     new = []
     for (kind, uclass), by_tokens in sorted(tasks.items()):

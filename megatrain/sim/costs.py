@@ -72,7 +72,7 @@ class CostModel:
             # tiled MLP's recompute adds work, a layer that kept its forward's graph does no recompute: 2/3).
             # profiling/fit.py takes measured backwards back to the table's work by the same ratio.
             extra = 1.0
-            if task.kind == "B" and task.unit >= 0:
+            if task.kind == TaskKind.BACKWARD and task.unit >= 0:
                 extra = task.flops / self.spec.task_flops(task.kind, task.unit, task.tokens / seq, seq)
             exact = [t for t in tables if t.seq == seq]
             if exact:
