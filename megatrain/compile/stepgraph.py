@@ -58,9 +58,9 @@ class StepGraph:
 def work_attrs(p: Placement, kind: TaskKind, unit: int) -> dict:
     s, mb = p.model, p.batch // p.micro_batches
     flops = s.task_flops(kind.value, unit, mb, p.seq)
-    if kind.value == "B" and unit >= 0 and p.mlp_tile_tokens:  # the tiled MLP's backward recomputes its forward
+    if kind is TaskKind.BACKWARD and unit >= 0 and p.mlp_tile_tokens:  # the tiled MLP's backward recomputes its forward
         flops += s.tiled_mlp_flops(unit, mb, p.seq)
-    if kind.value == "B" and unit in p.graph_layers:  # the forward kept its graph: no recompute
+    if kind is TaskKind.BACKWARD and unit in p.graph_layers:  # the forward kept its graph: no recompute
         flops -= s.unit_forward_flops(unit, mb, p.seq)
     return dict(flops=flops, tokens=mb * p.seq, bytes=0, params=s.unit_params(unit))
 
