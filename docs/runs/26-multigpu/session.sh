@@ -7,11 +7,12 @@
 # Steps, in order, each skipped once done:
 #   1. a quick profile of this machine for bench-3b and llama3-8b (the predictions, made before any run), then the
 #      collectives between the two GPUs (torchrun, `profile --collectives-only`) written into it
-#   2. bench_multigpu.py scaling: bench-3b and llama3-8b at 1 and 2 GPUs, 8 x 2048 per GPU, 3 interleaved runs each
-#      (tokens/s, scaling efficiency, PSS of all ranks against the plan, the prediction written before the runs)
+#   2. bench_multigpu.py scaling: bench-3b at 1 and 2 GPUs, 8 x 2048 per GPU, 3 interleaved runs each (tokens/s,
+#      scaling efficiency, PSS of all ranks against the plan, the prediction written before the runs)
 #   3. equality: 20 fp32 steps, 2 GPUs against 1 GPU with 2 micro-batches, bound measured in one process
 #   4. curve: 300 bf16 steps on the bundled corpus, 2 GPUs against 1 GPU with 2 micro-batches (curve.png overlay)
 #   5. the same 2-GPU bench-3b runs with MEGATRAIN_BIND_CORES=0 (every rank on every core): binding before/after
+#   6. scaling as in 2 for llama3-8b (/tmp/26/scaling-8b)
 set -uo pipefail
 budget=${1:-540}
 t0=$(date +%s)
@@ -44,26 +45,28 @@ run profile 300 python3 -m megatrain profile --quick --device cuda --model bench
 run collectives 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 -m megatrain profile \
   --collectives-only --device cuda --base "$P" --out /tmp/26/profile-2gpu.json
 [ -f /tmp/26/profile-2gpu.json ] && P=/tmp/26/profile-2gpu.json
-# scaling resumes by itself (runs already in OUT are skipped) and exits 0 with runs left: it is done when it says so
-if [ ! -f /tmp/26/scaling.done ] && [ "$(left)" -gt 90 ]; then
-  OUT=/tmp/26/scaling timeout "$(left)" python3 scripts/bench_multigpu.py scaling --models bench-3b,llama3-8b \
-    --gpus-list 1,2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 | tee -a "$log" /tmp/26/scaling.txt
-  rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] && ! grep -q "left for the time budget" /tmp/26/scaling.txt && touch /tmp/26/scaling.done
-  rm -f /tmp/26/scaling.txt
-fi
+# scaling resumes by itself (runs already in its folder are skipped) and exits 0 with runs left: it is done when it
+# says so. bench-3b first, then the cheap correctness checks and the binding runs, llama3-8b last (the longest runs:
+# what a cut budget loses is the least)
+scale() {  # scale NAME MODELS GPUS [env...]: bench_multigpu.py scaling into /tmp/26/NAME until it reports no run left
+  local name=$1 models=$2 gpus=$3; shift 3
+  [ -f "/tmp/26/$name.done" ] && return 0
+  [ "$(left)" -gt 90 ] || { echo "$name: no time left in this call" | tee -a "$log"; return 1; }
+  echo "== $name" | tee -a "$log"
+  env "$@" OUT="/tmp/26/$name" timeout "$(left)" python3 scripts/bench_multigpu.py scaling --models "$models" \
+    --gpus-list "$gpus" --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 | tee -a "$log" "/tmp/26/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && ! grep -q "left for the time budget" "/tmp/26/$name.txt" && touch "/tmp/26/$name.done"
+  rm -f "/tmp/26/$name.txt"
+}
+scale scaling bench-3b 1,2
 [ -f /tmp/26/scaling.done ] && run equality 400 env OUT=/tmp/26/equality python3 scripts/bench_multigpu.py equality
 [ -f /tmp/26/scaling.done ] && run curve 500 env OUT=/tmp/26/curve python3 scripts/bench_multigpu.py curve
-if [ -f /tmp/26/scaling.done ] && [ ! -f /tmp/26/nobind.done ] && [ "$(left)" -gt 90 ]; then
-  MEGATRAIN_BIND_CORES=0 OUT=/tmp/26/nobind timeout "$(left)" python3 scripts/bench_multigpu.py scaling \
-    --models bench-3b --gpus-list 2 --runs 3 --profile "$P" --budget-s "$(( $(left) - 30 ))" 2>&1 |
-    tee -a "$log" /tmp/26/nobind.txt
-  rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] && ! grep -q "left for the time budget" /tmp/26/nobind.txt && touch /tmp/26/nobind.done
-  rm -f /tmp/26/nobind.txt
-fi
+# every rank on every core: the same 2-GPU bench-3b runs, binding off
+[ -f /tmp/26/scaling.done ] && scale nobind bench-3b 2 MEGATRAIN_BIND_CORES=0
+[ -f /tmp/26/nobind.done ] && scale scaling-8b llama3-8b 1,2
 done_all=1
-for s in profile collectives scaling equality curve nobind; do [ -f "/tmp/26/$s.done" ] || done_all=0; done
+for s in profile collectives scaling equality curve nobind scaling-8b; do [ -f "/tmp/26/$s.done" ] || done_all=0; done
 [ "$done_all" = 1 ] && echo "session complete" | tee -a "$log"
 cp /tmp/26/machine.txt "$OUT/"
 [ -f /tmp/26/curve/curve.png ] && cp /tmp/26/curve/curve.png "$OUT/"
