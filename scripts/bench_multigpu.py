@@ -393,6 +393,8 @@ def main() -> None:
     a = p.parse_args()
     global DEVICE
     DEVICE = a.device
+    Path(a.result).parent.mkdir(parents=True, exist_ok=True)  # equality/curve's workers write into OUT first
+    OUT.mkdir(parents=True, exist_ok=True)
     if a.command in ("equality", "curve") and not a.layers:
         a.layers = 4  # a bench-3b cut to 4 layers: 20 fp32 / 300 bf16 steps fit in the 10 minutes
         if a.command == "curve":
