@@ -312,36 +312,69 @@ EQUALITY_FACTOR = 2.0  # equality(): the 2-GPU regrouping against the one-proces
 
 
 def curve(a) -> None:
-    """bf16, 300 steps on the bundled corpus: per-step loss of 2 GPUs vs 1 GPU with 2 micro-batches."""
+    """bf16, --curve-steps (300) steps on the bundled corpus: per-step loss of 2 GPUs against 1 GPU with 2 micro-batches, judged
+    against the same regrouping inside one process (1 GPU, 1 micro-batch of the whole batch), as `equality` is.
+
+    Two bf16 trajectories that differ by rounding alone drift apart: each step's weights are rounded to bf16 from
+    slightly different masters, and the difference grows step by step (measured on two H200s: at most 7.4e-5 of
+    the loss in the first 50 steps, 2.0e-4 in the first 100, 1.7e-2 at step 300). A fixed per-step bound therefore
+    fails a correct run late in the curve. The reference is measured instead: how far the one-process regrouping
+    drifts over the same steps. PASS needs both (a) no step of the first CURVE_EARLY_STEPS beyond CURVE_EARLY_BOUND
+    (a wrong gradient, a rank's rows missing or a shard misplaced, shows from the second step on at the scale of the
+    loss's step-to-step change, 4e-2; AdamW hides a gradient's mere scale) and (b) the 2-GPU curve's median per-step
+    difference within EQUALITY_FACTOR x the one-process regrouping's. Runs whose result is already in OUT are not
+    run again (seed OUT with a session's curve-*.json to add the reference alone)."""
     common = ["--model", a.model, "--layers", str(a.layers), "--seq", str(a.seq), "--schedule", "arrival",
-              "--set", "clip=0", "--steps", "300", "--warmup", "0", "--corpus", "--profile", "", "--lr", "3e-4"]
-    launch(2, [*common, "--batch", str(a.batch), "--result", str(OUT / "curve-dp2.json")], a.timeout)
-    launch(1, [*common, "--batch", str(2 * a.batch), "--set", "micro_batches=2", "--result",
-               str(OUT / "curve-one.json")], a.timeout)
-    la = json.loads((OUT / "curve-dp2.json").read_text())["losses"]
-    lb = json.loads((OUT / "curve-one.json").read_text())["losses"]
-    c = curve_summary(la, lb)
-    print(f"bf16 curves, {len(lb)} steps: loss {lb[0]:.3f} -> {lb[-1]:.3f} (1 GPU) / {la[-1]:.3f} (2 GPUs); per-step "
-          f"rel diff max {c['max_rel']:.2e}, median {c['median_rel']:.2e}; last 100 steps' mean {c['tail_rel']:.2e} "
-          f"(pass: per step <= {CURVE_BOUND:g}: {'PASS' if c['pass'] else 'FAIL'})")
+              "--set", "clip=0", "--steps", str(a.curve_steps), "--warmup", "0", "--corpus", "--profile", "", "--lr",
+              "3e-4"]
+    runs = {"dp2": (2, ["--batch", str(a.batch)]),
+            "one": (1, ["--batch", str(2 * a.batch), "--set", "micro_batches=2"]),
+            "whole": (1, ["--batch", str(2 * a.batch)])}
+    for name, (gpus, extra) in runs.items():
+        if not (OUT / f"curve-{name}.json").is_file():
+            launch(gpus, [*common, *extra, "--result", str(OUT / f"curve-{name}.json")], a.timeout)
+    two, one, whole = (json.loads((OUT / f"curve-{k}.json").read_text())["losses"] for k in runs)
+    c = curve_summary(two, one, whole)
+    print(f"bf16 curves, {len(one)} steps: loss {one[0]:.3f} -> {one[-1]:.3f} (1 GPU, 2 micro-batches) / {two[-1]:.3f} "
+          f"(2 GPUs) / {whole[-1]:.3f} (1 GPU, 1 micro-batch); per-step rel diff of 2 GPUs: median "
+          f"{c['median_rel']:.2e}, max {c['max_rel']:.2e}, first {CURVE_EARLY_STEPS} steps max "
+          f"{c['early_max_rel']:.2e} (bound {CURVE_EARLY_BOUND:g}); "
+          f"the same regrouping in one process: median {c['ref_median_rel']:.2e}, max {c['ref_max_rel']:.2e}; "
+          f"bound {EQUALITY_FACTOR:g} x its median = {c['bound']:.2e}: {'PASS' if c['pass'] else 'FAIL'}")
     (OUT / "curve.json").write_text(json.dumps(c, indent=1) + "\n")
-    plot_curves(la, lb, OUT / "curve.png", f"{a.model} cut to {a.layers} layers, {a.batch} x {a.seq} per GPU, bf16")
+    plot_curves(two, one, whole, OUT / "curve.png",
+                f"{a.model} cut to {a.layers} layers, {a.batch} x {a.seq} per GPU, bf16")
 
 
-CURVE_BOUND = 5e-3  # curve(): per-step relative loss difference of 2 GPUs against 1 GPU with 2 micro-batches
+CURVE_EARLY_STEPS = 50  # curve(): the steps before rounding differences have grown (2 H200s: 7.4e-5 at most)
+CURVE_EARLY_BOUND = 1e-3  # curve(): their per-step relative loss difference, 2 GPUs against 1 GPU with 2 micro-batches
 
 
-def curve_summary(two_gpus: list[float], one_gpu: list[float]) -> dict:
-    """Per-step relative loss difference of the 2-GPU curve against the 1-GPU one (max, median), the relative
-    difference of their last 100 steps' means, and whether every step is within CURVE_BOUND."""
-    errs = [abs(x - y) / abs(y) for x, y in zip(two_gpus, one_gpu)]
-    tail = abs(statistics.mean(two_gpus[-100:]) - statistics.mean(one_gpu[-100:])) / statistics.mean(one_gpu[-100:])
-    return {"steps": len(errs), "max_rel": max(errs), "median_rel": statistics.median(errs), "tail_rel": tail,
-            "pass": max(errs) <= CURVE_BOUND}
+def _rel_diffs(curve: list[float], reference: list[float]) -> list[float]:
+    return [abs(x - y) / abs(y) for x, y in zip(curve, reference)]
 
 
-def plot_curves(two_gpus: list[float], one_gpu: list[float], path: Path, title: str) -> None:
-    """The two loss curves overlaid, and their per-step relative difference below (docs/multigpu.md shows it)."""
+def curve_summary(two_gpus: list[float], one_gpu: list[float], one_gpu_whole: list[float]) -> dict:
+    """`curve`'s verdict: the 2-GPU curve's per-step relative difference to the 1-GPU, 2-micro-batch one (median, max,
+    max over the first CURVE_EARLY_STEPS, the relative difference of the last 100 steps' means) beside the same for
+    the one-process regrouping (1 micro-batch of the whole batch against 2); pass as `curve`'s docstring says."""
+    errs, ref = _rel_diffs(two_gpus, one_gpu), _rel_diffs(one_gpu_whole, one_gpu)
+
+    def tail(x: list[float]) -> float:
+        return abs(statistics.mean(x[-100:]) - statistics.mean(one_gpu[-100:])) / statistics.mean(one_gpu[-100:])
+
+    early = max(errs[:CURVE_EARLY_STEPS])
+    bound = EQUALITY_FACTOR * statistics.median(ref)
+    return {"steps": len(errs), "max_rel": max(errs), "median_rel": statistics.median(errs), "tail_rel": tail(two_gpus),
+            "early_max_rel": early, "ref_max_rel": max(ref), "ref_median_rel": statistics.median(ref),
+            "ref_tail_rel": tail(one_gpu_whole), "bound": bound,
+            "pass": early <= CURVE_EARLY_BOUND and statistics.median(errs) <= bound}
+
+
+def plot_curves(two_gpus: list[float], one_gpu: list[float], one_gpu_whole: list[float], path: Path,
+                title: str) -> None:
+    """The loss curves overlaid, and below each one's per-step relative difference to the 1-GPU, 2-micro-batch curve
+    (docs/multigpu.md shows it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,15 +384,18 @@ def plot_curves(two_gpus: list[float], one_gpu: list[float], path: Path, title: 
     steps = range(1, len(one_gpu) + 1)
     top.plot(steps, one_gpu, label="1 GPU, 2 micro-batches", lw=1.5)
     top.plot(steps, two_gpus, label="2 GPUs (sharded data parallel)", lw=1, ls="--")
+    top.plot(steps, one_gpu_whole, label="1 GPU, 1 micro-batch (the regrouping reference)", lw=1, ls=":")
     top.set_ylabel("training loss")
     top.set_title(title)
     top.legend()
-    bottom.plot(steps, [abs(x - y) / abs(y) for x, y in zip(two_gpus, one_gpu)], lw=1)
-    bottom.axhline(CURVE_BOUND, color="red", lw=0.8, ls=":", label=f"bound {CURVE_BOUND:g}")
+    bottom.plot(steps, _rel_diffs(two_gpus, one_gpu), lw=1, label="2 GPUs")
+    bottom.plot(steps, _rel_diffs(one_gpu_whole, one_gpu), lw=1, label="1 micro-batch")
+    bottom.axhline(CURVE_EARLY_BOUND, xmax=CURVE_EARLY_STEPS / len(one_gpu), color="red", lw=0.8, ls=":",
+                   label=f"first {CURVE_EARLY_STEPS} steps' bound")
     bottom.set_yscale("log")
     bottom.set_xlabel("step")
     bottom.set_ylabel("relative difference")
-    bottom.legend()
+    bottom.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -381,6 +417,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--eq-steps", type=int, default=20, help="equality: fp32 steps of each run")
+    p.add_argument("--curve-steps", type=int, default=300, help="curve: bf16 steps of each run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
