@@ -312,8 +312,9 @@ EQUALITY_FACTOR = 2.0  # equality(): the 2-GPU regrouping against the one-proces
 
 
 def curve(a) -> None:
-    """bf16, --curve-steps (300) steps on the bundled corpus: per-step loss of 2 GPUs against 1 GPU with 2 micro-batches, judged
-    against the same regrouping inside one process (1 GPU, 1 micro-batch of the whole batch), as `equality` is.
+    """bf16, --curve-steps (300) steps on the bundled corpus: per-step loss of 2 GPUs against 1 GPU with 2
+    micro-batches, judged against the same regrouping inside one process (1 GPU, 1 micro-batch of the whole batch), as
+    `equality` is.
 
     Two bf16 trajectories that differ by rounding alone drift apart: each step's weights are rounded to bf16 from
     slightly different masters, and the difference grows step by step (measured on two H200s: at most 7.4e-5 of

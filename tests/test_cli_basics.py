@@ -69,6 +69,18 @@ def test_profile_checks_memory_before_measuring(monkeypatch, tmp_path, capsys):
     assert "measurements" not in captured.out and not (tmp_path / "p.json").exists()
 
 
+def test_profile_of_several_models_says_whose_layer_the_host_is_measured_on(monkeypatch, tmp_path, capsys):
+    """The host's update rate comes from the first model's layer: with a second model of another layer size,
+    `profile` says so before measuring (here it then stops: the machine is too small, nothing is measured)."""
+    _tiny_machine(monkeypatch, host_bytes=16 * 2**20)
+    argv = ["--batch", "8", "--seq", "2048", "--device", "cpu", "--out", str(tmp_path / "p.json")]
+    assert main(["profile", "--model", "bench-3b,llama3-8b", *argv]) == 2
+    out = capsys.readouterr().out
+    assert "note: the host's update rate is measured on bench-3b's layer (99.1 M parameters) only; llama3-8b" in out
+    assert main(["profile", "--model", "bench-3b,bench-3b", *argv]) == 2
+    assert "note:" not in capsys.readouterr().out  # the same layer: nothing to say
+
+
 def test_a_long_profile_suggests_quick_before_it_starts(monkeypatch):
     class Stop(Exception):
         pass

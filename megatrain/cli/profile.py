@@ -140,6 +140,9 @@ def run(args) -> int:
     from megatrain.profiling.overhead import profile_cut  # the cut the profile runs (torch: as above)
     print(f"profiling {', '.join(m.name for m in models)}, batch up to {batch[0]} x seq "
           f"{','.join(map(str, seqs))}, device {device}")  # the shape first, as every command that takes --batch
+    note = host_measurement_note(models)
+    if note:
+        print(note)
     for shape in models:
         cut, cut_knobs = profile_cut(shape, knobs)
         check_fits(cut, batch[0], max(seqs), cut_knobs, device,
@@ -178,6 +181,21 @@ def run(args) -> int:
         print("it is this machine's profile in the per-user cache: simulate, compare, train and --schedule auto on "
               "this machine use it unless --profile / run.profile / $MEGATRAIN_PROFILE say otherwise")
     return 0
+
+
+def host_measurement_note(models) -> str | None:
+    """The line `profile` prints when it measures several models whose layers differ in size: the host's
+    measurements (the CPU update rate's estimates) use the first model's layer, and on two H200s the runtime's
+    update of llama3-8b's layers ran 23% faster per parameter than bench-3b's (docs/accuracy.md), so the other
+    models' host-bound predictions may be off by that much."""
+    first, others = models[0], [m for m in models[1:] if m.layer_params != models[0].layer_params]
+    if not others:
+        return None
+    names = ", ".join(m.name for m in others)
+    return (f"note: the host's update rate is measured on {first.name}'s layer ({first.layer_params / 1e6:.1f} M "
+            f"parameters) only; {names} will be predicted with it, though the update's rate per parameter varies "
+            f"with the layer's size (docs/accuracy.md, 'Two GPUs on two H200s'): profile each alone (--model NAME) "
+            f"for predictions its host update bounds")
 
 
 def _check_rank_device(args, device: str, ranks: int) -> None:
