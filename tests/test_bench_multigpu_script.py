@@ -69,15 +69,20 @@ def test_host_load_measures_copies_per_gpu_and_the_update_under_them(tmp_path):
     assert f"| {sum(both['GBps_by_gpu']):.1f} | {both['update_Gparam_s']:.2f} |" in r.stdout
 
 
+def _run(out: Path, command: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """scripts/bench_multigpu.py COMMAND on the CPU backend, its results in `out`."""
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_multigpu.py"), command, "--device", "cpu",
+                           *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 def test_equality_bounds_two_ranks_by_the_same_regrouping_in_one_process(tmp_path):
     """`equality` on the CPU backend: 2 gloo ranks against 1 process with 2 micro-batches, bounded by the measured
     difference of 1 micro-batch against 2 in one process (issue 26: a bound that is justified, not chosen). Both
     differences are real (fp32 sums in another order) and tiny next to the distance the parameters moved; the
     2-rank one passes its bound."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_multigpu.py"), "equality", "--device", "cpu", "--model",
-           "debug", "--layers", "2", "--batch", "2", "--seq", "32", "--eq-steps", "3", "--timeout", "120"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    r = _run(tmp_path, "equality", "--model", "debug", "--layers", "2", "--batch", "2", "--seq", "32", "--eq-steps",
+             "3", "--timeout", "120")
     assert r.returncode == 0, r.stderr[-3000:]
     eq = json.loads((tmp_path / "equality.json").read_text())
     assert 0 < eq["rel_one_process"] < 1e-4 and 0 <= eq["rel_2gpu"] < 1e-4  # regrouping, not a missing gradient
@@ -93,10 +98,9 @@ def test_curve_runs_two_ranks_one_process_and_the_regrouping_reference(tmp_path)
     """`curve` on the CPU backend (debug model, 30 bf16 steps): 2 gloo ranks, 1 process with 2 micro-batches and the
     reference (1 micro-batch). On this backend the 2 ranks' sums are the one process's, bit for bit, while the
     regrouping drifts by rounding: the verdict passes on a real, nonzero reference. Called again, it reuses the runs."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_multigpu.py"), "curve", "--device", "cpu", "--model",
-           "debug", "--layers", "2", "--batch", "2", "--seq", "32", "--curve-steps", "30", "--timeout", "120"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    args = ("--model", "debug", "--layers", "2", "--batch", "2", "--seq", "32", "--curve-steps", "30", "--timeout",
+            "120")
+    r = _run(tmp_path, "curve", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     c = json.loads((tmp_path / "curve.json").read_text())
     losses = {k: json.loads((tmp_path / f"curve-{k}.json").read_text())["losses"] for k in ("dp2", "one", "whole")}
@@ -104,7 +108,7 @@ def test_curve_runs_two_ranks_one_process_and_the_regrouping_reference(tmp_path)
     assert losses["dp2"] == losses["one"]  # gloo's reduce-scatter adds the halves as the landing tile does
     assert c["max_rel"] == 0 and c["ref_max_rel"] > 0 and c["pass"], c
     assert "PASS" in r.stdout and (tmp_path / "curve.png").is_file()
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    again = _run(tmp_path, "curve", *args, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout and "PASS" in again.stdout
 
 
