@@ -63,6 +63,13 @@ def test_collectives_only_under_torchrun_writes_a_table_the_simulator_reads(tmp_
     _check_table(p, rec)
     assert "2 ranks, gloo" in p.notes["collectives"] and "cpu's" in p.notes["measured"]
     assert p.h2d == base.h2d and p.cpu_adam_params_per_s == base.cpu_adam_params_per_s  # the rest: --base
+    # the matmuls beside each scheduled collective: measured on both ranks, written as factors >= 1
+    beside = rec["compute_beside"]
+    assert set(beside["factor"]) == {"G", "Z"} and beside["alone_s"] > 0
+    assert all(t > 0 for t in beside["with_s"].values())
+    assert all(f > 0 for f in beside["factor"].values())
+    assert p.compute_beside_collective == {op: max(1.0, f) for op, f in beside["factor"].items()}
+    assert "beside each collective" in p.notes["compute_beside_collective"] and "matmul" in r.stdout
 
 
 def test_a_full_profile_under_torchrun_adds_the_collectives(tmp_path):

@@ -255,3 +255,50 @@ def test_compute_beside_copy_is_checked_and_survives_json(tmp_path):
         dataclasses.replace(make_profile(), compute_beside_copy={"U": 1.1})
     with pytest.raises(ValueError, match="compute_beside_copy"):
         dataclasses.replace(make_profile(), compute_beside_copy={"F": 0.9})  # a copy never speeds compute up
+
+
+def with_collective(prog, nbytes: int, op: str = "G"):
+    """`prog` with one collective G0 (or Z0) of `nbytes` bus bytes on the comm stream, started at once."""
+    from megatrain.ir.program import ProgramTask
+
+    kind = {"G": "G", "Z": "Z"}[op]
+    g0 = ProgramTask(f"{kind}0", kind, 0, None, "comm", (), None, nbytes, 0.0, 0, 0)
+    return dataclasses.replace(prog, tasks={**prog.tasks, g0.id: g0}, streams={**prog.streams, "comm": [g0.id]},
+                               _index=None)
+
+
+def collective_profile(**kw) -> HardwareProfile:
+    """Collectives at 10 bus B/s, no latency; copies at 30 B/s."""
+    flat = {"latency_s": 0.0, "sizes": [1.0, 1e15], "bus_Bps": [10.0, 10.0]}
+    return dataclasses.replace(make_profile(h2d=30.0), collectives={k: dict(flat) for k in ("G", "Z", "A")}, **kw)
+
+
+def test_a_compute_task_runs_slower_only_while_a_collective_is_in_flight():
+    # compute_beside_collective (docs/multigpu.md: a forward with a collective over part of it ran 2.5% longer on
+    # two H200s): F0 is 16 s of work alone; G0 (100 bus bytes at 10 B/s) is in flight for its first 10 s, at half
+    # speed (factor 2): 5 s of work by t=10, the other 11 s alone -> 21 s. The collective itself is not slowed.
+    prog = with_collective(with_compute(copy_program(0, 0), 16e9), 100)
+    slowed = collective_profile(compute_beside_collective={"G": 2.0})
+    assert ends(simulate(prog, slowed)) == pytest.approx({"P0": 0.0, "O0": 0.0, "G0": 10.0, "F0": 21.0}, rel=1e-12)
+    # profiles without the factor, and a factor for the other collective only: 16 s
+    assert ends(simulate(prog, collective_profile()))["F0"] == pytest.approx(16.0)
+    assert ends(simulate(prog, collective_profile(compute_beside_collective={"Z": 2.0})))["F0"] == pytest.approx(16.0)
+    # beside a copy (P0, 300 B at 30 B/s: 10 s) as well: both factors, 1/4 of the speed for 10 s -> 10 + 13.5
+    both = with_collective(with_compute(copy_program(300, 0), 16e9), 100)
+    both_slowed = collective_profile(compute_beside_collective={"G": 2.0}, compute_beside_copy={"F": 2.0})
+    assert ends(simulate(both, both_slowed))["F0"] == pytest.approx(23.5, rel=1e-12)
+    # a reduce-scatter with its factor, in flight for 5 s (50 bytes) of a 16 s forward at factor 1.25: 4 s of work
+    # by t=5, 12 alone -> 17 s
+    z = with_collective(with_compute(copy_program(0, 0), 16e9), 50, op="Z")
+    assert ends(simulate(z, collective_profile(compute_beside_collective={"Z": 1.25})))["F0"] == pytest.approx(17.0)
+
+
+def test_compute_beside_collective_is_checked_and_survives_json(tmp_path):
+    p = dataclasses.replace(make_profile(), compute_beside_collective={"G": 1.1, "Z": 1.3})
+    p.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").compute_beside_collective == {"G": 1.1, "Z": 1.3}
+    assert "compute_beside_collective" not in make_profile().to_dict()  # older readers load a profile without it
+    with pytest.raises(ValueError, match="compute_beside_collective has unknown keys"):
+        dataclasses.replace(make_profile(), compute_beside_collective={"F": 1.1})  # keyed by the collective
+    with pytest.raises(ValueError, match="compute_beside_collective"):
+        dataclasses.replace(make_profile(), compute_beside_collective={"G": 0.9})  # a collective never speeds it up

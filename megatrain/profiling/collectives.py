@@ -26,9 +26,16 @@ rank's (n-1)/n of the message: ir/collectives.py), the rate interpolated in the 
 bus_Bps = bus bytes / (t - latency_s): fed back through `collective_s` it gives the measured t at every measured
 size. (nccl-tests' busbw counts the latency in t: the two differ by latency / t, ~5% at 198 MB on NVLink if the
 latency is 20 us.)
+
+The collectives also slow the compute beside them: NCCL's kernels take SMs and device memory bandwidth (on two
+H200s a layer's forward ran 2.5% longer with a collective over part of it, docs/multigpu.md).
+`measure_compute_beside` times a layer-sized matmul alone and while G, then Z, run back to back beside it; the
+ratio is the profile's `compute_beside_collective`, which the simulator applies to every F, R, B while that
+collective is in flight (sim/hostmem.py).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -101,6 +108,87 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
     return rec
 
 
+BESIDE_KINDS = (Collective.ALL_GATHER.value, Collective.REDUCE_SCATTER.value)  # the collectives a step schedules
+BESIDE_MESSAGE = 256 * MiB  # the largest measured message up to this size runs beside the matmul (a layer's slot)
+GPU_GEMM = (8192, 3072, 8192)  # m, k, n: a bench-3b layer's MLP matmul at 4 x 2048 tokens (bf16, ~0.6 ms on an H200)
+CPU_GEMM = (128, 128, 128)  # gloo on CI (fp32)
+
+
+def measure_compute_beside(world, device: torch.device, rec: dict, reps: int, rounds: int = ROUNDS,
+                           log=None) -> dict:
+    """A layer-sized matmul's time alone and while each collective a step schedules (G, Z) runs back to back
+    beside it, as the runtime overlaps them (every rank calls this with the same arguments; `rec` is
+    `measure_collectives`' record, whose times size the collectives to outlast the matmuls).
+
+    Per round: `reps` matmuls alone, then the same with enough collectives issued first (async) to run over all
+    of them; the matmuls' span is timed on their own stream (CUDA events; the wall clock on the CPU backend, where
+    gloo runs the collectives on its own threads). A rank's factor is the median over rounds of with / alone; the
+    profile's `compute_beside_collective[op]` is the largest over the ranks (a step is as slow as its slowest
+    rank), at least 1. Returns {"gemm", "dtype", "reps", "message_bytes": {op: bytes}, "alone_s", "with_s": {op: s},
+    "factor": {op: f}} (times of rank 0, factors max over the ranks)."""
+    n, group, cuda = world.size, world.device_group, device.type == "cuda"
+    nccl = dist.get_backend(group) == "nccl"
+    m, k, nn = GPU_GEMM if cuda else CPU_GEMM
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((m, k), (k, nn)))  # (m, k), (k, n)
+    c = torch.empty(m, nn, dtype=dtype, device=device)  # (m, n)
+
+    def span(before=None) -> float:
+        """Seconds of `reps` matmuls on this rank's stream, with `before()` issued first (its works returned)."""
+        dist.barrier(group=world.host_group)
+        if cuda:
+            torch.cuda.synchronize(device)
+        works = before() if before else []
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+        if cuda:
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            dt = time.perf_counter() - t0
+        for w in works:
+            w.wait()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return dt
+
+    span()  # warm-up: kernel selection, the barrier's first use
+    out = {"gemm": [m, k, nn], "dtype": str(dtype).removeprefix("torch."), "reps": reps, "message_bytes": {},
+           "alone_s": 0.0, "with_s": {}, "factor": {}}
+    big = max(max(rec["kinds"][op]["message_bytes"]) for op in BESIDE_KINDS) + 16 * n
+    buf = torch.zeros(big, dtype=torch.uint8, device=device)
+    alone = [span() for _ in range(rounds)]
+    out["alone_s"] = sorted(alone)[len(alone) // 2]
+    # every rank must issue the same number of collectives (or they wait on each other forever): the longest span
+    longest = torch.tensor([max(alone)], dtype=torch.float64)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=world.host_group)
+    for op in BESIDE_KINDS:
+        kr = rec["kinds"][op]
+        fits = [i for i, s in enumerate(kr["message_bytes"]) if s <= BESIDE_MESSAGE] or [0]
+        nbytes, t_call = kr["message_bytes"][fits[-1]], kr["time_s"][fits[-1]]
+        count = min(200, math.ceil(1.5 * float(longest) / t_call) + 1)  # outlasts the matmuls, the same on every rank
+        call = _call(op, buf, nbytes, n, world.rank, group, nccl, DTYPES[kr["dtype"]], async_op=True)
+        ratios, withs = [], []
+        for i in range(rounds):
+            withs.append(span(lambda: [call() for _ in range(count)]))
+            ratios.append(withs[-1] / alone[i])
+        mine = torch.tensor([sorted(ratios)[len(ratios) // 2]], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=world.host_group)
+        out["message_bytes"][op], out["with_s"][op] = nbytes, sorted(withs)[len(withs) // 2]
+        out["factor"][op] = float(mine)
+        if log:
+            log(f"{KINDS[op]} beside a {m}x{k}x{nn} {out['dtype']} matmul ({format_bytes(nbytes, 'g')} messages): "
+                f"the matmuls x{out['factor'][op]:.3f} (alone {out['alone_s'] * 1e3:.3f} ms for {reps})")
+    del buf
+    return out
+
+
 def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool = False,
                    log=print) -> tuple[int, dict]:
     """Every rank of a torchrun launch: join the world (`World.from_env`), measure the collectives, leave it
@@ -117,6 +205,8 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
         on_gpu = dev.type == "cuda"
         warmup, iters = ((2, 10) if quick else (5, 20)) if on_gpu else (2, 5)
         rec = measure_collectives(world, dev, weight_wire, warmup=warmup, iters=iters, log=say)
+        rec["compute_beside"] = measure_compute_beside(world, dev, rec, reps=(10 if quick else 20) if on_gpu else 20,
+                                                       log=say)
         world.close()  # every rank done before any tears its groups down; the liveness thread joined
     finally:
         world.leave()  # a failed measurement: leave without waiting for the peers (after close: nothing left to do)
@@ -125,18 +215,21 @@ def measure_launch(device: str, weight_wire: str, timeout_s: float, quick: bool 
     return world.rank, rec
 
 
-def _call(kind: str, buf: torch.Tensor, nbytes: int, n: int, rank: int, group, nccl: bool, dtype):
-    """One collective of `kind` on the first `nbytes` of `buf`, as the runtime issues it (dist/work.py)."""
+def _call(kind: str, buf: torch.Tensor, nbytes: int, n: int, rank: int, group, nccl: bool, dtype,
+          async_op: bool = False):
+    """One collective of `kind` on the first `nbytes` of `buf`, as the runtime issues it (dist/work.py); with
+    `async_op` the call returns its Work (to wait on) instead of None."""
     whole = buf[:nbytes].view(dtype)  # (n * s,)
     s = whole.numel() // n
     mine = whole[rank * s:(rank + 1) * s]
     if kind == Collective.ALL_GATHER:
         if nccl:
-            return lambda: dist.all_gather_into_tensor(whole, mine, group=group)
-        return lambda: dist.all_gather(list(whole.split(s)), mine.clone(), group=group)
+            return lambda: dist.all_gather_into_tensor(whole, mine, group=group, async_op=async_op)
+        return lambda: dist.all_gather(list(whole.split(s)), mine.clone(), group=group, async_op=async_op)
     if kind == Collective.REDUCE_SCATTER and nccl:
-        return lambda: dist.reduce_scatter_tensor(mine, whole, group=group)
-    return lambda: dist.all_reduce(whole, group=group)  # all-reduce; a reduce-scatter on gloo (no reduce-scatter there)
+        return lambda: dist.reduce_scatter_tensor(mine, whole, group=group, async_op=async_op)
+    # all-reduce; a reduce-scatter on gloo (no reduce-scatter there)
+    return lambda: dist.all_reduce(whole, group=group, async_op=async_op)
 
 
 def _time(call, world, sync, warmup: int, iters: int, rounds: int = ROUNDS) -> float:
@@ -173,8 +266,26 @@ def table(rec: dict) -> dict[str, dict]:
 
 
 def with_collectives(profile: HardwareProfile, rec: dict) -> HardwareProfile:
-    """`profile` with the measured `collectives` table and its note."""
-    return replace(profile, collectives=table(rec), notes=dict(profile.notes, collectives=note(rec)))
+    """`profile` with the measured `collectives` table and its note, and `compute_beside_collective` where the
+    record measured it (each factor at least 1: a collective never speeds the matmuls up; below 1 is noise)."""
+    notes = dict(profile.notes, collectives=note(rec))
+    beside = rec.get("compute_beside")
+    if not beside:
+        return replace(profile, collectives=table(rec), notes=notes)
+    notes["compute_beside_collective"] = beside_note(beside)
+    return replace(profile, collectives=table(rec), notes=notes,
+                   compute_beside_collective={op: max(1.0, f) for op, f in beside["factor"].items()})
+
+
+def beside_note(beside: dict) -> str:
+    """The profile note of `compute_beside_collective`: what was measured (measure_compute_beside)."""
+    m, k, n = beside["gemm"]
+    each = "; ".join(f"{KINDS[op]} ({format_bytes(beside['message_bytes'][op], 'g')} messages back to back) "
+                     f"x{f:.3f}" for op, f in beside["factor"].items())
+    return (f"measured (profiling/collectives.py, measure_compute_beside): {beside['reps']} {m}x{k}x{n} "
+            f"{beside['dtype']} matmuls, {beside['alone_s'] * 1e3:.3f} ms alone on rank 0, and beside each "
+            f"collective: {each} (median of {ROUNDS} rounds per rank, the largest over the ranks; applied as at "
+            f"least 1 to every F, R, B while that collective is in flight)")
 
 
 def note(rec: dict) -> str:
@@ -201,5 +312,7 @@ def report(rec: dict) -> str:
             lines.append(f"  {KINDS[kind]:<15} {k['dtype']:<5} {format_bytes(s, 'g'):>10} {t * 1e3:>9.3f} "
                          f"{a / 1e9:>11.2f} {b / 1e9:>11.2f}")
         lines.append(f"  {KINDS[kind]:<15} {k['dtype']:<5} {'latency':>10} {k['probe_s'] * 1e3:>9.4f}")
+    if rec.get("compute_beside"):
+        lines.append("  " + beside_note(rec["compute_beside"]).split(": ", 1)[1])
     return "\n".join(lines)
 

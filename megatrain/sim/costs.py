@@ -18,7 +18,7 @@ from megatrain.ir.program import Program, ProgramTask
 from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.sim.collectives import collective_s
-from megatrain.sim.profile import HardwareProfile, ProfileError, model_signature, unit_class
+from megatrain.sim.profile import SLOWED_BY_COPIES, HardwareProfile, ProfileError, model_signature, unit_class
 
 _WARNED_EAGER_FALLBACK: set[tuple[str, str]] = set()
 
@@ -151,6 +151,19 @@ class CostModel:
         if task.stream != "compute":
             return 1.0
         return self.profile.compute_beside_copy.get(task.kind, 1.0)
+
+    def beside_collective(self, task: ProgramTask) -> dict[str, float]:
+        """How many times longer a compute task takes while each collective is in flight: the profile's
+        `compute_beside_collective` (by collective) for a forward, recompute or backward on the compute stream, {}
+        for every other task."""
+        if task.stream != "compute" or task.kind not in SLOWED_BY_COPIES:
+            return {}
+        return self.profile.compute_beside_collective
+
+    def collective(self, task: ProgramTask) -> str | None:
+        """The collective a task runs ("G", "Z"), None for a task that runs none."""
+        op = TaskKind(task.kind).collective
+        return None if op is None else op.value
 
     def is_copy(self, task: ProgramTask) -> bool:
         return task.stream in COPY_STREAMS

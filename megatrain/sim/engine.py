@@ -3,7 +3,7 @@
 One simpy process per stream walks that stream's queue in Program order. A task starts when the previous task
 of its stream is done and every task in its `waits` is done; it then holds its stream for the duration the cost
 model gives, except host-side work, whose bytes flow through the fluid model of host memory (`hostmem.py`), and
-compute slowed beside copies:
+compute slowed beside copies or collectives:
 
 - each direction (h2d, d2h) carries at most one copy at a time (each is one in-order stream); a copy alone moves
   at its curve's rate for its size, and the two directions share `duplex_Bps`;
@@ -12,7 +12,9 @@ compute slowed beside copies:
 - whenever a flow starts or ends, the bytes still in flight are re-rated, so a copy that overlapped the other
   direction (or an update) for only part of its life is slowed for only that part;
 - a compute task (F, R, B) whose kind the profile's `compute_beside_copy` slows is a flow of its seconds alone,
-  drawing no host memory, at 1/k of its speed while a copy is in flight (the copies' DMA shares device memory).
+  drawing no host memory, at 1/k of its speed while a copy is in flight (the copies' DMA shares device memory);
+- with the profile's `compute_beside_collective`, a collective (G, Z) is a flow of its seconds too, and a compute
+  task is slowed by the factor of the collective in flight (NCCL's kernels share the SMs), times the copy's.
 
 The simulation is deterministic: simpy breaks ties by scheduling order, and processes and events are created in
 a fixed order. A Program that cannot finish (waits that form a cycle) raises SimulationError naming the stuck
@@ -114,9 +116,13 @@ class _Engine:
                 if u.delay_s:
                     yield env.timeout(u.delay_s)
                 yield self.host.update(u.nbytes, u.alone_s, u.nvme_s)
-            elif (slowed := cost.beside_copy(t)) > 1.0:  # slower while a copy is in flight (hostmem.py)
+            elif (op := cost.collective(t)) is not None and cost.profile.compute_beside_collective:
+                # a flow of its seconds, so that the compute beside it knows it is in flight (hostmem.py)
+                yield self.host.collective(op, cost.duration_s(t))
+            elif (slowed := cost.beside_copy(t)) > 1.0 or cost.beside_collective(t):
+                # slower while a copy or a collective is in flight (hostmem.py)
                 yield env.timeout(cost.profile.overhead(t.stream, t.kind))
-                yield self.host.compute(cost.compute_s(t), slowed)
+                yield self.host.compute(cost.compute_s(t), slowed, cost.beside_collective(t))
             else:
                 yield env.timeout(cost.duration_s(t))
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,

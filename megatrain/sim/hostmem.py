@@ -37,6 +37,12 @@ So a compute task is a flow too (`compute`): of its seconds alone, drawing nothi
 1 / `compute_beside_copy[kind]` of its rate while any copy flow is in flight, and at its full rate otherwise. The
 profiler measures a layer's F and B beside copies in both directions; the one factor is applied whatever the copy
 mix (one direction or both) and to the embedding and head too, which were not measured apart.
+
+Compute beside collectives (data parallel): NCCL's kernels run on the SMs and read device memory, and on two H200s
+a layer's forward ran 2.5% longer with a collective over part of it (docs/multigpu.md). With the profile's
+`compute_beside_collective` a collective is a flow of its seconds too (drawing nothing, never slowed), and the
+compute flow progresses at 1 / factor[the collective in flight] of its rate, times 1 / `compute_beside_copy` while a
+copy is in flight as well (the two resources are taken as independent: their factors multiply).
 """
 from __future__ import annotations
 
@@ -91,11 +97,19 @@ def share_rates(ceilings: dict[str, float], draws: dict[str, float], copies: set
 
 
 class _Flow:
-    __slots__ = ("beside_copy", "ceiling", "done", "draw", "rate", "remaining")
+    __slots__ = ("beside_collective", "beside_copy", "ceiling", "done", "draw", "op", "rate", "remaining")
 
-    def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event, beside_copy: float = 1.0):
+    def __init__(self, amount: float, ceiling: float, draw: float, done: simpy.Event, beside_copy: float = 1.0,
+                 beside_collective: dict[str, float] | None = None, op: str | None = None):
         self.remaining, self.ceiling, self.draw, self.rate, self.done = float(amount), ceiling, draw, 0.0, done
         self.beside_copy = beside_copy  # its ceiling is divided by this while a copy is in flight
+        self.beside_collective = beside_collective or {}  # ... and by this one's [op] while collective op is
+        self.op = op  # the collective a "comm" flow runs ("G", "Z")
+
+    def slowed_ceiling(self, copying: bool, collective: str | None) -> float:
+        """Its ceiling beside the copies (any in flight) and the collective in flight (None: none)."""
+        ceiling = self.ceiling / (self.beside_copy if copying else 1.0)
+        return ceiling / self.beside_collective.get(collective, 1.0) if collective else ceiling
 
 
 class HostMemory:
@@ -105,7 +119,8 @@ class HostMemory:
                  beside_update: dict[str, float] | None = None):
         self.env, self.host_Bps, self.duplex_Bps, self.copy_draw = env, host_Bps, duplex_Bps, copy_draw
         self.beside_update = dict(beside_update or {})  # the profile's copy_beside_update (module docstring)
-        # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time), "compute" (a GPU compute task)
+        # "h2d", "d2h" (copies), "cpu" (a CPU update), "nvme" (its drive time), "compute" (a GPU compute task),
+        # "comm" (a collective, with compute_beside_collective)
         self.flows: dict[str, _Flow] = {}
         self._t = 0.0  # time up to which `remaining` is accounted
         self._gen = 0  # bumps on every re-plan, so that stale wake-ups are ignored (simpy cannot cancel them)
@@ -126,17 +141,25 @@ class HostMemory:
             return done
         return simpy.AllOf(self.env, [done, self._start("nvme", nvme_s, 1.0, 0.0)])
 
-    def compute(self, seconds: float, beside_copy: float) -> simpy.Event:
-        """A compute task of `seconds` alone, `beside_copy` times slower while a copy is in flight."""
-        return self._start("compute", seconds, 1.0, 0.0, beside_copy)
+    def compute(self, seconds: float, beside_copy: float,
+                beside_collective: dict[str, float] | None = None) -> simpy.Event:
+        """A compute task of `seconds` alone, `beside_copy` times slower while a copy is in flight and
+        `beside_collective[op]` times slower while collective op is (the two multiply)."""
+        return self._start("compute", seconds, 1.0, 0.0, beside_copy, beside_collective)
 
-    def _start(self, name: str, amount: float, ceiling: float, draw: float, beside_copy: float = 1.0) -> simpy.Event:
+    def collective(self, op: str, seconds: float) -> simpy.Event:
+        """A collective `op` ("G", "Z") of `seconds` on the comm stream: it draws no host memory and is not slowed;
+        it is a flow so that a compute task knows while it is in flight."""
+        return self._start("comm", seconds, 1.0, 0.0, op=op)
+
+    def _start(self, name: str, amount: float, ceiling: float, draw: float, beside_copy: float = 1.0,
+               beside_collective: dict[str, float] | None = None, op: str | None = None) -> simpy.Event:
         done = self.env.event()
         if amount <= 0 or math.isinf(ceiling):
             done.succeed()
             return done
         self._advance()
-        self.flows[name] = _Flow(amount, ceiling, draw, done, beside_copy)
+        self.flows[name] = _Flow(amount, ceiling, draw, done, beside_copy, beside_collective, op)
         self._replan()
         return done
 
@@ -152,7 +175,8 @@ class HostMemory:
         if not self.flows:
             return
         copying = [n for n in self.flows if n in COPY_STREAMS]
-        rates = share_rates({n: f.ceiling / (f.beside_copy if copying else 1.0) for n, f in self.flows.items()},
+        collective = self.flows["comm"].op if "comm" in self.flows else None
+        rates = share_rates({n: f.slowed_ceiling(bool(copying), collective) for n, f in self.flows.items()},
                             {n: f.draw for n, f in self.flows.items()},
                             set(copying), self.host_Bps, self.duplex_Bps, self.beside_update)
         for n, f in self.flows.items():

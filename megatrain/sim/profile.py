@@ -31,6 +31,12 @@ A profile holds
                          shape x machine runs: a layer F 1.05x, B 1.04-1.11x with copies over most of the task;
                          `megatrain profile` measures it; empty: not slowed, as profiles before it were simulated);
                          sim/hostmem.py applies it
+    compute_beside_collective  how many times longer a compute task (F, R, B) takes while a collective runs on the
+                         comm stream, by the collective ("G", "Z"): NCCL's kernels take SMs and device memory
+                         bandwidth from the layer beside them (on two H200s a forward with a collective over part of
+                         it took 7.74 ms, one without 7.55; docs/multigpu.md); `megatrain profile` under torchrun
+                         measures it (a layer-sized matmul alone and beside each collective); empty: not slowed, as
+                         profiles before it were simulated. With a copy in flight too, the two factors multiply
     dma_factor_cpu_optimizer, cpu_optimizer_slowdown  legacy (before host_memory_Bps): copy rates while a CPU
                          update runs, and how many times longer an update takes while 1 / 2 copy directions run;
                          read only to derive host_memory_Bps for profiles that lack it
@@ -66,7 +72,7 @@ from pathlib import Path
 
 from megatrain.ir.streams import COPY_STREAMS, STREAMS
 from megatrain.ir.tasks import COMPUTE_KINDS as IR_COMPUTE_KINDS
-from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401  (re-exported)
+from megatrain.ir.tasks import UNIT_CLASSES, Collective, TaskKind, unit_class  # noqa: F401  (re-exported)
 from megatrain.model.spec import ModelSpec
 from megatrain.sim import profile_checks as check
 from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exported: the error of this module)
@@ -74,8 +80,10 @@ from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exporte
 # copy_beside_update's keys, by (copy direction, whether the other direction runs too): a copy beside a CPU update
 # ("h2d", "d2h", "h2d_both", "d2h_both")
 BESIDE = {(d, both): f"{d}_both" if both else d for both in (False, True) for d in COPY_STREAMS}
-# compute_beside_copy's keys: the compute kinds a copy slows (a forward, its recompute, a backward)
+# compute_beside_copy's keys: the compute kinds a copy slows (a forward, its recompute, a backward); the same kinds
+# are those a collective slows (compute_beside_collective, keyed by the collective)
 SLOWED_BY_COPIES = tuple(k.value for k in (TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD))
+COLLECTIVE_KINDS = tuple(c.value for c in Collective)
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
@@ -226,6 +234,7 @@ class HardwareProfile:
     copy_host_bytes_per_byte: float = 1.0
     copy_beside_update: dict[str, float] = field(default_factory=dict)
     compute_beside_copy: dict[str, float] = field(default_factory=dict)
+    compute_beside_collective: dict[str, float] = field(default_factory=dict)
     task_overhead_s: dict[str, float] = field(default_factory=dict)
     nvme_read_Bps: float = 6.5e9  # one PCIe 4.0 x4 NVMe drive, sequential (assumption)
     nvme_write_Bps: float = 5.0e9
@@ -275,13 +284,14 @@ class HardwareProfile:
         "matmul_flops_per_s": (check.RATE, False, None), "efficiency": (check.FRACTION, False, None),
         "cpu_adam_params_per_s": (check.RATE, True, None), "cpu_optimizer_slowdown": (check.SIZE, True, 1.0),
         "task_overhead_s": (check.TIME, False, None), "copy_beside_update": (check.FRACTION, False, None),
-        "compute_beside_copy": (check.SIZE, False, 1.0),
+        "compute_beside_copy": (check.SIZE, False, 1.0), "compute_beside_collective": (check.SIZE, False, 1.0),
     }
     # field -> (the keys it may have, what they are): any other key is refused by name
     _KEYS = {
         "cpu_optimizer_slowdown": ((1, 2), "the number of busy copy directions, to a factor >= 1"),
         "copy_beside_update": (tuple(BESIDE.values()), "fractions of each copy direction's rate alone"),
         "compute_beside_copy": (SLOWED_BY_COPIES, "factors >= 1 on a compute task while a copy runs"),
+        "compute_beside_collective": (COLLECTIVE_KINDS, "factors >= 1 on a compute task while that collective runs"),
         "task_overhead_s": (STREAM_NAMES + TASK_KINDS, "stream names or task kinds"),
     }
 
@@ -364,7 +374,8 @@ class HardwareProfile:
                 v = [asdict(t) for t in v]
             elif f.name in ("cpu_adam_params_per_s", "cpu_optimizer_slowdown"):
                 v = {str(k): r for k, r in sorted(v.items())}
-            elif f.name in ("collectives", "copy_beside_update", "compute_beside_copy") and not v:
+            elif f.name in ("collectives", "copy_beside_update", "compute_beside_copy",
+                            "compute_beside_collective") and not v:
                 continue  # profiles without them keep their JSON (and older readers can load it)
             d[f.name] = v
         return d
