@@ -261,8 +261,8 @@ def with_collective(prog, nbytes: int, op: str = "G"):
     """`prog` with one collective G0 (or Z0) of `nbytes` bus bytes on the comm stream, started at once."""
     from megatrain.ir.program import ProgramTask
 
-    kind = {"G": "G", "Z": "Z"}[op]
-    g0 = ProgramTask(f"{kind}0", kind, 0, None, "comm", (), None, nbytes, 0.0, 0, 0)
+    # a collective's task kind is the collective's letter (ir/tasks.py)
+    g0 = ProgramTask(f"{op}0", op, 0, None, "comm", (), None, nbytes, 0.0, 0, 0)
     return dataclasses.replace(prog, tasks={**prog.tasks, g0.id: g0}, streams={**prog.streams, "comm": [g0.id]},
                                _index=None)
 

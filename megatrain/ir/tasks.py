@@ -238,5 +238,7 @@ def Z(u):
 NORM = Task(TaskKind.CLIP_NORM)
 
 COMPUTE_KINDS = {TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD}
+# the collectives a Program holds as tasks ("G", "Z"; the all-reduce rides after each reduce-scatter)
+SCHEDULED_COLLECTIVES = tuple(k.collective.value for k in TaskKind if k.collective)
 COMPUTE_KINDS_OF_CLASS = {"layer": (TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD),
                           "embed": (TaskKind.FORWARD, TaskKind.BACKWARD), "head": (TaskKind.FORWARD,)}

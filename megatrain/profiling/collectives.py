@@ -42,7 +42,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatrain.ir.tasks import Collective
+from megatrain.ir.tasks import SCHEDULED_COLLECTIVES, Collective
 from megatrain.sim.profile import HardwareProfile
 from megatrain.parallel.world import World
 from megatrain.units import KiB, MiB, format_bytes
@@ -108,7 +108,6 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
     return rec
 
 
-BESIDE_KINDS = (Collective.ALL_GATHER.value, Collective.REDUCE_SCATTER.value)  # the collectives a step schedules
 BESIDE_MESSAGE = 256 * MiB  # the largest measured message up to this size runs beside the matmul (a layer's slot)
 GPU_GEMM = (8192, 3072, 8192)  # m, k, n: a bench-3b layer's MLP matmul at 4 x 2048 tokens (bf16, ~0.6 ms on an H200)
 CPU_GEMM = (128, 128, 128)  # gloo on CI (fp32)
@@ -161,14 +160,14 @@ def measure_compute_beside(world, device: torch.device, rec: dict, reps: int, ro
     span()  # warm-up: kernel selection, the barrier's first use
     out = {"gemm": [m, k, nn], "dtype": str(dtype).removeprefix("torch."), "reps": reps, "message_bytes": {},
            "alone_s": 0.0, "with_s": {}, "factor": {}}
-    big = max(max(rec["kinds"][op]["message_bytes"]) for op in BESIDE_KINDS) + 16 * n
+    big = max(max(rec["kinds"][op]["message_bytes"]) for op in SCHEDULED_COLLECTIVES) + 16 * n
     buf = torch.zeros(big, dtype=torch.uint8, device=device)
     alone = [span() for _ in range(rounds)]
     out["alone_s"] = sorted(alone)[len(alone) // 2]
     # every rank must issue the same number of collectives (or they wait on each other forever): the longest span
     longest = torch.tensor([max(alone)], dtype=torch.float64)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=world.host_group)
-    for op in BESIDE_KINDS:
+    for op in SCHEDULED_COLLECTIVES:
         kr = rec["kinds"][op]
         fits = [i for i, s in enumerate(kr["message_bytes"]) if s <= BESIDE_MESSAGE] or [0]
         nbytes, t_call = kr["message_bytes"][fits[-1]], kr["time_s"][fits[-1]]

@@ -18,7 +18,7 @@ from megatrain.ir.program import Program, ProgramTask
 from megatrain.ir.streams import COPY_STREAMS
 from megatrain.ir.tasks import TaskKind
 from megatrain.sim.collectives import collective_s
-from megatrain.sim.profile import SLOWED_BY_COPIES, HardwareProfile, ProfileError, model_signature, unit_class
+from megatrain.sim.profile import COMPUTE_KINDS, HardwareProfile, ProfileError, model_signature, unit_class
 
 _WARNED_EAGER_FALLBACK: set[tuple[str, str]] = set()
 
@@ -145,20 +145,13 @@ class CostModel:
         return CopyCost(task.stream, self.profile.overhead(task.stream, task.kind) + curve.latency_s, task.bytes,
                         curve.rate(task.bytes))
 
-    def beside_copy(self, task: ProgramTask) -> float:
-        """How many times longer a compute task takes while a copy is in flight: the profile's
-        `compute_beside_copy` for its kind (1.0 without one, and for every task not on the compute stream)."""
-        if task.stream != "compute":
-            return 1.0
-        return self.profile.compute_beside_copy.get(task.kind, 1.0)
-
-    def beside_collective(self, task: ProgramTask) -> dict[str, float]:
-        """How many times longer a compute task takes while each collective is in flight: the profile's
-        `compute_beside_collective` (by collective) for a forward, recompute or backward on the compute stream, {}
-        for every other task."""
-        if task.stream != "compute" or task.kind not in SLOWED_BY_COPIES:
-            return {}
-        return self.profile.compute_beside_collective
+    def slowed_beside(self, task: ProgramTask) -> tuple[float, dict[str, float]]:
+        """How many times longer a compute task (F, R, B on the compute stream) takes while a copy is in flight
+        (the profile's `compute_beside_copy` for its kind) and while each collective is (`compute_beside_collective`,
+        by collective): (1.0, {}) for every other task, and where the profile has neither."""
+        if task.stream != "compute" or task.kind not in COMPUTE_KINDS:
+            return 1.0, {}
+        return self.profile.compute_beside_copy.get(task.kind, 1.0), self.profile.compute_beside_collective
 
     def collective(self, task: ProgramTask) -> str | None:
         """The collective a task runs ("G", "Z"), None for a task that runs none."""

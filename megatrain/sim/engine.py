@@ -119,10 +119,10 @@ class _Engine:
             elif (op := cost.collective(t)) is not None and cost.profile.compute_beside_collective:
                 # a flow of its seconds, so that the compute beside it knows it is in flight (hostmem.py)
                 yield self.host.collective(op, cost.duration_s(t))
-            elif (slowed := cost.beside_copy(t)) > 1.0 or cost.beside_collective(t):
+            elif (slowed := cost.slowed_beside(t)) != (1.0, {}):
                 # slower while a copy or a collective is in flight (hostmem.py)
                 yield env.timeout(cost.profile.overhead(t.stream, t.kind))
-                yield self.host.compute(cost.compute_s(t), slowed, cost.beside_collective(t))
+                yield self.host.compute(cost.compute_s(t), *slowed)
             else:
                 yield env.timeout(cost.duration_s(t))
             self.rows.append(dict(task=tid, kind=t.kind, layer=t.unit, micro=t.micro, stream=t.stream,

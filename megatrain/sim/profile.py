@@ -72,7 +72,8 @@ from pathlib import Path
 
 from megatrain.ir.streams import COPY_STREAMS, STREAMS
 from megatrain.ir.tasks import COMPUTE_KINDS as IR_COMPUTE_KINDS
-from megatrain.ir.tasks import UNIT_CLASSES, Collective, TaskKind, unit_class  # noqa: F401  (re-exported)
+from megatrain.ir.tasks import SCHEDULED_COLLECTIVES
+from megatrain.ir.tasks import UNIT_CLASSES, TaskKind, unit_class  # noqa: F401  (re-exported)
 from megatrain.model.spec import ModelSpec
 from megatrain.sim import profile_checks as check
 from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exported: the error of this module)
@@ -80,10 +81,6 @@ from megatrain.sim.profile_checks import ProfileError  # noqa: F401  (re-exporte
 # copy_beside_update's keys, by (copy direction, whether the other direction runs too): a copy beside a CPU update
 # ("h2d", "d2h", "h2d_both", "d2h_both")
 BESIDE = {(d, both): f"{d}_both" if both else d for both in (False, True) for d in COPY_STREAMS}
-# compute_beside_copy's keys: the compute kinds a copy slows (a forward, its recompute, a backward); the same kinds
-# are those a collective slows (compute_beside_collective, keyed by the collective)
-SLOWED_BY_COPIES = tuple(k.value for k in (TaskKind.FORWARD, TaskKind.RECOMPUTE, TaskKind.BACKWARD))
-COLLECTIVE_KINDS = tuple(c.value for c in Collective)
 
 FORMAT = "megatrain.profile/1"
 # Derived from the vocabularies of ir/ (a profile's task_overhead_s is keyed by stream names and kind letters).
@@ -290,8 +287,10 @@ class HardwareProfile:
     _KEYS = {
         "cpu_optimizer_slowdown": ((1, 2), "the number of busy copy directions, to a factor >= 1"),
         "copy_beside_update": (tuple(BESIDE.values()), "fractions of each copy direction's rate alone"),
-        "compute_beside_copy": (SLOWED_BY_COPIES, "factors >= 1 on a compute task while a copy runs"),
-        "compute_beside_collective": (COLLECTIVE_KINDS, "factors >= 1 on a compute task while that collective runs"),
+        # keyed by the compute kinds a copy slows (F, R, B), and by the collective that slows them (G, Z)
+        "compute_beside_copy": (COMPUTE_KINDS, "factors >= 1 on a compute task while a copy runs"),
+        "compute_beside_collective": (SCHEDULED_COLLECTIVES,
+                                      "factors >= 1 on a compute task while that collective runs"),
         "task_overhead_s": (STREAM_NAMES + TASK_KINDS, "stream names or task kinds"),
     }
 
