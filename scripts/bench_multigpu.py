@@ -115,7 +115,6 @@ def worker(a) -> None:
                   pss_bytes=pss, pss_sum_bytes=sum(pss), planned_host_bytes=world.size * plan.total_bytes,
                   predicted_step_s=predicted, setup_s=setup_s, torch=torch.__version__,
                   record=ProgramRecord.of(program).to_dict())  # what ran: knobs, shape, ranks, Program hash
-    OUT.mkdir(parents=True, exist_ok=True)
     path = Path(a.result)
     path.write_text(json.dumps(result, indent=1))
     if tiles is not None:
@@ -162,7 +161,6 @@ def scaling(a) -> None:
         sys.exit(f"--gpus-list {a.gpus_list}: this machine has {have} GPUs")
     before = OUT / "scaling-predictions.json"
     if not before.is_file():
-        OUT.mkdir(parents=True, exist_ok=True)
         before.write_text(json.dumps({"made": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                       "profile": a.profile, "steps_s": {f"{m}/{g}": _predict(a, m, g)
                                                                         for m, g in pairs}}, indent=1))
@@ -439,7 +437,8 @@ def main() -> None:
     a = p.parse_args()
     global DEVICE
     DEVICE = a.device
-    Path(a.result).parent.mkdir(parents=True, exist_ok=True)  # equality/curve's workers write into OUT first
+    # every command writes into OUT (or a worker's --result folder): made once, before any worker starts
+    Path(a.result).parent.mkdir(parents=True, exist_ok=True)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.command in ("equality", "curve") and not a.layers:
         a.layers = 4  # a bench-3b cut to 4 layers: 20 fp32 / 300 bf16 steps fit in the 10 minutes
