@@ -109,7 +109,7 @@ def measure_collectives(world, device: torch.device, weight_wire: str = "bf16", 
 
 
 BESIDE_MESSAGE = 256 * MiB  # the largest measured message up to this size runs beside the matmul (a layer's slot)
-GPU_GEMM = (8192, 3072, 8192)  # m, k, n: a bench-3b layer's MLP matmul at 4 x 2048 tokens (bf16, ~0.6 ms on an H200)
+GPU_GEMM = (8192, 3072, 8192)  # m, k, n: a bench-3b layer's MLP matmul at 4 x 2048 tokens (bf16, 412 GFLOP)
 CPU_GEMM = (128, 128, 128)  # gloo on CI (fp32)
 
 
