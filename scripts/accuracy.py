@@ -390,7 +390,7 @@ def _factors(text: str | None) -> dict[str, float] | None:
     """"F=1.05,R=1.05,B=1.08" -> {"F": 1.05, ...} (None for None)."""
     if text is None:
         return None
-    from megatrain.sim.profile import SLOWED_BY_COPIES
+    from megatrain.sim.profile import COMPUTE_KINDS
 
     out = {}
     for part in text.split(","):
@@ -399,9 +399,9 @@ def _factors(text: str | None) -> dict[str, float] | None:
             factor = float(value)
         except ValueError:
             factor = 0.0  # refused below
-        if kind not in SLOWED_BY_COPIES or factor < 1.0:
+        if kind not in COMPUTE_KINDS or factor < 1.0:
             raise SystemExit(f"--compute-beside-copy {text!r}: give KIND=FACTOR pairs, KIND one of "
-                             f"{', '.join(SLOWED_BY_COPIES)} and FACTOR >= 1, e.g. F=1.05,R=1.05,B=1.08")
+                             f"{', '.join(COMPUTE_KINDS)} and FACTOR >= 1, e.g. F=1.05,R=1.05,B=1.08")
         out[kind] = factor
     return out
 
@@ -418,7 +418,7 @@ def beside_copies(dirs: list[Path]) -> dict:
     from megatrain.compile.record import program_of
     from megatrain.profiling.fit import copied
     from megatrain.sim import load_profile
-    from megatrain.sim.profile import SLOWED_BY_COPIES, model_signature
+    from megatrain.sim.profile import COMPUTE_KINDS, model_signature
 
     out = []
     for root in dirs:
@@ -435,7 +435,7 @@ def beside_copies(dirs: list[Path]) -> dict:
                 part = tl[(tl["config"] == r["config"]) & (tl["round"] == r["round"])]
                 for _, step in part.groupby("timed_step"):
                     step = copied(step)  # the simulator's measure: the union of the copy streams' busy time
-                    comp = step[(step["stream"] == "compute") & step["kind"].isin(SLOWED_BY_COPIES)
+                    comp = step[(step["stream"] == "compute") & step["kind"].isin(COMPUTE_KINDS)
                                 & (step["layer"] >= 0)]
                     for t in comp.itertuples():
                         alone = tables.get((t.kind, bool(k.get("compile_layers")), tokens))
