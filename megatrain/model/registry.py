@@ -52,9 +52,11 @@ class Family(Protocol):
         """GPU bytes of one layer's backward task at each moment that can be the peak (the planner's model);
         `tokens` per micro-batch, `seq` per sequence (what a (T, T) attention mask is sized by)."""
 
-    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool) -> int:
+    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool,
+                          compiled: bool) -> int:
         """GPU bytes one layer's forward graph holds from its forward to its backward when it keeps it (knob
-        keep_activations), for `tokens` tokens of a micro-batch."""
+        keep_activations), for `tokens` tokens of a micro-batch; `compiled`: the layer runs through torch.compile,
+        whose partitioner saves other tensors than eager autograd does (`Placement.layer_kernel`)."""
 
     def signature(self, spec: ModelSpec) -> str:
         """The shape of the model's units, independent of name and depth (profile compute tables are keyed by it)."""
@@ -75,7 +77,8 @@ class Family(Protocol):
 
 # Every member of the protocol (checked at registration: a family missing one fails there, not mid-run).
 _MEMBERS = ("name", "unit_tensors", "layer_kind", "hf_name", "unit_forward_flops", "tiled_mlp_flops",
-            "layer_working_set", "signature", "init_rule", "from_hf_config", "to_hf_config", "layer")
+            "layer_working_set", "layer_graph_bytes", "signature", "init_rule", "from_hf_config", "to_hf_config",
+            "layer")
 
 _FAMILIES: dict[str, Family] = {}
 

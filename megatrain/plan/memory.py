@@ -89,7 +89,7 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
       block rebuilt by RECOMPUTE ((r - 1) per micro-batch) and the activation gradients of the other micro-batches;
     - head (`head_working_set`), plus the other micro-batches' hidden states;
     - the forward graphs of the layers that keep them (`Placement.graph_layers`), every micro-batch's, held from
-      the forward to the backward (`Family.layer_graph_bytes`).
+      the forward to the backward (`Family.layer_graph_bytes`, eager or compiled as `layer_kernel` says).
     Not counted apart: the temporary of speculative clipping's redo on a GPU-updated unit (`exec.optim.adamw_undo`,
     one fp32 chunk of at most 16 Mi elements, 64 MiB; the fused update itself allocates none). The redo runs after
     the backward, in memory the layer working set (larger at any shape that streams) has given back to the caching
@@ -106,7 +106,8 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
     head = head_working_set(p) + (M - 1) * activation
     rope = 2 * p.seq * spec.head_dim * act
     cast = p.compute_dtype != "fp32"  # a resident layer's weights are its fp32 master, cast for each task
-    graphs = M * sum(spec.family.layer_graph_bytes(spec, u, act, tokens_mb, cast) for u in p.graph_layers)
+    compiled = p.layer_kernel == "compiled"  # the compiled graph saves less than eager autograd
+    graphs = M * sum(spec.family.layer_graph_bytes(spec, u, act, tokens_mb, cast, compiled) for u in p.graph_layers)
     return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope, graphs)
 
 

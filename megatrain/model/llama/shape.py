@@ -135,14 +135,34 @@ class LlamaFamily:
             window = seq * (-(-seq // 16) * 16) * a + n * 2 * a * (q - kv)
         return {"mlp": mlp + weights + window, "attention": attention + weights + window}
 
-    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool) -> int:
-        """GPU bytes a layer's forward graph holds until its backward (knob keep_activations): what its recompute
-        saves for the backward (`layer_working_set`'s list: two RMSNorms, SDPA's q, k, v, output and logsumexp,
-        the untiled MLP's gate, silu(gate), up and their product; the input is the checkpoint, counted apart), and
-        the weights cast to the compute dtype when the wire differs (they are the graph's leaves)."""
-        a = act_bytes
+    def layer_graph_bytes(self, spec: ModelSpec, unit: int, act_bytes: int, tokens: int, cast_weights: bool,
+                          compiled: bool) -> int:
+        """GPU bytes a layer's forward graph holds until its backward (knob keep_activations): what its forward
+        saves for the backward, per token, and the weights cast to the compute dtype when the wire differs (they
+        are the graph's leaves). The input is the checkpoint and the RoPE tables are the step's: counted apart.
+
+        Eager (`compiled` false): autograd's saved tensors, `layer_working_set`'s list: two RMSNorms (an fp32 copy
+        of the input below fp32, the normalized value and the scaled output), SDPA's q, k, v, output and
+        logsumexp, the untiled MLP's gate, silu(gate), up and their product.
+
+        Compiled (`Placement.layer_kernel` "compiled"): what AOTAutograd's min-cut partitioner (the one inductor
+        uses) keeps of the fused graph, which recomputes the cheap elementwise ops in its backward instead of
+        saving their outputs: in the compute dtype the first norm's output, the second norm's input and output
+        (3d), q, k, v and the attention output (2q + 2kv), gate, up and their product (3 ffn); in fp32 SDPA's
+        logsumexp (4 per head) and each norm's rsqrt statistic (4 per norm). No fp32 copies of the norms' inputs,
+        no silu(gate). This is the structure the partitioner gives the CPU (tests/test_kept_graphs.py counts it)
+        and the one that matches the H100 (torch 2.11, inductor, bf16) within 1%: bench-3b at 8x2048 with 24
+        resident layers peaked at 45.21 GiB and with 12 of them keeping their graphs at 62.65 GiB, 1.453 GiB a
+        kept layer (here 1.452: 83,048 B a token + the cast weights, 0.185); at 16x2048 with 16 resident and 6
+        kept at 54.05 GiB, about 2.7 GiB a kept layer (here 2.719). The eager count, unchanged, says 2.17 and 4.16
+        for those (130,144 B a token): the compiled layer must not be planned with it.
+        """
+        a, d, f = act_bytes, spec.hidden_size, self.ffn_size(spec, unit)
         norm, attn = self._saved_per_token(spec, a)
-        per_token = 2 * norm + attn + 4 * a * self.ffn_size(spec, unit)
+        if compiled:
+            per_token = 3 * a * d + 2 * 4 + attn + 3 * a * f  # norms: 3 (n, d) + rsqrt; attention; gate, up, product
+        else:
+            per_token = 2 * norm + attn + 4 * a * f
         return tokens * per_token + (spec.unit_params(unit) * a if cast_weights else 0)
 
     @staticmethod
