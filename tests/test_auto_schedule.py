@@ -91,3 +91,23 @@ def test_auto_keeps_more_than_half_the_layers_resident_when_the_gpu_has_room():
     tight = choose_schedule(spec, 8, 2048, ScheduleKnobs(clip=1.0), "h200-measured", 16 * GiB,
                             facts=StepFacts(clip_share=1.0))
     assert tight.knobs.resident_layers <= 4 and plan_memory(spec, 8, 2048, tight.knobs).gpu.peak_bytes <= 16 * GiB
+
+
+def test_auto_keeps_forward_graphs_where_the_gpu_has_room_and_never_on_data_parallel_ranks():
+    """The H100's fastest bench-3b rows kept the forward graphs of resident layers (no recompute: 1.44-1.49x
+    all-on-GPU against 1.35-1.39x recomputing, docs/peers.md "The H100 table, second and third starts"): with the
+    H100's 70 GiB and that start's profile `auto` picks such a candidate within the budget; at 16 GiB, or on
+    data-parallel ranks (whose backward would see other weights), it keeps none."""
+    from megatrain.ir.facts import StepFacts
+
+    h100 = "docs/runs/25-peers/h100c-table3/25-profile-h100c-bench3b-16x2048.json"
+    clipping = StepFacts(clip_share=1.0)
+    roomy = choose_schedule(SPEC, 16, 2048, ScheduleKnobs(clip=1.0, compile_layers=True), h100, 70 * GiB,
+                            facts=clipping)
+    assert roomy.knobs.keep_activations >= 4, roomy.table.head(3)
+    assert plan_memory(SPEC, 16, 2048, roomy.knobs).gpu.peak_bytes <= 70 * GiB
+    tight = choose_schedule(SPEC, 16, 2048, ScheduleKnobs(clip=1.0, compile_layers=True), h100, 16 * GiB,
+                            facts=clipping)
+    assert tight.knobs.keep_activations == 0
+    ranks = choose_schedule(SPEC, 8, 2048, ScheduleKnobs(clip=0, compile_layers=True), h100, 70 * GiB, world=2)
+    assert ranks.knobs.keep_activations == 0 and not ranks.table.schedule.str.contains("keep_activations").any()

@@ -19,7 +19,9 @@ The budget rule, the same for every caller:
 
 Candidates (`auto_candidates`) are every named schedule with the base's numerics (the knobs `NUMERICS_KNOBS`
 lists: clipping, dtypes, kernel, loss chunk, micro-batches), 2 or 3 weight buffers, and for the arrival
-placements resident units in a few sizes; each is planned, refused when it exceeds a budget, and simulated.
+placements resident units in a few sizes, with a quarter to all of the resident layers keeping their forward
+graph for the backward (`keep_activations`: no recompute, the same gradients) or none; each is planned, refused
+when it exceeds a budget, and simulated.
 `vary_compile=True` also tries each with the decoder layer compiled and eager (`compile_layers`): the compiled layer
 computes the same math with other rounding, so `train --schedule auto` varies it unless the user set
 `compile_layers` (train/autoswitch.py `varies_compile`); every other knob of `NUMERICS_KNOBS` is never varied.
@@ -138,9 +140,10 @@ def choose_auto(spec: ModelSpec, batch: int, seq: int, base: ScheduleKnobs, prof
 
 def auto_candidates(spec: ModelSpec, base: ScheduleKnobs, vary_compile: bool = False) -> dict[str, ScheduleKnobs]:
     """Schedules `auto` tries: every named schedule with the base's numerics (its clipping included), 2 or 3
-    weight buffers, and for the arrival placements resident units in a few sizes; with `vary_compile` each also
-    with the decoder layer compiled and eager (labelled ",compiled" / ",eager"). Labels name what the candidate sets
-    on top of the named schedule."""
+    weight buffers, and for the arrival placements resident units in a few sizes, a quarter, half, three quarters
+    or all of the resident layers keeping their forward graph (knob keep_activations) or none; with `vary_compile`
+    each also with the decoder layer compiled and eager (labelled ",compiled" / ",eager"). Labels name what the
+    candidate sets on top of the named schedule."""
     keep = {name: getattr(base, name) for name in NUMERICS_KNOBS}
     L = spec.num_layers
     out: dict[str, ScheduleKnobs] = {}
@@ -154,8 +157,14 @@ def auto_candidates(spec: ModelSpec, base: ScheduleKnobs, vary_compile: bool = F
                 # small model resident (bench-3b on an H200 host whose CPU update is slow: 0.89x all-on-GPU measured
                 # at 4 layers; 1.21x at 12 predicted out of sample, docs/runs/25-peers/h200-table1/predict_next.md)
                 for r in sorted({0, 2, 4, 8, L // 4, L // 2, 3 * L // 4, L} & set(range(L + 1))):
-                    variants[f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}"] = replace(
-                        knobs, resident_embeddings=True, resident_layers=r)  # a clash with GPU layers: refused
+                    label = f"{name}[buffers={buffers},resident_embeddings,resident_layers={r}"
+                    resident = replace(knobs, resident_embeddings=True, resident_layers=r)
+                    variants[label] = resident  # a clash with GPU layers: refused
+                    # a quarter to all of them keeping their forward graph (no recompute; the same gradients): the
+                    # H100's best bench-3b rows, 1.44-1.49x all-on-GPU (docs/peers.md); refused where the backward
+                    # would see other weights or inputs (recompute blocks, MLP tiles, data-parallel ranks)
+                    for kept in sorted({r // 4, r // 2, 3 * r // 4, r} - {0}):
+                        variants[f"{label},keep_activations={kept}"] = replace(resident, keep_activations=kept)
             for label, k in variants.items():
                 if not vary_compile:
                     out[label + "]"] = k
