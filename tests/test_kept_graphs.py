@@ -104,23 +104,32 @@ def test_the_planner_counts_what_the_kept_graphs_hold():
     assert base.memory.to_dict() == {k: v for k, v in kept.memory.to_dict().items() if k != "graph_bytes"} | {
         "slot_bytes": base.memory.slot_bytes}  # nothing else moves
     for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):
-        lay = unit_layout(DEBUG, 0)
-        w = lay.views((torch.randn(lay.numel) * 0.02).to(dtype))
-        x = torch.randn(2, 64, DEBUG.hidden_size, dtype=dtype)
-        cos, sin = rope_cos_sin(DEBUG, 64, torch.device("cpu"), dtype)
-        skip = {v.data_ptr() for v in w.values()} | {x.data_ptr()}
-        saved = {}
-
-        def pack(t):
-            if t.data_ptr() not in skip:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            KeptGraph(w, x, cos, sin, DEBUG)
-        counted = sum(saved.values()) - 2 * DEBUG.num_heads * 64 * 64 * a  # less the (b, h, T, T) probabilities
+        counted, _ = _saved_bytes(DEBUG, dtype, 2, 64, skip_rope=False)
+        counted -= 2 * DEBUG.num_heads * 64 * 64 * a  # less the (b, h, T, T) probabilities
         planned = DEBUG.family.layer_graph_bytes(DEBUG, 0, a, 2 * 64, False, False)
         assert counted <= planned <= 1.3 * counted, (dtype, counted, planned)
+
+
+def _saved_bytes(spec, dtype, batch: int, seq: int, skip_rope: bool, compiled=None):
+    """Bytes autograd saves for the backward while `KeptGraph` runs unit 0 of `spec` (through `compiled` when
+    given) on random weights and input, counted with saved_tensors_hooks, less the leaves (the weights and the
+    input; the RoPE tables too when `skip_rope`); returns them with (graph, weights, input, cos, sin)."""
+    lay = unit_layout(spec, 0)
+    w = lay.views((torch.randn(lay.numel) * 0.02).to(dtype))
+    x = torch.randn(batch, seq, spec.hidden_size, dtype=dtype)
+    cos, sin = rope_cos_sin(spec, seq, torch.device("cpu"), dtype)
+    skip = {v.data_ptr() for v in w.values()} | {x.data_ptr()} | ({cos.data_ptr(), sin.data_ptr()} if skip_rope
+                                                                   else set())
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        graph = KeptGraph(w, x, cos, sin, spec, compiled)  # compiled None: the family's eager layer
+    return sum(saved.values()), (graph, w, x, cos, sin)
 
 
 def test_the_planner_counts_what_the_compiled_layer_s_graph_holds():
@@ -136,22 +145,8 @@ def test_the_planner_counts_what_the_compiled_layer_s_graph_holds():
     torch._dynamo.reset()
     compiled = torch.compile(spec.family.layer().decoder_layer, dynamic=False, backend="aot_eager_decomp_partition")
     for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):
-        lay = unit_layout(spec, 0)
-        w = lay.views((torch.randn(lay.numel) * 0.02).to(dtype))
-        x = torch.randn(B, T, spec.hidden_size, dtype=dtype)
-        cos, sin = rope_cos_sin(spec, T, torch.device("cpu"), dtype)
-        skip = {v.data_ptr() for v in w.values()} | {x.data_ptr(), cos.data_ptr(), sin.data_ptr()}
-        saved = {}
-
-        def pack(t):
-            if t.data_ptr() not in skip:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            graph = KeptGraph(w, x, cos, sin, spec, compiled)
+        counted, (graph, w, x, cos, sin) = _saved_bytes(spec, dtype, B, T, skip_rope=True, compiled=compiled)
         torch.testing.assert_close(graph.output, decoder_layer(w, x, cos, sin, spec), rtol=0.02, atol=0.02)
-        counted = sum(saved.values())
         planned = spec.family.layer_graph_bytes(spec, 0, a, B * T, False, True)
         assert counted <= planned <= 1.05 * counted, (dtype, counted, planned)
         assert planned < spec.family.layer_graph_bytes(spec, 0, a, B * T, False, False)
