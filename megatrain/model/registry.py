@@ -75,10 +75,10 @@ class Family(Protocol):
         `rope_cos_sin(spec, seq_len, device, dtype)` (imports torch)."""
 
 
-# Every member of the protocol (checked at registration: a family missing one fails there, not mid-run).
-_MEMBERS = ("name", "unit_tensors", "layer_kind", "hf_name", "unit_forward_flops", "tiled_mlp_flops",
-            "layer_working_set", "layer_graph_bytes", "signature", "init_rule", "from_hf_config", "to_hf_config",
-            "layer")
+# Every member of the protocol, read off `Family` itself (checked at registration: a family missing one fails
+# there, not mid-run; a member added to the protocol is checked without another list to keep in step).
+_MEMBERS = tuple(Family.__annotations__) + tuple(n for n, v in vars(Family).items()
+                                                 if callable(v) and not n.startswith("_"))
 
 _FAMILIES: dict[str, Family] = {}
 
