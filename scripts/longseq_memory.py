@@ -113,7 +113,7 @@ def measure_layer(p, device) -> int:
     flat, grad_area = _slot(layout, wire, device), torch.zeros(layout.numel, device=device)
     x = torch.randn(B, T, spec.hidden_size, device=device, dtype=cd)  # the checkpoint (B, T, d)
     cos, sin = rope_cos_sin(spec, T, device, cd)
-    forward, backward = layer_functions(p.layer_kernel == "compiled", p.mlp_tile_tokens)
+    forward, backward = layer_functions(p.compiled_layers, p.mlp_tile_tokens)
 
     def weights():  # what LayerCompute.weights binds: the slot, cast once when the wire differs
         return layout.views(flat if wire == cd else flat.to(cd))

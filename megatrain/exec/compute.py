@@ -59,8 +59,7 @@ class LayerCompute:
         self.spec, self.store, self.buffers, self.acts = p.model, store, buffers, acts
         self.compute_dtype = TORCH_DTYPES[p.compute_dtype]
         self.loss_chunk_tokens = p.loss_chunk_tokens
-        self.layer_forward, self.layer_backward = layer_functions(p.layer_kernel == "compiled",
-                                                                      p.mlp_tile_tokens)
+        self.layer_forward, self.layer_backward = layer_functions(p.compiled_layers, p.mlp_tile_tokens)
         # layers whose forward keeps its graph for the backward (no recompute; resolve.py allows no MLP tiles with
         # them, so `layer_forward` is the plain or compiled layer those graphs differentiate)
         self.graph_layers = frozenset(p.graph_layers)

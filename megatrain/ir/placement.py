@@ -199,6 +199,12 @@ class Placement:
         return readers
 
     @property
+    def compiled_layers(self) -> bool:
+        """The decoder layer runs through torch.compile (`layer_kernel` "compiled"): other kernels, other rounding,
+        and a graph that saves other tensors for the backward than eager autograd's."""
+        return self.layer_kernel == "compiled"
+
+    @property
     def exact_clip(self) -> bool:
         return self.clip_max_norm is not None
 

@@ -106,8 +106,8 @@ def plan_gpu_memory(p: Placement) -> GpuMemoryPlan:
     head = head_working_set(p) + (M - 1) * activation
     rope = 2 * p.seq * spec.head_dim * act
     cast = p.compute_dtype != "fp32"  # a resident layer's weights are its fp32 master, cast for each task
-    compiled = p.layer_kernel == "compiled"  # the compiled graph saves less than eager autograd
-    graphs = M * sum(spec.family.layer_graph_bytes(spec, u, act, tokens_mb, cast, compiled) for u in p.graph_layers)
+    graphs = M * sum(spec.family.layer_graph_bytes(spec, u, act, tokens_mb, cast, p.compiled_layers)
+                     for u in p.graph_layers)  # the compiled graph saves less than eager autograd
     return GpuMemoryPlan({b.name: b.nbytes for b in p.buffers}, checkpoint, working, head, rope, graphs)
 
 

@@ -193,7 +193,7 @@ def _tables(program: Program, profile: HardwareProfile, classes: list[StepClass]
     simulated sum is the measured one (they replace the profile's tables for the same key and seq; the layer's are
     of the compiled layer when the Program compiles)."""
     sig, dtype = model_signature(program.model), program.placement.compute_dtype
-    compiled = program.placement.layer_kernel == "compiled"
+    compiled = program.placement.compiled_layers
     tasks: dict[tuple[str, str], dict[int, list[str]]] = {}
     for tid, t in program.tasks.items():
         if t.stream != "compute" or t.kind not in COMPUTE_KINDS or t.tokens <= 0:

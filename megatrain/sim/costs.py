@@ -96,7 +96,7 @@ class CostModel:
     def _tables(self, kind: str, uclass: str):
         """The profile's tables for a task: compiled-layer tables when the Program compiles its layers. Without
         them the eager tables are used (a slower, conservative prediction), and the simulator says so once."""
-        compiled = self.placement.layer_kernel == "compiled" and uclass == "layer"
+        compiled = self.placement.compiled_layers and uclass == "layer"
         tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype, compiled)
         if compiled and not tables:
             tables = self.profile.tables_for(self.signature, kind, uclass, self.dtype)

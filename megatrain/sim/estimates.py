@@ -35,7 +35,7 @@ def estimate_line(result, model: str | None = None) -> str | None:
     else:
         kinds = ", ".join(f"{k} x{c}" for k, c in sorted(result.estimated.items()))
         missing = f"profile {profile.name} has no measured timings of these tasks ({kinds}) for the model {sig}"
-    compiled = " --set compile_layers=true" if program.placement.layer_kernel == "compiled" else ""
+    compiled = " --set compile_layers=true" if program.placement.compiled_layers else ""
     return (f"{n} of {result.compute_tasks} compute tasks ({share:.0f}% of the predicted step) estimated from FLOPs: "
             f"{missing}; such estimates have missed by {MISSED_BY}; run `megatrain profile --model "
             f"{model or program.model.name} --batch {program.batch} --seq {program.seq}{compiled}` to measure them")
