@@ -143,6 +143,9 @@ def test_dry_run_of_every_peer_prints_the_result_line(run_peer, capsys, one_proc
         assert res["host_rss_GiB"] > 0 and res["host_B_per_param"] > 0
         command = next(line for line in out.splitlines() if line.startswith("command: "))
         assert "--model bench-3b --batch 8 --seq 2048" in command  # the full run's command, not the dry run's
+        # ZenFlow's first update interval sets up its CPU optimizer (12.7 s of 0.35 s steps on the H200): two
+        # whole intervals stay untimed; every other peer warms up as megatrain's rows do
+        assert f"--warmup {8 if peer == 'zenflow' else 2} " in command, peer
         if peer in DEEPSPEED:
             assert res["steps_run"] == 0 and res["tokens_per_s"] is None
             assert command.startswith("command: python3 -m deepspeed.launcher.runner --num_gpus 1 "
@@ -242,6 +245,12 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     # no measurement: the floor, 16 B a parameter of fp32 weights, gradients and moments on the host
     assert peerconf.memory_floor(fsdp)[0] == 16.0 and "at least: fp32 weights" in peerconf.memory_refusal(
         fsdp, "llama3-8b", n, 100 * gib, None)
+    # ZenFlow: 48.6 B a parameter measured at llama-1b (PSS with its optimizer process); the H200 host (125.9 GiB)
+    # ran out of memory at bench-3b (dmesg of start 7), which is now refused before anything is built
+    zen = peerconf.load("zenflow")
+    assert "134.5 GiB of host memory (48.6 B a parameter" in peerconf.memory_refusal(
+        zen, "bench-3b", 2_971_000_000, 125.9 * gib, 139 * gib)
+    assert peerconf.memory_refusal(zen, "llama-1b", 953_000_000, 125.9 * gib, 139 * gib) is None  # it ran there
     # Twin-Flow keeps 30% of the optimizer on the host, the rest and the bf16 parameters on the GPU
     assert peerconf.memory_floor(peerconf.load("twinflow"))[:2] == pytest.approx((4.8, 13.2))
 

@@ -117,6 +117,21 @@ def zenflow(cfg: dict) -> dict | None:
     return cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
 
 
+DEFAULT_WARMUP = 2  # untimed steps of a peer's run: scripts/bench_megatrain.py's warm-up
+
+
+def warmup_steps(cfg: dict) -> int:
+    """Untimed steps before a peer's timed ones: DEFAULT_WARMUP, and for ZenFlow two whole update intervals. Its
+    first interval carries the set-up of its CPU optimizer: at llama-1b 8 x 2048 on the H200 the 4th step took
+    12.7 s and the 8th 0.78 s against 0.35 s steps and 1.2-1.4 s interval ends from then on
+    (docs/runs/25-zenflow-curve/zenflow.result); two warm-up steps put that set-up into the timed ones (4,878
+    against 27,949 tokens/s, docs/peers.md "ZenFlow on the H200")."""
+    zen = zenflow(cfg)
+    if zen and isinstance(zen.get("update_interval"), int):
+        return max(DEFAULT_WARMUP, 2 * zen["update_interval"])
+    return DEFAULT_WARMUP
+
+
 def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:
     """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW (at `lr`)."""
     ds = copy.deepcopy(cfg["deepspeed"])
@@ -152,6 +167,9 @@ MEASURED_HOST_B_PER_PARAM = {
     "zero3-offload": (25.65, "measured at bench-3b 8 x 2048 on the H200, start 4"),
     "superoffload": (22.64, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 2 and 5"),
     "superoffload-adam50": (22.64, "measured at bench-3b 8 x 2048 on the H200, start 4"),
+    # PSS of the training process and ZenFlow's optimizer process (overlap_step): 43.1 GiB at llama-1b. At bench-3b
+    # the host ran out: 92.5 GiB of shared memory in the first, 30.5 GiB in the second (dmesg, start 7)
+    "zenflow": (48.6, "measured at llama-1b 8 x 2048 on the H200, start 8"),
 }
 
 

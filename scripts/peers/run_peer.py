@@ -30,9 +30,9 @@ What is the same as megatrain's benchmark (scripts/bench_megatrain.py):
     decay on the matrices only, as megatrain's update (peercurve.decay_groups);
   * clipping: global-norm clipping at `--clip` (0 = none) the peer's own way: DeepSpeed's gradient_clipping,
     torch.nn.utils.clip_grad_norm_ for the torch peers;
-  * timing: `--warmup` untimed steps, then `--steps` timed steps, each closed by torch.cuda.synchronize(); the median
-    step (the upper one of an even count, as bench_megatrain.py takes it; ZenFlow: the mean over whole update
-    intervals, its step time depending on the step's place in one);
+  * timing: `--warmup` untimed steps (2; ZenFlow two update intervals), then `--steps` timed steps, each closed
+    by torch.cuda.synchronize(); the median step (the upper one of an even count, as bench_megatrain.py takes it;
+    ZenFlow: the mean over whole update intervals, its step time depending on the step's place in one);
     model TFLOP/s = 6·N·tokens / step (recompute not counted); peak GPU memory allocated after the warm-up.
 Host memory: the RSS at the end of this process and of its children (SuperOffload runs its CPU Adam in a child
 process), and their PSS (shared pages counted once), from which bytes per parameter are computed.
@@ -61,7 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="bench-3b", help="a megatrain preset or an HF config directory")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first (default: 2; ZenFlow two update intervals, peerconf.warmup_steps)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clip", type=float, default=peerconf.DEFAULT_CLIP,
                     help="max global gradient norm; 0 = no clipping")
@@ -96,7 +97,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.peer not in peerconf.peer_names() and not a.config:
         ap.error(f"unknown peer {a.peer!r}: peers are {', '.join(peerconf.peer_names())}")
-    if a.batch < 1 or a.seq < 1 or a.steps < 1 or a.warmup < 0 or a.clip < 0 or a.lr <= 0:
+    if a.batch < 1 or a.seq < 1 or a.steps < 1 or (a.warmup or 0) < 0 or a.clip < 0 or a.lr <= 0:
         ap.error("--batch, --seq and --steps must be at least 1, --warmup and --clip at least 0, --lr above 0")
     if a.data and not a.corpus:
         ap.error("--data FILE is the text of --corpus: add --corpus")
@@ -367,6 +368,8 @@ def main(argv=None) -> int:
     except peerconf.PeerConfigError as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
+    if a.warmup is None:
+        a.warmup = peerconf.warmup_steps(cfg)
     zen = peerconf.zenflow(cfg)
     if zen and not a.dry_run and isinstance(zen.get("update_interval"), int) and a.steps % zen["update_interval"]:
         print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
