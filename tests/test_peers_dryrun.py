@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "scripts" / "peers"
 PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "superoffload-adam50", "superoffload-adam75", "twinflow",
-         "zenflow", "zero3-offload"]
+         "zenflow", "zero2-offload", "zero3-offload"]
 # scripts/bench_megatrain.py's RESULT keys that every peer's RESULT carries too, plus the peers' own
 MEGATRAIN_KEYS = {"mode", "model", "params_B", "batch", "seq", "median_step_s", "tokens_per_s", "model_TFLOPs",
                   "loss_first", "loss_last", "peak_gpu_GiB", "host_rss_GiB"}
@@ -210,6 +210,16 @@ def test_the_peers_train_on_the_benchmark_s_data_and_learning_rate(peerconf, run
     assert peerconf.DEFAULT_LR == bench.BENCH_LR
     ours, theirs = bench.bench_batches(256, 2, 16), run_peer.batches(256, 2, 16)
     assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_zero2_offload_is_zenflow_without_its_approximate_update(peerconf):
+    """The exact ZeRO-2 reference of ZenFlow's loss curve differs from zenflow.json in the zenflow section only."""
+    zen, zero2 = peerconf.load("zenflow"), peerconf.load("zero2-offload")
+    assert zero2["exact_adamw"] and not zen["exact_adamw"] and peerconf.zenflow(zero2) is None
+    zen_ds = json.loads(json.dumps(zen["deepspeed"]))
+    del zen_ds["zero_optimization"]["zenflow"]
+    assert zero2["deepspeed"] == zen_ds and zero2["launcher"] == zen["launcher"]
+    assert peerconf.warmup_steps(zero2) == 2 and peerconf.warmup_steps(zen) == 8
 
 
 def test_the_superoffload_variants_change_only_the_core_split_and_sub_groups(peerconf):

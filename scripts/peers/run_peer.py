@@ -15,6 +15,7 @@ Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/pe
     superoffload-adam50, superoffload-adam75   the same with the cores split for a host of few cores
     twinflow          DeepSpeed ZeRO-3 + Twin-Flow (offload_optimizer.ratio)
     zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
+    zero2-offload     DeepSpeed ZeRO-2, optimizer offloaded to the CPU: zenflow's config, exact AdamW
 DeepSpeed peers run under DeepSpeed's launcher (the command is printed by --dry-run and built by scripts/bench.py);
 run directly, they bind nothing and start their one-process group themselves.
 
