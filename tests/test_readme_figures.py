@@ -1,0 +1,69 @@
+"""The README's H200 and H100 figures are the committed raw runs' medians (min-max): every row cited below is
+recomputed from its results file in docs/runs/25-peers/ (one JSON object a run, or the RESULT lines a call
+printed) and must appear in the README as written there, so a figure copied wrong, or a raw file edited after
+the fact, fails here rather than in a reader's rerun."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "docs" / "runs" / "25-peers"
+M21 = "megatrain arrival-resident:resident_layers=21;compile_layers=true"
+M24 = "megatrain arrival-resident:resident_layers=24;compile_layers=true"
+
+# (results file, config as the file names it) for each README row that shows a median (min-max) of 3 or 2 runs
+CITED = [
+    ("bench3b-8x2048-b.jsonl", M21), ("bench3b-8x2048-b.jsonl", "megatrain auto"),
+    ("bench3b-8x2048-b.jsonl", "all-on-gpu"), ("bench3b-8x2048-b.jsonl", "zero3-offload"),
+    ("bench3b-8x2048-b.jsonl", "superoffload-adam50"),
+    ("bench3b-8x2048-a.jsonl", "superoffload"), ("bench3b-8x2048-a.jsonl", "superoffload:clip=0"),
+    ("bench3b-8x2048-a.jsonl", "megatrain auto:clip=0"), ("bench3b-8x2048-a.jsonl", "all-on-gpu:clip=0"),
+    ("bench3b-8x2048-d.jsonl", M21), ("bench3b-8x2048-d.jsonl", "all-on-gpu"),
+    ("bench3b-8x2048-d.jsonl", "twinflow"), ("bench3b-8x2048-d.jsonl", "twinflow:clip=0"),
+    ("bench3b-8x2048-d.jsonl", "zero3-offload:clip=0"), ("bench3b-8x2048-d.jsonl", "fsdp2-cpuoffload"),
+    ("bench3b-8x2048-d.jsonl", "fsdp2-cpuoffload:clip=0"),
+    ("bench3b-16x2048-a.jsonl", M21), ("bench3b-16x2048-a.jsonl", M21 + ";clip=0"),
+    ("bench3b-16x2048-a.jsonl", "all-on-gpu"), ("bench3b-16x2048-a.jsonl", "superoffload"),
+    ("bench3b-16x2048-a2.jsonl", "superoffload:clip=0"),
+    ("llama8b-16x2048.jsonl", M24),
+    ("llama8b-16x2048.jsonl", M24 + ";clip=0"),
+    ("zenflow-1b-8x2048.jsonl", "all-on-gpu"),
+    ("zenflow-1b-8x2048.jsonl", "megatrain arrival-resident:resident_layers=12;compile_layers=true"),
+    ("h100b-bench3b-8x2048.jsonl", M24 + ";keep_activations=12"), ("h100b-bench3b-8x2048.jsonl", M24),
+    ("h100b-bench3b-8x2048.jsonl", "all-on-gpu"), ("h100b-peers-8x2048.jsonl", "zero3-offload"),
+    ("h100b-peers-8x2048.jsonl", "superoffload-adam50"),
+    ("h100b-bench3b-16x2048.jsonl", "megatrain arrival-resident:resident_layers=20;compile_layers=true"),
+    ("h100b-bench3b-16x2048.jsonl", "all-on-gpu"),
+]
+
+
+def _runs(name: str, config: str) -> list[float]:
+    rows = [json.loads(line) for line in (RUNS / name).read_text().splitlines() if line.strip()]
+    return [r["tokens_per_s"] for r in rows if r["config"] == config and r.get("tokens_per_s")]
+
+
+def _figure(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+@pytest.mark.parametrize("name,config", CITED, ids=[f"{n}:{c}" for n, c in CITED])
+def test_a_readme_figure_is_its_raw_runs_median(name, config):
+    values = _runs(name, config)
+    assert len(values) >= 2, f"{name} has {len(values)} finished runs of {config}"
+    readme = (ROOT / "README.md").read_text().replace("**", "")
+    assert _figure(values) in readme, f"{name} {config}: the raw runs give {_figure(values)}"
+
+
+def test_zenflows_rows_are_its_result_lines():
+    """ZenFlow's rows ran through run_peer directly (8 warm-up steps): the RESULT lines of that call."""
+    rows = [json.loads(line[len("RESULT "):]) for line in
+            (RUNS / "h200-zenflow3" / "zenflow-w8.txt").read_text().splitlines() if line.startswith("RESULT ")]
+    readme = (ROOT / "README.md").read_text()
+    for clip in (1.0, 0.0):
+        runs = [r for r in rows if r["clip"] == clip]
+        assert len(runs) == 3 and all("--warmup 8 --steps 8" in r["command"] for r in runs)
+        assert _figure([r["tokens_per_s"] for r in runs]) in readme
