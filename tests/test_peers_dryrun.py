@@ -180,7 +180,9 @@ def test_bench_builds_the_peer_commands(capsys, monkeypatch):
     args = ["--dry-run", "--rounds", "1", "--python", "py", "--configs",
             "all-on-gpu,superoffload,superoffload:clip=0,zenflow,arrival"]
     assert bench.main([*args, "--ds-bind", "yes"]) == 0
-    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    out = capsys.readouterr().out
+    assert "4 timed steps after 2 warm-up (zenflow 8);" in out  # ZenFlow's set-up interval stays untimed
+    runs = [line for line in out.splitlines() if line.startswith("round ")]
     assert runs[0] == ("round 1: py scripts/peers/run_peer.py all-on-gpu --model bench-3b --batch 8 --seq 2048 "
                        "--steps 4 --clip 1.0")
     assert runs[1] == ("round 1: py -m deepspeed.launcher.runner --num_gpus 1 --bind_cores_to_rank "
