@@ -125,7 +125,7 @@ def warmup_steps(cfg: dict) -> int:
     first interval carries the set-up of its CPU optimizer: at llama-1b 8 x 2048 on the H200 the 4th step took
     12.7 s and the 8th 0.78 s against 0.35 s steps and 1.2-1.4 s interval ends from then on
     (docs/runs/25-zenflow-curve/zenflow.result); two warm-up steps put that set-up into the timed ones (4,878
-    against 27,949 tokens/s, docs/peers.md "ZenFlow on the H200")."""
+    against 27,949 tokens/s; docs/peers.md, "The seventh and eighth starts")."""
     zen = zenflow(cfg)
     if zen and isinstance(zen.get("update_interval"), int):
         return max(DEFAULT_WARMUP, 2 * zen["update_interval"])
