@@ -22,8 +22,9 @@ venv: $(BIN)/megatrain
 demo: venv
 	$(BIN)/megatrain train --model debug
 
+# --durations: every run's log names its slowest tests (the suite is held to about 10 minutes on a 2-core machine)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # JupyterLab in the same venv, so the notebooks' kernel imports this checkout. On a remote machine, serve without a
 # browser on a port you forward (ssh -L 8888:localhost:8888 host), e.g.
