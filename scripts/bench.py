@@ -390,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = build_configs(a)
     order = rounds_order(configs, a.rounds)
     # a peer may warm up longer (run_peer's default, peerconf.warmup_steps: ZenFlow two update intervals)
-    longer = sorted({f"{c.label.partition(':')[0]} {w}" for c in configs if c.kind == "ours"
-                     for w in [peerconf.warmup_steps(peerconf.load(c.label.partition(":")[0]))]
-                     if w != peerconf.DEFAULT_WARMUP})
+    peers = {c.label.partition(":")[0] for c in configs if c.kind == "ours"}
+    warmups = {peer: peerconf.warmup_steps(peerconf.load(peer)) for peer in peers}
+    longer = sorted(f"{peer} {w}" for peer, w in warmups.items() if w != peerconf.DEFAULT_WARMUP)
     warmup = f"{peerconf.DEFAULT_WARMUP} warm-up" + (f" ({', '.join(longer)})" if longer else "")
     head = (f"{spec.name}: {spec.num_params / 1e9:.3f} B params, {spec.num_layers} layers, hidden {spec.hidden_size}, "
             f"ffn {spec.intermediate_size}; batch {a.batch} x seq {a.seq}; {a.steps} timed steps after {warmup}; "

@@ -51,6 +51,7 @@ from megatrain.units import GiB
 
 
 BENCH_LR = 1e-5  # AdamW's learning rate in every benchmark run (the peers take it: scripts/peers/peerconf.py)
+BENCH_WARMUP = 2  # untimed steps before the timed ones (the peers' default too: peerconf.DEFAULT_WARMUP)
 
 
 def bench_batches(vocab: int, batch: int, seq: int) -> list[torch.Tensor]:
@@ -117,7 +118,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--schedule", default="overlap")
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=BENCH_WARMUP)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--profile", help="profile for the prediction ('' to skip the predictions; default: the one every "
                                      "command uses on this machine, docs/profiles.md, which --schedule auto ranks "

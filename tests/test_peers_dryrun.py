@@ -2,6 +2,7 @@
 issue 25 asks for; every peer's dry run prints the RESULT line with scripts/bench_megatrain.py's keys (the torch
 peers after 2 real steps of the debug model on the CPU, the DeepSpeed peers with their config checked and their
 launch command); scripts/bench.py builds the same commands."""
+import copy
 import importlib.util
 import json
 import socket
@@ -209,7 +210,7 @@ def test_the_peers_train_on_the_benchmark_s_data_and_learning_rate(peerconf, run
     import torch
 
     bench = _load("bench_megatrain", ROOT / "scripts" / "bench_megatrain.py")
-    assert peerconf.DEFAULT_LR == bench.BENCH_LR
+    assert peerconf.DEFAULT_LR == bench.BENCH_LR and peerconf.DEFAULT_WARMUP == bench.BENCH_WARMUP
     ours, theirs = bench.bench_batches(256, 2, 16), run_peer.batches(256, 2, 16)
     assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
@@ -218,7 +219,7 @@ def test_zero2_offload_is_zenflow_without_its_approximate_update(peerconf):
     """The exact ZeRO-2 reference of ZenFlow's loss curve differs from zenflow.json in the zenflow section only."""
     zen, zero2 = peerconf.load("zenflow"), peerconf.load("zero2-offload")
     assert zero2["exact_adamw"] and not zen["exact_adamw"] and peerconf.zenflow(zero2) is None
-    zen_ds = json.loads(json.dumps(zen["deepspeed"]))
+    zen_ds = copy.deepcopy(zen["deepspeed"])
     del zen_ds["zero_optimization"]["zenflow"]
     assert zero2["deepspeed"] == zen_ds and zero2["launcher"] == zen["launcher"]
     assert peerconf.warmup_steps(zero2) == 2 and peerconf.warmup_steps(zen) == 8

@@ -117,7 +117,7 @@ def zenflow(cfg: dict) -> dict | None:
     return cfg.get("deepspeed", {}).get("zero_optimization", {}).get("zenflow")
 
 
-DEFAULT_WARMUP = 2  # untimed steps of a peer's run: scripts/bench_megatrain.py's warm-up
+DEFAULT_WARMUP = 2  # untimed steps of a peer's run: scripts/bench_megatrain.py BENCH_WARMUP (tests tie them)
 
 
 def warmup_steps(cfg: dict) -> int:
