@@ -29,6 +29,12 @@ CITED = [
     ("bench3b-16x2048-a.jsonl", M21), ("bench3b-16x2048-a.jsonl", M21 + ";clip=0"),
     ("bench3b-16x2048-a.jsonl", "all-on-gpu"), ("bench3b-16x2048-a.jsonl", "superoffload"),
     ("bench3b-16x2048-a2.jsonl", "superoffload:clip=0"),
+    ("bench3b-16x2048-e.jsonl", M21), ("bench3b-16x2048-e.jsonl", "all-on-gpu"),
+    ("bench3b-16x2048-e.jsonl", "twinflow"), ("bench3b-16x2048-e.jsonl", "twinflow:clip=0"),
+    ("bench3b-16x2048-e.jsonl", "zero3-offload"), ("bench3b-16x2048-e.jsonl", "zero3-offload:clip=0"),
+    ("bench3b-16x2048-e.jsonl", "fsdp2-cpuoffload"), ("bench3b-16x2048-e.jsonl", "fsdp2-cpuoffload:clip=0"),
+    ("bench3b-8x2048-f.jsonl", "authors-fixed"), ("bench3b-8x2048-f.jsonl", "authors"),
+    ("bench3b-8x2048-f.jsonl", "all-on-gpu"),
     ("llama8b-16x2048.jsonl", M24),
     ("llama8b-16x2048.jsonl", M24 + ";clip=0"),
     ("zenflow-1b-8x2048.jsonl", "all-on-gpu"),
@@ -67,3 +73,14 @@ def test_zenflows_rows_are_its_result_lines():
         runs = [r for r in rows if r["clip"] == clip]
         assert len(runs) == 3 and all("--warmup 8 --steps 8" in r["command"] for r in runs)
         assert _figure([r["tokens_per_s"] for r in runs]) in readme
+
+
+def test_the_authors_rows_diverge_as_shipped_and_train_with_the_fix():
+    """The README says the authors' trainer as shipped has a non-finite `final_norm` gradient in its first step in
+    every run of start 10, and none with the head-gradient fix: the RESULT lines' own record of it."""
+    rows = [json.loads(line) for line in (RUNS / "bench3b-8x2048-f.jsonl").read_text().splitlines() if line.strip()]
+    shipped = [r for r in rows if r["config"] == "authors"]
+    fixed = [r for r in rows if r["config"] == "authors-fixed"]
+    assert len(shipped) == len(fixed) == 3
+    assert all(r["nonfinite_grads_warmup"] == {"1": ["final_norm"]} for r in shipped)
+    assert all(r["nonfinite_grads_warmup"] == {} for r in fixed)

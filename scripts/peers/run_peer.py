@@ -94,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip-memory-check", action="store_true",
                     help="run even when the peer's host or GPU memory estimate exceeds what this machine has "
                          "(peerconf.memory_refusal)")
+    ap.add_argument("--zenflow-layout-fix", action="store_true",
+                    help="ZenFlow only: repair DeepSpeed 0.19.8's view of ZenFlow's transposed flat weights "
+                         "(scripts/peers/zenflow_layout.py); without it ZenFlow runs as DeepSpeed ships it")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # DeepSpeed's launcher passes it
     a = ap.parse_args(argv)
     if a.peer not in peerconf.peer_names() and not a.config:
@@ -225,6 +228,10 @@ def setup_deepspeed(cfg: dict, ds_cfg: dict, spec, a):
         if a.init == "megatrain":  # refused for ZeRO-3 in main(): its parameters are partitioned here
             note = peercurve.megatrain_init(model, spec, a.seed)
     groups = peercurve.decay_groups(model, ds_cfg["optimizer"]["params"]["weight_decay"])
+    if a.zenflow_layout_fix:  # before initialize: ZeRO points the weights at its flat buffer there
+        from zenflow_layout import install_layout_fix
+
+        note = "; ".join(x for x in (note, install_layout_fix()) if x)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=groups)
     # SuperOffload pins this process to the first (1 - cpuadam_cores_perc) of its cores and its CPU Adam process to
     # the rest (deepspeed/runtime/superoffload/superoffload_utils.py, _set_cpu_affinity): keep as many torch threads
@@ -372,6 +379,10 @@ def main(argv=None) -> int:
     if a.warmup is None:
         a.warmup = peerconf.warmup_steps(cfg)
     zen = peerconf.zenflow(cfg)
+    if a.zenflow_layout_fix and not zen:
+        print(f"run_peer: --zenflow-layout-fix repairs ZenFlow's weight layout; {a.peer} has no zenflow section",
+              file=sys.stderr)
+        return 2
     if zen and not a.dry_run and isinstance(zen.get("update_interval"), int) and a.steps % zen["update_interval"]:
         print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
               f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
@@ -396,6 +407,8 @@ def main(argv=None) -> int:
         full += ["--corpus", *(["--data", a.data] if a.data else []), "--init", a.init, "--lr", f"{a.lr:g}"]
     elif a.lr != peerconf.DEFAULT_LR or a.init != "hf":
         full += ["--lr", f"{a.lr:g}", "--init", a.init]
+    if a.zenflow_layout_fix:
+        full.append("--zenflow-layout-fix")
     command = peerconf.command_line(peerconf.launch_argv(cfg, full, a.python))
     from megatrain.data.errors import DataError  # needs PYTHONPATH=. (the repository root), as bench_megatrain
     from megatrain.model.presets import get_model
