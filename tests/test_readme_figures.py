@@ -35,6 +35,7 @@ CITED = [
     ("bench3b-16x2048-e.jsonl", "fsdp2-cpuoffload"), ("bench3b-16x2048-e.jsonl", "fsdp2-cpuoffload:clip=0"),
     ("bench3b-8x2048-f.jsonl", "authors-fixed"), ("bench3b-8x2048-f.jsonl", "authors"),
     ("bench3b-8x2048-f.jsonl", "all-on-gpu"),
+    ("bench3b-16x2048-f.jsonl", "authors-fixed"), ("bench3b-16x2048-f.jsonl", "all-on-gpu"),
     ("llama8b-16x2048.jsonl", M24),
     ("llama8b-16x2048.jsonl", M24 + ";clip=0"),
     ("zenflow-1b-8x2048.jsonl", "all-on-gpu"),
@@ -73,6 +74,36 @@ def test_zenflows_rows_are_its_result_lines():
         runs = [r for r in rows if r["clip"] == clip]
         assert len(runs) == 3 and all("--warmup 8 --steps 8" in r["command"] for r in runs)
         assert _figure([r["tokens_per_s"] for r in runs]) in readme
+
+
+def test_zenflows_repaired_and_shipped_rows_are_start_11s_interleaved_result_lines():
+    """Start 11 ran ZenFlow with `--zenflow-layout-fix` and as shipped, alternately, 3 runs each: the README's two
+    figures are those RESULT lines' medians, and the repaired runs are the ones whose note names the repair."""
+    text = "".join((RUNS / "h200-table17" / name).read_text() for name in ("zenflow-fix-w8.txt", "zenflow-fix-w8b.txt"))
+    rows = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+    repaired = [r for r in rows if "--zenflow-layout-fix" in r["command"]]
+    shipped = [r for r in rows if "--zenflow-layout-fix" not in r["command"]]
+    assert len(repaired) == len(shipped) == 3
+    assert all("ZenFlow layout fix" in r["note"] for r in repaired)
+    assert not any("layout fix" in r["note"] for r in shipped)
+    readme = (ROOT / "README.md").read_text()
+    for runs in (repaired, shipped):
+        assert all(r["clip"] == 1.0 and "--warmup 8 --steps 8" in r["command"] for r in runs)
+        assert _figure([r["tokens_per_s"] for r in runs]) in readme
+
+
+def test_zenflows_repaired_curve_starts_where_the_exact_runs_do():
+    """The README says the repaired ZenFlow's step 1 is ZeRO-2 offload's bit for bit (same weights, same batch) and
+    that as shipped it is not; and gives the repaired curve's mean of steps 151-200."""
+    curves = ROOT / "docs" / "runs" / "25-zenflow-curve"
+    load = lambda name: json.loads((curves / name).read_text())  # noqa: E731
+    repaired, exact, shipped = load("zenflow-fixed.json"), load("zero2-offload.json"), load("zenflow.json")
+    assert repaired[0]["batch_sha1"] == exact[0]["batch_sha1"] == shipped[0]["batch_sha1"]
+    assert repaired[0]["loss"] == exact[0]["loss"]
+    assert abs(shipped[0]["loss"] - exact[0]["loss"]) > 0.1
+    tail = [r["loss"] for r in repaired if 151 <= r["step"] <= 200]
+    assert len(tail) == 50
+    assert f"{statistics.mean(tail):.3f} (+296%)" in (ROOT / "README.md").read_text()
 
 
 def test_the_authors_rows_diverge_as_shipped_and_train_with_the_fix():

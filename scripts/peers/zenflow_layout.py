@@ -64,7 +64,10 @@ def install_layout_fix() -> str:
     """Opt-in repair for DeepSpeed 0.19.8 (run_peer's `--zenflow-layout-fix`): after ZeRO's own
     `_update_model_bit16_weights`, a ZenFlow optimizer's parameters are pointed at `transposed_views` of its flat
     buffer, which is what the earlier ZeRO code did by calling `self.unflatten` (ZenFlow's) there. Non-ZenFlow
-    optimizers are left as they are. Returns a note for the RESULT line."""
+    optimizers are left as they are. Returns a note for the RESULT line.
+
+    On the H200 (docs/peers.md, "The eleventh start") it gave step 1 bit for bit ZeRO-2 offload's loss at the same
+    speed; ZenFlow's curve with it is still far from AdamW's, for a reason not yet separated."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     original = DeepSpeedZeroOptimizer._update_model_bit16_weights
