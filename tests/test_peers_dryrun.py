@@ -255,9 +255,14 @@ def test_a_peer_that_cannot_hold_the_model_says_so_before_it_allocates(peerconf,
     assert peerconf.memory_refusal(zero3, "bench-3b", 2_971_000_000, 120 * gib, 139 * gib) is None  # it ran there
     assert "GPU memory before activations" in peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 79 * gib)
     assert peerconf.memory_refusal(gpu_peer, "llama3-8b", n, 120 * gib, 139 * gib) is None  # tokens=0: no logits
-    # no measurement: the floor, 16 B a parameter of fp32 weights, gradients and moments on the host
-    assert peerconf.memory_floor(fsdp)[0] == 16.0 and "at least: fp32 weights" in peerconf.memory_refusal(
-        fsdp, "llama3-8b", n, 100 * gib, None)
+    # FSDP2's floor, 16 B a parameter of fp32 weights, gradients and moments on the host, would let llama3-8b try
+    # a 125.9 GiB host; its measured 19.97 B (bench-3b, H200) refuses it, as a peer without a measurement is held
+    # to its floor
+    assert peerconf.memory_floor(fsdp)[0] == 16.0 and 16.0 * n < 125.9 * gib
+    assert "149.4 GiB of host memory (19.97 B a parameter, measured" in peerconf.memory_refusal(
+        fsdp, "llama3-8b", n, 125.9 * gib, None)
+    unmeasured = {**fsdp, "peer": "fsdp2-unmeasured"}
+    assert "at least: fp32 weights" in peerconf.memory_refusal(unmeasured, "llama3-8b", n, 100 * gib, None)
     # ZenFlow: 48.6 B a parameter measured at llama-1b (PSS with its optimizer process); the H200 host (125.9 GiB)
     # ran out of memory at bench-3b (dmesg of start 7), which is now refused before anything is built
     zen = peerconf.load("zenflow")

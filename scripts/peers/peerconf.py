@@ -170,6 +170,10 @@ MEASURED_HOST_B_PER_PARAM = {
     # PSS of the training process and ZenFlow's optimizer process (overlap_step): 43.1 GiB at llama-1b. At bench-3b
     # the host ran out: 92.5 GiB of shared memory in the first, 30.5 GiB in the second (dmesg, start 7)
     "zenflow": (48.6, "measured at llama-1b 8 x 2048 on the H200, start 8"),
+    # above its 16 B floor (fp32 weights, gradients, moments): pinned staging and the bf16 copies FSDP2 keeps; at
+    # llama3-8b the floor (119.6 GiB) would pass a 125 GiB host that the measured rate (149.4 GiB) cannot hold
+    "fsdp2-cpuoffload": (19.97, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
+    "twinflow": (9.11, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
 }
 
 
