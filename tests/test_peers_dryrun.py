@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "scripts" / "peers"
 PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "superoffload-adam50", "superoffload-adam75", "twinflow",
-         "zenflow", "zero2-offload", "zero3-offload"]
+         "zenflow", "zenflow-sync", "zero2-offload", "zero2-offload-every4", "zero3-offload"]
 # scripts/bench_megatrain.py's RESULT keys that every peer's RESULT carries too, plus the peers' own
 MEGATRAIN_KEYS = {"mode", "model", "params_B", "batch", "seq", "median_step_s", "tokens_per_s", "model_TFLOPs",
                   "loss_first", "loss_last", "peak_gpu_GiB", "host_rss_GiB"}
@@ -82,8 +82,9 @@ def test_every_config_states_the_settings_of_issue_25(peerconf):
     tf = peerconf.load("twinflow")["deepspeed"]["zero_optimization"]
     assert 0 < tf["offload_optimizer"]["ratio"] < 1 and tf["sub_group_size"] < 1e9  # small groups: ratio acts
     zf = peerconf.load("zenflow")
-    assert zf["exact_adamw"] is False and all(c["exact_adamw"] for p in PEERS if p != "zenflow"
-                                              for c in [peerconf.load(p)])
+    # exact AdamW is every peer's but ZenFlow's (and its overlap_step=false control's)
+    assert all(peerconf.load(p)["exact_adamw"] is (peerconf.zenflow(peerconf.load(p)) is None) for p in PEERS)
+    assert zf["exact_adamw"] is False
     z = zf["deepspeed"]["zero_optimization"]["zenflow"]
     assert z["overlap_step"] is True and 0 < z["topk_ratio"] < 1 and z["update_interval"] >= 1
     fsdp = peerconf.load("fsdp2-cpuoffload")["torch"]
@@ -146,7 +147,7 @@ def test_dry_run_of_every_peer_prints_the_result_line(run_peer, capsys, one_proc
         assert "--model bench-3b --batch 8 --seq 2048" in command  # the full run's command, not the dry run's
         # ZenFlow's first update interval sets up its CPU optimizer (12.7 s of 0.35 s steps on the H200): two
         # whole intervals stay untimed; every other peer warms up as megatrain's rows do
-        assert f"--warmup {8 if peer == 'zenflow' else 2} " in command, peer
+        assert f"--warmup {8 if peer.startswith('zenflow') else 2} " in command, peer
         if peer in DEEPSPEED:
             assert res["steps_run"] == 0 and res["tokens_per_s"] is None
             assert command.startswith("command: python3 -m deepspeed.launcher.runner --num_gpus 1 "
@@ -223,6 +224,28 @@ def test_zero2_offload_is_zenflow_without_its_approximate_update(peerconf):
     del zen_ds["zero_optimization"]["zenflow"]
     assert zero2["deepspeed"] == zen_ds and zero2["launcher"] == zen["launcher"]
     assert peerconf.warmup_steps(zero2) == 2 and peerconf.warmup_steps(zen) == 8
+
+
+def test_the_zenflow_curve_controls_change_one_thing_each(peerconf):
+    """The two controls that separate ZenFlow's late update and its fewer full updates (docs/peers.md, "The eleventh
+    start"): zenflow-sync is zenflow.json with overlap_step false; zero2-offload-every4 is zero2-offload.json with one
+    optimizer step per 4 micro-batches, which DeepSpeed gets as gradient_accumulation_steps."""
+    zen, sync = peerconf.load("zenflow"), peerconf.load("zenflow-sync")
+    zen_ds = copy.deepcopy(zen["deepspeed"])
+    zen_ds["zero_optimization"]["zenflow"]["overlap_step"] = False
+    assert sync["deepspeed"] == zen_ds and sync["launcher"] == zen["launcher"] and not sync["exact_adamw"]
+    zero2, every4 = peerconf.load("zero2-offload"), peerconf.load("zero2-offload-every4")
+    assert every4["deepspeed"] == zero2["deepspeed"] and every4["exact_adamw"]
+    assert every4["micro_steps_per_update"] == peerconf.zenflow(zen)["update_interval"] == 4
+    assert peerconf.deepspeed_config(every4, 8, 1.0)["gradient_accumulation_steps"] == 4
+    assert peerconf.deepspeed_config(zero2, 8, 1.0)["gradient_accumulation_steps"] == 1
+    assert "one optimizer step per 4 micro-batches" in peerconf.settings_summary(every4, 1.0)
+    # refused where it would mean nothing or something else: ZenFlow sets its own, torch peers have no such knob
+    for bad in ({**zen, "micro_steps_per_update": 4}, {**peerconf.load("all-on-gpu"), "micro_steps_per_update": 2},
+                {**zero2, "micro_steps_per_update": 0}, {**zero2, "micro_steps_per_update": True}):
+        bad = {k: v for k, v in bad.items() if k != "_file"}
+        with pytest.raises(peerconf.PeerConfigError, match="micro_steps_per_update must be an integer >= 1"):
+            peerconf.check(bad)
 
 
 def test_the_superoffload_variants_change_only_the_core_split_and_sub_groups(peerconf):

@@ -17,6 +17,9 @@ File format (every key required unless marked):
     activation_checkpointing whether the HF model recomputes each decoder layer in the backward
     torch | deepspeed        the engine settings (torch peers: weights, autocast or mixed_precision, offload,
                              optimizer.fused; DeepSpeed peers: a DeepSpeed config without batch, clipping, optimizer)
+    micro_steps_per_update   (optional, DeepSpeed peers without ZenFlow; default 1) micro-batches whose mean gradient
+                             one optimizer step applies (DeepSpeed's gradient_accumulation_steps): a control run
+                             with as many full updates as ZenFlow makes (one per update_interval), each exact
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ CONFIG_DIR = HERE / "configs"
 RUNNER = "scripts/peers/run_peer.py"  # relative to the repository root, where bench.py runs
 
 TOP_KEYS = {"peer", "system", "exact_adamw", "why", "sources", "launcher", "activation_checkpointing"}
+OPTIONAL_KEYS = {"micro_steps_per_update"}
 ENGINES = {"torch", "deepspeed"}
 # Filled in at run time from the command line and AdamWConfig: a config that sets them is refused.
 DS_FILLED = {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
@@ -70,10 +74,15 @@ def check(cfg: dict, where: str = "config") -> None:
         raise PeerConfigError(f"{where}: missing key(s) {', '.join(missing)}")
     if len(engines) != 1:
         raise PeerConfigError(f"{where}: needs exactly one of 'torch' or 'deepspeed', has {engines or 'none'}")
-    extra = sorted(cfg.keys() - TOP_KEYS - ENGINES - {"_file"})
+    extra = sorted(cfg.keys() - TOP_KEYS - OPTIONAL_KEYS - ENGINES - {"_file"})
     if extra:
         raise PeerConfigError(f"{where}: unknown key(s) {', '.join(extra)}")
     launcher = cfg["launcher"]
+    if "micro_steps_per_update" in cfg:
+        n = cfg["micro_steps_per_update"]
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1) or "deepspeed" not in cfg or zenflow(cfg):
+            raise PeerConfigError(f"{where}: micro_steps_per_update must be an integer >= 1 of a DeepSpeed peer "
+                                  f"without ZenFlow (ZenFlow sets its own from update_interval); it is {n!r}")
     if cfg.get("deepspeed") is not None:
         if launcher.get("kind") != "deepspeed" or not isinstance(launcher.get("bind_cores_to_rank"), bool):
             raise PeerConfigError(f"{where}: a DeepSpeed peer needs launcher "
@@ -135,7 +144,8 @@ def warmup_steps(cfg: dict) -> int:
 def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:
     """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW (at `lr`)."""
     ds = copy.deepcopy(cfg["deepspeed"])
-    ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, gradient_clipping=float(clip),
+    ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=cfg.get("micro_steps_per_update", 1),
+              gradient_clipping=float(clip),
               optimizer={"type": "AdamW", "params": adamw_params(lr)})
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
@@ -256,6 +266,8 @@ def settings_summary(cfg: dict, clip: float) -> str:
             parts.append(f"overlap_comm={zero['overlap_comm']}")
         if "reduce_bucket_size" in zero:
             parts.append(f"reduce_bucket_size={zero['reduce_bucket_size']:.0e}")
+        if cfg.get("micro_steps_per_update", 1) > 1:
+            parts.append(f"one optimizer step per {cfg['micro_steps_per_update']} micro-batches (their mean gradient)")
         parts.append("bind_cores_to_rank" if cfg["launcher"]["bind_cores_to_rank"] else "no core binding")
         parts.append("bf16")
     else:
