@@ -349,3 +349,9 @@ def test_the_logits_floor_lets_through_what_fits(peerconf):
     fsdp = peerconf.load("fsdp2-cpuoffload")
     assert peerconf.memory_refusal(fsdp, "bench-3b", 3.0e9, 1000 * gib, 139 * gib, **shape) is None
     assert "2.9 GiB of logits" in peerconf.memory_refusal(fsdp, "bench-3b", 3.0e9, 1000 * gib, 2 * gib, **shape)
+
+
+def test_run_peers_help_names_every_peer(peerconf):
+    """run_peer.py's docstring (its --help) lists the peers by hand: every config file must be named there."""
+    doc = (PEERS_DIR / "run_peer.py").read_text().split('"""')[1]
+    assert [p for p in peerconf.peer_names() if p not in doc] == []

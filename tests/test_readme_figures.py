@@ -96,8 +96,8 @@ def test_zenflows_repaired_curve_starts_where_the_exact_runs_do():
     """The README says the repaired ZenFlow's step 1 is ZeRO-2 offload's bit for bit (same weights, same batch) and
     that as shipped it is not; and gives the repaired curve's mean of steps 151-200."""
     curves = ROOT / "docs" / "runs" / "25-zenflow-curve"
-    load = lambda name: json.loads((curves / name).read_text())  # noqa: E731
-    repaired, exact, shipped = load("zenflow-fixed.json"), load("zero2-offload.json"), load("zenflow.json")
+    repaired, exact, shipped = (json.loads((curves / name).read_text())
+                                for name in ("zenflow-fixed.json", "zero2-offload.json", "zenflow.json"))
     assert repaired[0]["batch_sha1"] == exact[0]["batch_sha1"] == shipped[0]["batch_sha1"]
     assert repaired[0]["loss"] == exact[0]["loss"]
     assert abs(shipped[0]["loss"] - exact[0]["loss"]) > 0.1

@@ -141,10 +141,15 @@ def warmup_steps(cfg: dict) -> int:
     return DEFAULT_WARMUP
 
 
+def micro_steps_per_update(cfg: dict) -> int:
+    """Micro-batches a DeepSpeed peer's optimizer step applies (its config's optional key; 1 unless set)."""
+    return cfg.get("micro_steps_per_update", 1)
+
+
 def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:
     """The full DeepSpeed config of a run: the file's settings plus batch, clipping and AdamW (at `lr`)."""
     ds = copy.deepcopy(cfg["deepspeed"])
-    ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=cfg.get("micro_steps_per_update", 1),
+    ds.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=micro_steps_per_update(cfg),
               gradient_clipping=float(clip),
               optimizer={"type": "AdamW", "params": adamw_params(lr)})
     ds.setdefault("steps_per_print", 10**9)
@@ -180,8 +185,8 @@ MEASURED_HOST_B_PER_PARAM = {
     # PSS of the training process and ZenFlow's optimizer process (overlap_step): 43.1 GiB at llama-1b. At bench-3b
     # the host ran out: 92.5 GiB of shared memory in the first, 30.5 GiB in the second (dmesg, start 7)
     "zenflow": (48.6, "measured at llama-1b 8 x 2048 on the H200, start 8"),
-    # above its 16 B floor (fp32 weights, gradients, moments): pinned staging and the bf16 copies FSDP2 keeps; at
-    # llama3-8b the floor (119.6 GiB) would pass a 125 GiB host that the measured rate (149.4 GiB) cannot hold
+    # 4 B above its 16 B floor (fp32 weights, gradients, moments; what the rest is was not profiled): at llama3-8b
+    # the floor (119.6 GiB) would pass a 125 GiB host that the measured rate (149.4 GiB) cannot hold
     "fsdp2-cpuoffload": (19.97, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
     "twinflow": (9.11, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
 }
@@ -266,8 +271,8 @@ def settings_summary(cfg: dict, clip: float) -> str:
             parts.append(f"overlap_comm={zero['overlap_comm']}")
         if "reduce_bucket_size" in zero:
             parts.append(f"reduce_bucket_size={zero['reduce_bucket_size']:.0e}")
-        if cfg.get("micro_steps_per_update", 1) > 1:
-            parts.append(f"one optimizer step per {cfg['micro_steps_per_update']} micro-batches (their mean gradient)")
+        if micro_steps_per_update(cfg) > 1:
+            parts.append(f"one optimizer step per {micro_steps_per_update(cfg)} micro-batches (their mean gradient)")
         parts.append("bind_cores_to_rank" if cfg["launcher"]["bind_cores_to_rank"] else "no core binding")
         parts.append("bf16")
     else:

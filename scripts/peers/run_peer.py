@@ -16,6 +16,8 @@ Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/pe
     twinflow          DeepSpeed ZeRO-3 + Twin-Flow (offload_optimizer.ratio)
     zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
     zero2-offload     DeepSpeed ZeRO-2, optimizer offloaded to the CPU: zenflow's config, exact AdamW
+    zenflow-sync, zero2-offload-every4   controls for ZenFlow's loss curve (overlap_step false; one exact
+                      AdamW step per 4 micro-batches), not speed rows
 DeepSpeed peers run under DeepSpeed's launcher (the command is printed by --dry-run and built by scripts/bench.py);
 run directly, they bind nothing and start their one-process group themselves.
 
