@@ -146,8 +146,9 @@ def test_dry_run_of_every_peer_prints_the_result_line(run_peer, capsys, one_proc
         command = next(line for line in out.splitlines() if line.startswith("command: "))
         assert "--model bench-3b --batch 8 --seq 2048" in command  # the full run's command, not the dry run's
         # ZenFlow's first update interval sets up its CPU optimizer (12.7 s of 0.35 s steps on the H200): two
-        # whole intervals stay untimed; every other peer warms up as megatrain's rows do
-        assert f"--warmup {8 if peer.startswith('zenflow') else 2} " in command, peer
+        # whole intervals stay untimed (so for the control updating every 4 steps); every other peer warms up as
+        # megatrain's rows do
+        assert f"--warmup {8 if peer.startswith('zenflow') or peer.endswith('every4') else 2} " in command, peer
         if peer in DEEPSPEED:
             assert res["steps_run"] == 0 and res["tokens_per_s"] is None
             assert command.startswith("command: python3 -m deepspeed.launcher.runner --num_gpus 1 "
@@ -355,3 +356,28 @@ def test_run_peers_help_names_every_peer(peerconf):
     """run_peer.py's docstring (its --help) lists the peers by hand: every config file must be named there."""
     doc = (PEERS_DIR / "run_peer.py").read_text().split('"""')[1]
     assert [p for p in peerconf.peer_names() if p not in doc] == []
+
+
+def test_a_peer_that_updates_every_few_steps_is_timed_over_whole_intervals(peerconf, run_peer):
+    """zero2-offload-every4 applies its optimizer step on every 4th micro-step, as ZenFlow lands its full update: the
+    median step would leave the update out (start 12 printed 42,275 tokens/s, the median of 200 steps of which 50
+    took 0.9-1.0 s and 150 0.35-0.39 s). Its step time is the mean over whole intervals, it warms up two of them and
+    a timed run that cuts an interval is refused."""
+    every4, zero2, zen = (peerconf.load(p) for p in ("zero2-offload-every4", "zero2-offload", "zenflow"))
+    assert [peerconf.steps_per_update(c) for c in (every4, zero2, zen)] == [4, 1, 4]
+    assert [peerconf.warmup_steps(c) for c in (every4, zero2, zen)] == [8, 2, 8]
+    raw = json.loads(next(line[len("RESULT "):] for line in (ROOT / "docs/runs/25-zenflow-curve/"
+                                                               "zero2-offload-every4.result").read_text().splitlines()
+                          if line.startswith("RESULT ")))
+    times = raw["step_times_s"][8:]  # the steps after two whole intervals, as a timed run would take them
+    a = run_peer.parse_args(["zero2-offload-every4", "--model", "debug", "--batch", "8", "--seq", "2048"])
+    spec = __import__("megatrain.model.presets", fromlist=["get_model"]).get_model("debug")
+    out = run_peer.result(a, every4, spec, spec.num_params, times, [1.0], "cpu")
+    mean = sum(times) / len(times)
+    assert out["step_s_used"] == "mean over whole update intervals"
+    assert out["tokens_per_s"] == pytest.approx(8 * 2048 / mean, rel=1e-3)
+    assert out["tokens_per_s"] < 0.8 * 8 * 2048 / out["median_step_s"]  # the median leaves out the update
+    plain = run_peer.result(a, zero2, spec, spec.num_params, times, [1.0], "cpu")
+    assert plain["step_s_used"] == "median"
+    assert plain["tokens_per_s"] == pytest.approx(8 * 2048 / plain["median_step_s"], rel=1e-3)
+    assert run_peer.main(["zero2-offload-every4", "--model", "debug", "--steps", "6"]) == 2

@@ -129,21 +129,29 @@ def zenflow(cfg: dict) -> dict | None:
 DEFAULT_WARMUP = 2  # untimed steps of a peer's run: scripts/bench_megatrain.py BENCH_WARMUP (tests tie them)
 
 
-def warmup_steps(cfg: dict) -> int:
-    """Untimed steps before a peer's timed ones: DEFAULT_WARMUP, and for ZenFlow two whole update intervals. Its
-    first interval carries the set-up of its CPU optimizer: at llama-1b 8 x 2048 on the H200 the 4th step took
-    12.7 s and the 8th 0.78 s against 0.35 s steps and 1.2-1.4 s interval ends from then on
-    (docs/runs/25-zenflow-curve/zenflow.result); two warm-up steps put that set-up into the timed ones (4,878
-    against 27,949 tokens/s; docs/peers.md, "The seventh and eighth starts")."""
-    zen = zenflow(cfg)
-    if zen and isinstance(zen.get("update_interval"), int):
-        return max(DEFAULT_WARMUP, 2 * zen["update_interval"])
-    return DEFAULT_WARMUP
-
-
 def micro_steps_per_update(cfg: dict) -> int:
     """Micro-batches a DeepSpeed peer's optimizer step applies (its config's optional key; 1 unless set)."""
     return cfg.get("micro_steps_per_update", 1)
+
+
+def steps_per_update(cfg: dict) -> int:
+    """Micro-steps from one full optimizer update to the next: ZenFlow's update_interval, else the config's
+    micro_steps_per_update (1). A step's time then depends on its place in the interval (the update lands on its
+    last), so a timed run holds whole intervals and its step time is their mean, not the median step."""
+    zen = zenflow(cfg)
+    if zen and isinstance(zen.get("update_interval"), int):
+        return zen["update_interval"]
+    return micro_steps_per_update(cfg)
+
+
+def warmup_steps(cfg: dict) -> int:
+    """Untimed steps before a peer's timed ones: DEFAULT_WARMUP, and where updates land every few micro-steps
+    (ZenFlow, micro_steps_per_update) two whole intervals. ZenFlow's first interval carries the set-up of its CPU
+    optimizer: at llama-1b 8 x 2048 on the H200 the 4th step took 12.7 s and the 8th 0.78 s against 0.35 s steps
+    and 1.2-1.4 s interval ends from then on (docs/runs/25-zenflow-curve/zenflow.result); two warm-up steps put that
+    set-up into the timed ones (4,878 against 27,949 tokens/s; docs/peers.md, "The seventh and eighth starts")."""
+    interval = steps_per_update(cfg)
+    return max(DEFAULT_WARMUP, 2 * interval) if interval > 1 else DEFAULT_WARMUP
 
 
 def deepspeed_config(cfg: dict, batch: int, clip: float, lr: float = DEFAULT_LR) -> dict:

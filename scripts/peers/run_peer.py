@@ -35,7 +35,8 @@ What is the same as megatrain's benchmark (scripts/bench_megatrain.py):
     torch.nn.utils.clip_grad_norm_ for the torch peers;
   * timing: `--warmup` untimed steps (2; ZenFlow two update intervals), then `--steps` timed steps, each closed
     by torch.cuda.synchronize(); the median step (the upper one of an even count, as bench_megatrain.py takes it;
-    ZenFlow: the mean over whole update intervals, its step time depending on the step's place in one);
+    ZenFlow and micro_steps_per_update > 1: the mean over whole update intervals, a step's time depending on its
+    place in one; peerconf.steps_per_update);
     model TFLOP/s = 6·N·tokens / step (recompute not counted); peak GPU memory allocated after the warm-up.
 Host memory: the RSS at the end of this process and of its children (SuperOffload runs its CPU Adam in a child
 process), and their PSS (shared pages counted once), from which bytes per parameter are computed.
@@ -65,7 +66,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps first (default: 2; ZenFlow two update intervals, peerconf.warmup_steps)")
+                    help="untimed steps first (default: 2; two update intervals where updates land every few steps, "
+                         "peerconf.warmup_steps)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clip", type=float, default=peerconf.DEFAULT_CLIP,
                     help="max global gradient norm; 0 = no clipping")
@@ -302,17 +304,17 @@ def result(a, cfg, spec, params: int, times, losses, device: str, **extra) -> di
     import torch
 
     tokens = a.batch * a.seq
-    zen = peerconf.zenflow(cfg)
+    whole_intervals = peerconf.steps_per_update(cfg) > 1
     # the upper median (the middle of the sorted times, the later one of an even count), as bench_megatrain.py takes
     # it: megatrain's recorded rows use that rule, so a table of both means one thing by "median"
     median = sorted(times)[len(times) // 2] if times else None
     if times:
-        step_s = statistics.mean(times) if zen else median
+        step_s = statistics.mean(times) if whole_intervals else median
     rss, pss = host_memory()
     out = {
         "mode": cfg["peer"], "model": spec.name, "params_B": round(params / 1e9, 3), "batch": a.batch, "seq": a.seq,
         "clip": a.clip, "median_step_s": round(median, 4) if times else None,
-        "step_s_used": "mean over whole update intervals" if zen else "median",
+        "step_s_used": "mean over whole update intervals" if whole_intervals else "median",
         "tokens_per_s": round(tokens / step_s, 1) if times else None,
         "model_TFLOPs": round(spec.model_flops_per_token() * tokens / step_s / 1e12, 1) if times else None,
         "loss_first": round(losses[0], 4) if losses else None, "loss_last": round(losses[-1], 4) if losses else None,
@@ -385,8 +387,9 @@ def main(argv=None) -> int:
         print(f"run_peer: --zenflow-layout-fix repairs ZenFlow's weight layout; {a.peer} has no zenflow section",
               file=sys.stderr)
         return 2
-    if zen and not a.dry_run and isinstance(zen.get("update_interval"), int) and a.steps % zen["update_interval"]:
-        print(f"run_peer: zenflow updates every {zen['update_interval']} steps: --steps must be a multiple of it "
+    interval = peerconf.steps_per_update(cfg)
+    if not a.dry_run and a.steps % interval:
+        print(f"run_peer: {a.peer} updates every {interval} steps: --steps must be a multiple of it "
               f"(got {a.steps}) so the timed steps hold whole intervals", file=sys.stderr)
         return 2
     ds_cfg = peerconf.deepspeed_config(cfg, a.batch, a.clip, a.lr) if "deepspeed" in cfg else None
