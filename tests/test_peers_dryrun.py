@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "scripts" / "peers"
 PEERS = ["all-on-gpu", "fsdp2-cpuoffload", "superoffload", "superoffload-adam50", "superoffload-adam75", "twinflow",
-         "zenflow", "zenflow-sync", "zero2-offload", "zero2-offload-every4", "zero3-offload"]
+         "twinflow-expandable", "zenflow", "zenflow-sync", "zero2-offload", "zero2-offload-every4", "zero3-offload"]
 # scripts/bench_megatrain.py's RESULT keys that every peer's RESULT carries too, plus the peers' own
 MEGATRAIN_KEYS = {"mode", "model", "params_B", "batch", "seq", "median_step_s", "tokens_per_s", "model_TFLOPs",
                   "loss_first", "loss_last", "peak_gpu_GiB", "host_rss_GiB"}
@@ -381,3 +381,26 @@ def test_a_peer_that_updates_every_few_steps_is_timed_over_whole_intervals(peerc
     assert plain["step_s_used"] == "median"
     assert plain["tokens_per_s"] == pytest.approx(8 * 2048 / plain["median_step_s"], rel=1e-3)
     assert run_peer.main(["zero2-offload-every4", "--model", "debug", "--steps", "6"]) == 2
+
+
+def test_twinflow_expandable_changes_only_the_allocator_and_the_training_process_gets_it(peerconf, run_peer,
+                                                                                        monkeypatch, capsys):
+    """twinflow-expandable is twinflow.json plus cuda_alloc_conf (start 12: twinflow out of GPU memory at llama3-8b
+    with 12.78 GiB reserved but unallocated); run_peer sets PYTORCH_CUDA_ALLOC_CONF before its first allocation and
+    the RESULT's settings say so; a malformed value is refused in one line."""
+    tf, tfx = peerconf.load("twinflow"), peerconf.load("twinflow-expandable")
+    assert {k: v for k, v in tfx.items() if k not in ("peer", "system", "why", "cuda_alloc_conf", "_file")} == \
+        {k: v for k, v in tf.items() if k not in ("peer", "system", "why", "_file")}
+    assert peerconf.cuda_alloc_conf(tfx) == "expandable_segments:True" and peerconf.cuda_alloc_conf(tf) is None
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert run_peer.main(["twinflow-expandable", "--dry-run"]) == 0
+    import os
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in _result(capsys.readouterr().out)["settings"]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert run_peer.main(["twinflow", "--dry-run"]) == 0
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    for bad in ("expandable_segments", "", "a:b,c", 1):
+        raw = {k: v for k, v in tfx.items() if k != "_file"}
+        with pytest.raises(peerconf.PeerConfigError, match="cuda_alloc_conf must be PYTORCH_CUDA_ALLOC_CONF's"):
+            peerconf.check({**raw, "cuda_alloc_conf": bad})

@@ -20,6 +20,9 @@ File format (every key required unless marked):
     micro_steps_per_update   (optional, DeepSpeed peers without ZenFlow; default 1) micro-batches whose mean gradient
                              one optimizer step applies (DeepSpeed's gradient_accumulation_steps): a control run
                              with as many full updates as ZenFlow makes (one per update_interval), each exact
+    cuda_alloc_conf          (optional) PYTORCH_CUDA_ALLOC_CONF for the training process, e.g.
+                             "expandable_segments:True": a peer that runs out of GPU memory with its memory
+                             fragmented gets the allocator setting the MegaTrain authors' trainer ships with
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ CONFIG_DIR = HERE / "configs"
 RUNNER = "scripts/peers/run_peer.py"  # relative to the repository root, where bench.py runs
 
 TOP_KEYS = {"peer", "system", "exact_adamw", "why", "sources", "launcher", "activation_checkpointing"}
-OPTIONAL_KEYS = {"micro_steps_per_update"}
+OPTIONAL_KEYS = {"micro_steps_per_update", "cuda_alloc_conf"}
 ENGINES = {"torch", "deepspeed"}
 # Filled in at run time from the command line and AdamWConfig: a config that sets them is refused.
 DS_FILLED = {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
@@ -83,6 +86,12 @@ def check(cfg: dict, where: str = "config") -> None:
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1) or "deepspeed" not in cfg or zenflow(cfg):
             raise PeerConfigError(f"{where}: micro_steps_per_update must be an integer >= 1 of a DeepSpeed peer "
                                   f"without ZenFlow (ZenFlow sets its own from update_interval); it is {n!r}")
+    if "cuda_alloc_conf" in cfg:
+        conf = cfg["cuda_alloc_conf"]
+        if not (isinstance(conf, str) and conf and all(len(kv.split(":")) == 2 and all(kv.split(":"))
+                                                       for kv in conf.split(","))):
+            raise PeerConfigError(f"{where}: cuda_alloc_conf must be PYTORCH_CUDA_ALLOC_CONF's 'key:value[,key:value]' "
+                                  f"(e.g. 'expandable_segments:True'); it is {conf!r}")
     if cfg.get("deepspeed") is not None:
         if launcher.get("kind") != "deepspeed" or not isinstance(launcher.get("bind_cores_to_rank"), bool):
             raise PeerConfigError(f"{where}: a DeepSpeed peer needs launcher "
@@ -132,6 +141,11 @@ DEFAULT_WARMUP = 2  # untimed steps of a peer's run: scripts/bench_megatrain.py 
 def micro_steps_per_update(cfg: dict) -> int:
     """Micro-batches a DeepSpeed peer's optimizer step applies (its config's optional key; 1 unless set)."""
     return cfg.get("micro_steps_per_update", 1)
+
+
+def cuda_alloc_conf(cfg: dict) -> str | None:
+    """The PYTORCH_CUDA_ALLOC_CONF a peer's training process runs with (its config's optional key; None unless set)."""
+    return cfg.get("cuda_alloc_conf")
 
 
 def steps_per_update(cfg: dict) -> int:
@@ -295,6 +309,8 @@ def settings_summary(cfg: dict, clip: float) -> str:
         parts.append(f"AdamW fused={t['optimizer']['fused']}")
         parts.append("torch threads = cores of the affinity")
     parts.append("activation checkpointing" if cfg["activation_checkpointing"] else "no activation checkpointing")
+    if cuda_alloc_conf(cfg):
+        parts.append(f"PYTORCH_CUDA_ALLOC_CONF={cuda_alloc_conf(cfg)}")
     parts.append(f"clip {clip:g}" if clip > 0 else "no clipping")
     return "; ".join(parts)
 

@@ -14,6 +14,7 @@ Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/pe
     superoffload      DeepSpeed ZeRO-3 + SuperOffload, its single-GPU example's config (for a 72-core socket)
     superoffload-adam50, superoffload-adam75   the same with the cores split for a host of few cores
     twinflow          DeepSpeed ZeRO-3 + Twin-Flow (offload_optimizer.ratio)
+    twinflow-expandable   the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (config cuda_alloc_conf)
     zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
     zero2-offload     DeepSpeed ZeRO-2, optimizer offloaded to the CPU: zenflow's config, exact AdamW
     zenflow-sync, zero2-offload-every4   controls for ZenFlow's loss curve (overlap_step false; one exact
@@ -380,6 +381,9 @@ def main(argv=None) -> int:
     except peerconf.PeerConfigError as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
+    conf = peerconf.cuda_alloc_conf(cfg)
+    if conf:  # read by PyTorch's CUDA allocator when it first allocates, which is after this in this process
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
     if a.warmup is None:
         a.warmup = peerconf.warmup_steps(cfg)
     zen = peerconf.zenflow(cfg)
