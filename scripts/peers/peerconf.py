@@ -207,10 +207,15 @@ MEASURED_HOST_B_PER_PARAM = {
     # PSS of the training process and ZenFlow's optimizer process (overlap_step): 43.1 GiB at llama-1b. At bench-3b
     # the host ran out: 92.5 GiB of shared memory in the first, 30.5 GiB in the second (dmesg, start 7)
     "zenflow": (48.6, "measured at llama-1b 8 x 2048 on the H200, start 8"),
+    # overlap_step false: no optimizer process, and no shared-memory copy of the optimizer state for it
+    "zenflow-sync": (24.2, "measured at llama-1b 8 x 2048 on the H200, start 12"),
+    "zero2-offload-every4": (24.01, "measured at llama-1b 8 x 2048 on the H200, start 12"),
     # 4 B above its 16 B floor (fp32 weights, gradients, moments; what the rest is was not profiled): at llama3-8b
     # the floor (119.6 GiB) would pass a 125 GiB host that the measured rate (149.4 GiB) cannot hold
     "fsdp2-cpuoffload": (19.97, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
     "twinflow": (9.11, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
+    # the GPU allocator's setting does not touch the host: twinflow's rate (not measured apart)
+    "twinflow-expandable": (9.11, "twinflow's, measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
 }
 
 
