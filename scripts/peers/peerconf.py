@@ -221,13 +221,16 @@ MEASURED_HOST_B_PER_PARAM = {
 
 # GPU bytes an element of the logits (batch x seq x vocab) that every peer holds at once, whatever it offloads: all
 # run the HF model's head on the GPU and take `model(input_ids=x, labels=y, shift_labels=y).loss` (run_peer.py),
-# so the head's output is bf16 (2 B: autocast, FSDP2's param_dtype or DeepSpeed's bf16; every config sets one) and
+# so the head's output is bf16 (2 B: autocast, FSDP2's param_dtype or DeepSpeed's bf16; every config sets one),
 # transformers' ForCausalLMLoss (transformers/loss/loss_utils.py, 5.24) upcasts it with `logits = logits.float()`
-# (4 B) while the bf16 tensor stays referenced (LlamaForCausalLM.forward returns it beside the loss). The backward's
-# gradient of the same shape, the rest of the activations, buffers and the runtime come on top: a floor. llama3-8b
-# at 16 x 2048 (vocab 128256): 23.5 GiB, which the parameters' floor missed when all-on-gpu ran out of the H200's
-# memory (docs/runs/25-peers/h200-table6, llama8b-16x2048-logs-3.tgz: "Tried to allocate 7.83 GiB", the bf16 logits).
-LOGITS_B_PER_ELEMENT = 6.0
+# (4 B) while the bf16 tensor stays referenced (LlamaForCausalLM.forward returns it beside the loss), and its
+# fixed_cross_entropy's log-softmax writes another fp32 tensor of that shape (4 B), kept for the backward. The
+# backward's gradient of the same shape, the rest of the activations, buffers and the runtime come on top: a floor.
+# llama3-8b at 16 x 2048 (vocab 128256): 39.1 GiB. Both allocations were seen failing on the H200: all-on-gpu at the
+# bf16 head (docs/runs/25-peers/h200-table6, llama8b-16x2048-logs-3.tgz: "Tried to allocate 7.83 GiB"), and
+# twinflow-expandable at the log-softmax with the upcast already held (h200-table18, llama8b-16x2048-c-logs.tgz:
+# "Tried to allocate 15.66 GiB" from fixed_cross_entropy, 129.27 GiB allocated). Every row that ran is above it.
+LOGITS_B_PER_ELEMENT = 10.0
 
 
 def memory_floor(cfg: dict) -> tuple[float, float, str]:
@@ -271,8 +274,8 @@ def memory_refusal(cfg: dict, model: str, params: int, host_available: float, gp
                     f"and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
         return (f"{head} {(gpu_floor * params + logits) / GiB:.1f} GiB of GPU memory before activations other than "
                 f"the logits ({gpu_floor * params / GiB:.1f} GiB at {per_param}; {logits / GiB:.1f} GiB of logits, "
-                f"{tokens} tokens x {vocab} vocabulary x {LOGITS_B_PER_ELEMENT:g} B: bf16 and their fp32 upcast) "
-                f"and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
+                f"{tokens} tokens x {vocab} vocabulary x {LOGITS_B_PER_ELEMENT:g} B: bf16, their fp32 upcast and its "
+                f"fp32 log-softmax) and the GPU has {gpu_free / GiB:.1f} GiB free{tail}")
     return None
 
 
