@@ -229,7 +229,7 @@ MEASURED_HOST_B_PER_PARAM = {
 # llama3-8b at 16 x 2048 (vocab 128256): 39.1 GiB. Both allocations were seen failing on the H200: all-on-gpu at the
 # bf16 head (docs/runs/25-peers/h200-table6, llama8b-16x2048-logs-3.tgz: "Tried to allocate 7.83 GiB"), and
 # twinflow-expandable at the log-softmax with the upcast already held (h200-table18, llama8b-16x2048-c-logs.tgz:
-# "Tried to allocate 15.66 GiB" from fixed_cross_entropy, 129.27 GiB allocated). Every row that ran is above it.
+# "Tried to allocate 15.66 GiB" from fixed_cross_entropy, 129.27 GiB allocated). No row that ran is refused by it.
 LOGITS_B_PER_ELEMENT = 10.0
 
 
