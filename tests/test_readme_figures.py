@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "runs" / "25-peers"
 M21 = "megatrain arrival-resident:resident_layers=21;compile_layers=true"
 M24 = "megatrain arrival-resident:resident_layers=24;compile_layers=true"
+M4 = "megatrain arrival-resident:resident_layers=4;compile_layers=true"
 
 # (results file, config as the file names it) for each README row that shows a median (min-max) of 3 or 2 runs
 CITED = [
@@ -38,6 +39,7 @@ CITED = [
     ("bench3b-16x2048-f.jsonl", "authors-fixed"), ("bench3b-16x2048-f.jsonl", "all-on-gpu"),
     ("llama8b-16x2048.jsonl", M24),
     ("llama8b-16x2048.jsonl", M24 + ";clip=0"),
+    ("llama8b-16x2048-b.jsonl", M4), ("llama8b-16x2048-c.jsonl", M4),
     ("zenflow-1b-8x2048.jsonl", "all-on-gpu"),
     ("zenflow-1b-8x2048.jsonl", "megatrain arrival-resident:resident_layers=12;compile_layers=true"),
     ("h100b-bench3b-8x2048.jsonl", M24 + ";keep_activations=12"), ("h100b-bench3b-8x2048.jsonl", M24),
@@ -115,3 +117,45 @@ def test_the_authors_rows_diverge_as_shipped_and_train_with_the_fix():
     assert len(shipped) == len(fixed) == 3
     assert all(r["nonfinite_grads_warmup"] == {"1": ["final_norm"]} for r in shipped)
     assert all(r["nonfinite_grads_warmup"] == {} for r in fixed)
+
+
+def test_twinflow_at_llama3_8b_failed_every_run_out_of_gpu_memory():
+    """The README's 'cannot hold it' rows for Twin-Flow at llama3-8b 16 x 2048 (starts 12-13): every run of the three
+    configs is in the results files, none finished, and each failed with CUDA's out-of-memory error."""
+    readme = (ROOT / "README.md").read_text()
+    for name, config, n in (("llama8b-16x2048-b.jsonl", "twinflow", 3),
+                            ("llama8b-16x2048-b.jsonl", "twinflow:clip=0", 3),
+                            ("llama8b-16x2048-c.jsonl", "twinflow-expandable", 2)):
+        rows = [json.loads(line) for line in (RUNS / name).read_text().splitlines() if line.strip()]
+        runs = [r for r in rows if r["config"] == config]
+        assert len(runs) == n and all("torch.OutOfMemoryError: CUDA out of memory" in r["error"] for r in runs)
+        assert not any(r.get("tokens_per_s") for r in runs)
+    assert "6 of 6 runs" in readme and "2 of 2 runs" in readme
+
+
+def test_zenflow_with_and_without_its_overlap_are_start_14s_interleaved_result_lines():
+    """Start 14 alternated zenflow-sync and zenflow, both repaired: the README's two figures are those RESULT lines'
+    medians (3 and 2 runs), and the synchronous one is the faster."""
+    text = (RUNS / "h200-table18" / "zenflow-sync-speed.txt").read_text()
+    rows = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+    sync = [r["tokens_per_s"] for r in rows if r["mode"] == "zenflow-sync"]
+    overlapped = [r["tokens_per_s"] for r in rows if r["mode"] == "zenflow"]
+    assert len(sync) == 3 and len(overlapped) == 2
+    assert all("--zenflow-layout-fix" in r["command"] and "--warmup 8 --steps 8" in r["command"] for r in rows)
+    assert all(r["step_s_used"] == "mean over whole update intervals" for r in rows)
+    readme = (ROOT / "README.md").read_text().replace("**", "")
+    assert _figure(sync) in readme and _figure(overlapped) in readme
+    assert min(sync) > max(overlapped)
+
+
+def test_the_zenflow_control_curves_means_are_the_readmes():
+    """The two control curves (start 12): the README's means of steps 151-200, recomputed from the raw losses, and
+    the same batches as the exact reference step by step."""
+    curves = ROOT / "docs" / "runs" / "25-zenflow-curve"
+    ref = json.loads((curves / "zero2-offload.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    for name, figure in (("zenflow-sync.json", "2.495 (+205%)"), ("zero2-offload-every4.json", "2.584 (+216%)")):
+        rows = json.loads((curves / name).read_text())
+        assert [r["batch_sha1"] for r in rows] == [r["batch_sha1"] for r in ref]
+        tail = [r["loss"] for r in rows if 151 <= r["step"] <= 200]
+        assert len(tail) == 50 and f"{statistics.mean(tail):.3f}" == figure.split()[0] and figure in readme
