@@ -4,10 +4,12 @@ min-max, ratios to a reference, and megatrain's predictions beside the measureme
 
 Configurations (`--configs`, comma-separated, in the order each round runs them):
 
-    PEER[:clip=C]            the project's own peer benchmark (scripts/peers/run_peer.py, docs/peers.md): one peer
-                             per config file in scripts/peers/configs/ (`--help` lists them), each with the same
+    PEER[:clip=C;layout_fix=1]   the project's own peer benchmark (scripts/peers/run_peer.py, docs/peers.md): one
+                             peer per config file in scripts/peers/configs/ (`--help` lists them), each with the same
                              model, data, AdamW and clipping (default 1.0) as megatrain; the DeepSpeed ones under
-                             DeepSpeed's launcher (`--ds-bind`: core binding)
+                             DeepSpeed's launcher (`--ds-bind`: core binding). `layout_fix=1` (ZenFlow peers only):
+                             run_peer's `--zenflow-layout-fix`, the repair of DeepSpeed 0.19.8's view of ZenFlow's
+                             weights (docs/peers.md, "ZenFlow's step 1")
     resident, zero3, fsdp2   the older peers of bench/baseline_train.py (not in the repository; kept so the earlier
                              runs can be repeated: no clipping, a Llama of vocab 32000, not the model's own shape)
     authors                  the MegaTrain authors' own trainer (scripts/peers/authors_peer.py, their default
@@ -95,9 +97,14 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
         name, _, sets = item.partition(":")
         if name in OUR_PEERS:
             kvs = [kv.strip() for kv in sets.split(";") if kv.strip()]
-            bad = [kv for kv in kvs if kv.partition("=")[0].strip() != "clip" or not _is_number(kv.partition("=")[2])]
+            bad = [kv for kv in kvs if not _peer_knob_ok(*(x.strip() for x in kv.partition("=")[::2]))]
             if bad:
-                raise SystemExit(f"--configs: {item!r}: a peer takes only clip=MAX_NORM (0 = none), got {bad[0]!r}")
+                raise SystemExit(f"--configs: {item!r}: a peer takes only clip=MAX_NORM (0 = none) and, for ZenFlow, "
+                                 f"layout_fix=1; got {bad[0]!r}")
+            if any(kv.partition("=")[0].strip() == "layout_fix" for kv in kvs) and not peerconf.zenflow(
+                    peerconf.load(name)):
+                raise SystemExit(f"--configs: {item!r}: layout_fix repairs ZenFlow's weight layout; {name} has no "
+                                 "zenflow section")
             out.append((item, "ours", kvs))
         elif item in PEERS:
             out.append((item, "peer", []))
@@ -114,6 +121,11 @@ def parse_configs(text: str) -> list[tuple[str, str, list[str]]]:
     if not out:
         raise SystemExit("--configs is empty")
     return out
+
+
+def _peer_knob_ok(key: str, value: str) -> bool:
+    """A peer's knob of `--configs`: clip=MAX_NORM or layout_fix=1."""
+    return (key == "clip" and _is_number(value)) or (key == "layout_fix" and value == "1")
 
 
 def _is_number(text: str) -> bool:
@@ -143,8 +155,10 @@ def build_configs(a) -> list[Config]:
     for label, kind, kvs in parse_configs(a.configs):
         if kind == "ours":
             cfg = peerconf.load(label.partition(":")[0])
-            clip = next((kv.partition("=")[2].strip() for kv in kvs), DEFAULT_CLIP)
-            args = ["--model", a.model, *shape, "--clip", clip]
+            knobs = {k.strip(): v.strip() for k, _, v in (kv.partition("=") for kv in kvs)}
+            args = ["--model", a.model, *shape, "--clip", knobs.get("clip", DEFAULT_CLIP)]
+            if knobs.get("layout_fix") == "1":
+                args.append("--zenflow-layout-fix")
             out.append(Config(label, kind, peerconf.launch_argv(cfg, args, py, bind)))
         elif kind == "peer":
             out.append(Config(label, kind, [py, str(bench / "baseline_train.py"), label, *peer_shape]))
@@ -355,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
                     help=f"comma-separated: a peer of scripts/peers ({', '.join(OUR_PEERS)}; PEER:clip=0 for no "
-                         f"clipping), {', '.join(PEERS)}, {AUTHORS}, {AUTHORS_FIXED}, or a megatrain "
+                         f"clipping, ZenFlow peers :layout_fix=1 for the layout repair), {', '.join(PEERS)}, {AUTHORS}, {AUTHORS_FIXED}, or a megatrain "
                          "SCHEDULE[:k=v;k=v]")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")

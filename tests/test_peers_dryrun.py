@@ -199,6 +199,17 @@ def test_bench_builds_the_peer_commands(capsys, monkeypatch):
     assert "DeepSpeed peers run without --bind_cores_to_rank" in out
     with pytest.raises(SystemExit, match="a peer takes only clip"):
         bench.main(["--dry-run", "--configs", "superoffload:ratio=0.5"])
+    # ZenFlow's layout repair from a table: run_peer's flag, for the ZenFlow peers only
+    assert bench.main(["--dry-run", "--rounds", "1", "--python", "py", "--configs",
+                       "zenflow-sync:layout_fix=1;clip=0,zenflow"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert runs[0].endswith("zenflow-sync --model bench-3b --batch 8 --seq 2048 --steps 4 --clip 0 "
+                            "--zenflow-layout-fix")
+    assert runs[1].endswith("--clip 1.0")
+    with pytest.raises(SystemExit, match="twinflow has no zenflow section"):
+        bench.main(["--dry-run", "--configs", "twinflow:layout_fix=1"])
+    with pytest.raises(SystemExit, match="layout_fix=1; got 'layout_fix=yes'"):
+        bench.main(["--dry-run", "--configs", "zenflow:layout_fix=yes"])
     # the table shows bytes per parameter and each peer's settings under it
     s = bench.summarize({"superoffload": [{"tokens_per_s": 10.0, "host_rss_GiB": 40.0, "host_B_per_param": 14.5,
                                            "params_B": 3.0, "settings": "ZeRO-3; clip 1", "config": "c.json"}]})
