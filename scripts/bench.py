@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="resident,zero3,fsdp2,arrival-resident:resident_layers=4",
                     help=f"comma-separated: a peer of scripts/peers ({', '.join(OUR_PEERS)}; PEER:clip=0 for no "
-                         f"clipping, ZenFlow peers :layout_fix=1 for the layout repair), {', '.join(PEERS)}, {AUTHORS}, {AUTHORS_FIXED}, or a megatrain "
-                         "SCHEDULE[:k=v;k=v]")
+                         f"clipping, ZenFlow peers :layout_fix=1 for the layout repair), {', '.join(PEERS)}, "
+                         f"{AUTHORS}, {AUTHORS_FIXED}, or a megatrain SCHEDULE[:k=v;k=v]")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every config, interleaved round-robin (>= 1)")
     ap.add_argument("--model", default="bench-3b")
     ap.add_argument("--batch", type=int, default=8)

@@ -5,6 +5,7 @@ launch command); scripts/bench.py builds the same commands."""
 import copy
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -391,7 +392,9 @@ def test_a_peer_that_updates_every_few_steps_is_timed_over_whole_intervals(peerc
                           if line.startswith("RESULT ")))
     times = raw["step_times_s"][8:]  # the steps after two whole intervals, as a timed run would take them
     a = run_peer.parse_args(["zero2-offload-every4", "--model", "debug", "--batch", "8", "--seq", "2048"])
-    spec = __import__("megatrain.model.presets", fromlist=["get_model"]).get_model("debug")
+    from megatrain.model.presets import get_model
+
+    spec = get_model("debug")
     out = run_peer.result(a, every4, spec, spec.num_params, times, [1.0], "cpu")
     mean = sum(times) / len(times)
     assert out["step_s_used"] == "mean over whole update intervals"
@@ -412,12 +415,13 @@ def test_twinflow_expandable_changes_only_the_allocator_and_the_training_process
     assert {k: v for k, v in tfx.items() if k not in ("peer", "system", "why", "cuda_alloc_conf", "_file")} == \
         {k: v for k, v in tf.items() if k not in ("peer", "system", "why", "_file")}
     assert peerconf.cuda_alloc_conf(tfx) == "expandable_segments:True" and peerconf.cuda_alloc_conf(tf) is None
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    # setenv first so that monkeypatch restores the variable's state from before the test, whatever run_peer sets
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert run_peer.main(["twinflow-expandable", "--dry-run"]) == 0
-    import os
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in _result(capsys.readouterr().out)["settings"]
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert run_peer.main(["twinflow", "--dry-run"]) == 0
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     for bad in ("expandable_segments", "", "a:b,c", 1):

@@ -214,9 +214,9 @@ MEASURED_HOST_B_PER_PARAM = {
     # the floor (119.6 GiB) would pass a 125 GiB host that the measured rate (149.4 GiB) cannot hold
     "fsdp2-cpuoffload": (19.97, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
     "twinflow": (9.11, "measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
-    # the GPU allocator's setting does not touch the host: twinflow's rate (not measured apart)
-    "twinflow-expandable": (9.11, "twinflow's, measured at bench-3b 8 and 16 x 2048 on the H200, starts 7-10"),
 }
+# the GPU allocator's setting does not touch the host: twinflow's rate (not measured apart)
+MEASURED_HOST_B_PER_PARAM["twinflow-expandable"] = MEASURED_HOST_B_PER_PARAM["twinflow"]
 
 
 # GPU bytes an element of the logits (batch x seq x vocab) that every peer holds at once, whatever it offloads: all

@@ -17,8 +17,8 @@ Peers (each with its settings in configs/PEER.json, read by peerconf.py; docs/pe
     twinflow-expandable   the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (config cuda_alloc_conf)
     zenflow           DeepSpeed ZeRO-2 + ZenFlow (approximate update)
     zero2-offload     DeepSpeed ZeRO-2, optimizer offloaded to the CPU: zenflow's config, exact AdamW
-    zenflow-sync, zero2-offload-every4   controls for ZenFlow's loss curve (overlap_step false; one exact
-                      AdamW step per 4 micro-batches), not speed rows
+    zenflow-sync      ZenFlow with overlap_step false (a control for its curve, and its fastest row here)
+    zero2-offload-every4   one exact AdamW step per 4 micro-batches: a control for ZenFlow's curve, not a speed row
 DeepSpeed peers run under DeepSpeed's launcher (the command is printed by --dry-run and built by scripts/bench.py);
 run directly, they bind nothing and start their one-process group themselves.
 

@@ -67,7 +67,8 @@ def install_layout_fix() -> str:
     optimizers are left as they are. Returns a note for the RESULT line.
 
     On the H200 (docs/peers.md, "The eleventh start") it gave step 1 bit for bit ZeRO-2 offload's loss at the same
-    speed; ZenFlow's curve with it is still far from AdamW's, for a reason not yet separated."""
+    speed; ZenFlow's curve with it is far from AdamW's per-micro-step curve, mostly for its 4x fewer full updates
+    and then its late one (control curves, "The twelfth to fourteenth starts")."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     original = DeepSpeedZeroOptimizer._update_model_bit16_weights
